@@ -1,0 +1,83 @@
+"""Callbacks the runner always adds: throughput measurement and plain-text progress for non-terminals."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class ThroughputMeter(pl.Callback):
+    """Measures training samples/s and tokens/s over the whole fit, excluding validation and the first step.
+
+    Lightning's ThroughputMonitor logs windowed rates straight to the loggers; the run's results need
+    one whole-run figure, so this keeps its own totals (a handful of clock reads per step).
+    """
+
+    def __init__(self, global_batch: int, tokens_per_sample: int = 1) -> None:
+        self.global_batch = global_batch
+        self.tokens_per_sample = tokens_per_sample
+        self.steps = 0
+        self.seconds = 0.0
+        self._origin: tuple[float, int] | None = None
+        self._paused = 0.0
+        self._pause_start = 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        now = time.perf_counter()
+        if self._origin is None:
+            if trainer.global_step >= 1:  # the clock starts after the first (warm-up) optimiser step
+                self._origin = (now, trainer.global_step)
+            return
+        self.steps = trainer.global_step - self._origin[1]
+        self.seconds = now - self._origin[0] - self._paused
+
+    def on_validation_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        self._pause_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if self._origin is not None:
+            self._paused += time.perf_counter() - self._pause_start
+
+    @property
+    def samples_per_sec(self) -> float:
+        """Global training samples per second (all ranks together); nan before two steps."""
+        return self.steps * self.global_batch / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_sec(self) -> float:
+        """Global training tokens per second (equal to samples/s for image tasks)."""
+        return self.samples_per_sec * self.tokens_per_sample
+
+
+class PlainProgress(pl.Callback):
+    """One log line every ``every`` steps (used instead of a progress bar when output is not a terminal)."""
+
+    def __init__(self, every: int, meter: ThroughputMeter) -> None:
+        self.every = max(1, every)
+        self.meter = meter
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or step % self.every or step == getattr(self, "_printed", -1):
+            return
+        self._printed = step
+        metrics = trainer.callback_metrics
+        loss = metrics.get("train/loss")
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        parts = [f"step {step}/{int(total)}", f"epoch {trainer.current_epoch}"]
+        if isinstance(loss, torch.Tensor):
+            parts.append(f"loss {loss.item():.4f}")
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
+        rate = self.meter.samples_per_sec
+        if rate == rate:
+            parts.append(f"{rate:.1f} samples/s")
+        print(" | ".join(parts), flush=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            shown = {k: f"{v.item():.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            print(f"validation at step {trainer.global_step}: {shown}", flush=True)

@@ -1,0 +1,314 @@
+"""Typed schema of a run and the one validation pass that turns a composed config into checked objects.
+
+The top-level schema is registered with Hydra's ConfigStore (``train_schema``), so Hydra itself rejects
+a misspelled key or a wrongly typed value while composing. The ``model``, ``data`` and ``optim`` groups
+are polymorphic: their schema is chosen by their ``name`` through the component registries, and
+``validate`` merges each into its schema here. Everything is checked before any worker rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from disttrain.errors import ConfigError
+from disttrain.parallel.config import ParallelConfig
+from disttrain.parallel.dims import ParallelDims
+
+
+@dataclass
+class BatchConfig:
+    """Batch sizes, kept in one place: set two of the three, the third follows."""
+
+    global_size: int | None = 64
+    """Samples per optimiser step, summed over all data-parallel ranks and accumulation steps."""
+    micro_size: int | None = None
+    """Samples per forward/backward on one rank. None: follows from the other two."""
+    accumulation: int | None = None
+    """Micro-batches accumulated per optimiser step on each rank. None: follows (1 if undetermined)."""
+
+
+@dataclass(frozen=True)
+class ResolvedBatch:
+    """The three batch numbers after resolution; ``global_size == micro_size * accumulation * dp``."""
+
+    global_size: int
+    micro_size: int
+    accumulation: int
+
+
+def resolve_batch(batch: BatchConfig, dp: int) -> ResolvedBatch:
+    """Derive the missing batch number from the two given ones and check all three agree."""
+    for key in ("global_size", "micro_size", "accumulation"):
+        value = getattr(batch, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"batch.{key}", value, "a positive integer, or null to derive it")
+    g, m, a = batch.global_size, batch.micro_size, batch.accumulation
+    if g is None:
+        if m is None:
+            raise ConfigError("batch.global_size", None, "set at least one of batch.global_size, batch.micro_size")
+        a = a or 1
+        return ResolvedBatch(m * a * dp, m, a)
+    if m is None:
+        a = a or 1
+        if g % (dp * a):
+            raise ConfigError(
+                "batch.global_size", g,
+                f"a multiple of data-parallel size x accumulation = {dp} x {a} = {dp * a}",
+            )
+        return ResolvedBatch(g, g // (dp * a), a)
+    if a is None:
+        if g % (dp * m):
+            raise ConfigError(
+                "batch.global_size", g,
+                f"a multiple of data-parallel size x batch.micro_size = {dp} x {m} = {dp * m}",
+            )
+        return ResolvedBatch(g, m, g // (dp * m))
+    if g != m * a * dp:
+        raise ConfigError(
+            "batch.global_size", g,
+            f"must equal micro_size x accumulation x data-parallel size = {m} x {a} x {dp} = {m * a * dp}"
+            " (set only two of the three)",
+        )
+    return ResolvedBatch(g, m, a)
+
+
+@dataclass
+class TrainerConfig:
+    """Options handed to Lightning's ``Trainer`` (batch sizes live in ``batch``, parallelism in ``parallel``)."""
+
+    accelerator: str = "auto"
+    """Device type: auto, cpu or gpu."""
+    devices: int = 1
+    """Ranks per node that the runner starts (ignored under torchrun/SLURM, which start their own)."""
+    num_nodes: int = 1
+    """Number of machines (needs torchrun or SLURM when > 1)."""
+    max_steps: int = -1
+    """Optimiser steps to train for; -1: bounded by max_epochs."""
+    max_epochs: int | None = None
+    """Epochs to train for when max_steps is -1."""
+    precision: str = "32-true"
+    """Lightning precision: 32-true, bf16-mixed, 16-mixed, bf16-true."""
+    gradient_clip_val: float | None = 1.0
+    """Clip gradients to this global norm; null disables clipping."""
+    val_check_interval: float | None = None
+    """Validate every this many training batches (int) or fraction of an epoch (float); null: each epoch."""
+    check_val_every_n_epoch: int | None = 1
+    """Validate every n epochs (null with an integer val_check_interval to validate by steps only)."""
+    limit_val_batches: float | None = None
+    """Cap on validation batches (int) or fraction (float); null: all."""
+    limit_test_batches: float | None = None
+    """Cap on test batches (int) or fraction (float); null: all."""
+    log_every_n_steps: int = 10
+    """How often training metrics are logged."""
+    num_sanity_val_steps: int = 0
+    """Validation batches run before training as a smoke check."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower on GPU; CPU fp32 runs are reproducible anyway)."""
+    run_test: bool = True
+    """Evaluate the best checkpoint on the test split after fitting."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Which checkpoints are kept (written as sharded, atomically replaced folders)."""
+
+    save_last: bool = True
+    """Keep ``last.ckpt``, the newest state, for ``resume=auto``."""
+    save_top_k: int = 1
+    """How many best-by-monitor checkpoints to keep (0: none, -1: all)."""
+    monitor: str | None = None
+    """Metric that ranks checkpoints; null: the task's validation metric (val/acc or val/loss)."""
+    every_n_train_steps: int | None = None
+    """Also save every n optimiser steps; null: at each validation."""
+
+
+@dataclass
+class ExpectConfig:
+    """What a recipe must reproduce: the metric, its bound and the hardware it was measured on."""
+
+    metric: str = MISSING
+    """Metric name in results.json (e.g. test/acc)."""
+    value: float = MISSING
+    """Value reached on the stated hardware."""
+    tolerance: float = 0.0
+    """Allowed shortfall from ``value``."""
+    mode: str = "max"
+    """max: higher is better (metric >= value - tolerance); min: lower is better."""
+    hardware: str = ""
+    """Machine the value and wall time were measured on."""
+    wall_time_s: float | None = None
+    """Measured wall time of the full recipe on that hardware."""
+    command: str = ""
+    """Command that reproduces the recipe."""
+
+
+@dataclass
+class TrainConfig:
+    """Schema of a whole run. ``model``, ``data`` and ``optim`` are checked against their registry schema."""
+
+    model: Any = MISSING
+    """Model group: a registry name plus its options."""
+    data: Any = MISSING
+    """Data group: a registry name plus its options."""
+    optim: Any = MISSING
+    """Optimiser group: a registry name plus its options."""
+    scheduler: Any = MISSING
+    """Learning-rate schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the run is spread over ranks."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Lightning Trainer options."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Global batch, micro-batch and accumulation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints kept."""
+    logger: dict[str, Any] = field(default_factory=dict)
+    """Loggers to instantiate (each a ``_target_`` node)."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Extra Lightning callbacks to instantiate (each a ``_target_`` node)."""
+    seed: int = 0
+    """Seed of model init, data order and dropout."""
+    resume: str | None = None
+    """null: fresh start; auto: newest checkpoint in the run directory if any; or a checkpoint path."""
+    run_dir: str = MISSING
+    """The run directory (Hydra's output dir); every rank writes here."""
+    optimized_metric: str | None = None
+    """Metric that ``train()`` returns for a sweeper; null: the checkpoint monitor."""
+    expect: ExpectConfig | None = None
+    """Set by recipes: what the run must reproduce."""
+    recipe_name: str | None = None
+    """Set by recipes: the recipe's name."""
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+# wandb logs offline unless an API key is configured, so a run never waits on the network.
+OmegaConf.register_new_resolver("wandb_offline", lambda: "WANDB_API_KEY" not in os.environ, replace=True)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run: typed objects for every group plus the resolved numbers derived from them."""
+
+    train: TrainConfig
+    model: Any
+    data: Any
+    optim: Any
+    scheduler: Any
+    dims: ParallelDims
+    batch: ResolvedBatch
+    yaml: str
+    """The resolved config as YAML (what workers receive and what is written to the run directory)."""
+
+    @property
+    def config_hash(self) -> str:
+        """Short hash of the resolved config, excluding where it runs (run_dir, resume)."""
+        text = "\n".join(line for line in self.yaml.splitlines() if not line.startswith(("run_dir:", "resume:")))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def world_size_of(trainer: TrainerConfig) -> int:
+    """Number of ranks: the launcher's WORLD_SIZE under torchrun/SLURM, else devices x num_nodes."""
+    if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return trainer.devices * trainer.num_nodes
+
+
+def _typed(group: str, node: Any, schema: type) -> Any:
+    """Merge a config node into its dataclass schema; rephrase OmegaConf's errors as one line."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = f"{group}.{err.full_key}" if getattr(err, "full_key", None) else group
+        if "not in" in str(err) or "Key '" in str(err):
+            allowed = [f for f in schema.__dataclass_fields__]
+            raise ConfigError(key, getattr(err, "key", None), f"not a known key; {group} keys are {allowed}") from None
+        if "Missing mandatory value" in str(err):
+            raise ConfigError(key, "???", "a value is required") from None
+        value = getattr(err, "value", None) or _lookup(node, err.full_key)
+        raise ConfigError(key, value, f"expected {_field_type(schema, err.full_key)}") from None
+    return obj
+
+
+def _field_type(schema: type, dotted: str | None) -> str:
+    """Readable type of a (possibly nested) dataclass field."""
+    fields = getattr(schema, "__dataclass_fields__", {})
+    head, _, rest = (dotted or "").partition(".")
+    if head not in fields:
+        return "a value of the schema's type"
+    ftype = fields[head].type
+    if rest and hasattr(fields[head].default_factory, "__dataclass_fields__"):
+        return _field_type(fields[head].default_factory, rest)
+    return f"type {ftype}"
+
+
+def _lookup(node: Any, dotted: str | None) -> Any:
+    """Value at a dotted path of a config node, or None."""
+    try:
+        return OmegaConf.select(node, dotted) if dotted else None
+    except OmegaConfBaseException:
+        return None
+
+
+def _registry_typed(group: str, node: Any, registry: Any) -> Any:
+    """Type a polymorphic group by the schema its ``name`` selects in ``registry``."""
+    if not isinstance(node, DictConfig) or "name" not in node:
+        raise ConfigError(f"{group}.name", None, f"a {group} config needs a name, one of {registry.names()}")
+    return _typed(group, node, registry.get(node.name).schema)
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
+    """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input."""
+    from disttrain.data import DATA, build_datamodule
+    from disttrain.models import MODELS
+    from disttrain.optim import OPTIMIZERS, SchedulerConfig
+
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
+    top = _typed("config", {k: v for k, v in cfg.items() if k not in ("model", "data", "optim", "scheduler")},
+                 TrainConfig)
+    model = _registry_typed("model", cfg.model, MODELS)
+    data = _registry_typed("data", cfg.data, DATA)
+    optim = _registry_typed("optim", cfg.optim, OPTIMIZERS)
+    scheduler = _typed("scheduler", cfg.scheduler, SchedulerConfig)
+    for part in (data, optim, scheduler):
+        part.validate()
+    top.parallel.validate()
+    _validate_trainer(top.trainer)
+    if top.resume not in (None, "auto") and not os.path.exists(top.resume):
+        raise ConfigError("resume", top.resume, "null, auto, or the path of an existing checkpoint")
+    world = world_size if world_size is not None else world_size_of(top.trainer)
+    p = top.parallel
+    dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
+    p.check_dims(dims)
+    batch = resolve_batch(top.batch, dims.dp)
+    model.validate(build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed).spec)
+    return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg))
+
+
+def _validate_trainer(t: TrainerConfig) -> None:
+    """Semantic checks of the Trainer options that the type system cannot express."""
+    if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ConfigError("trainer.accelerator", t.accelerator, "one of auto, cpu, gpu, cuda")
+    if t.devices < 1:
+        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node")
+    if t.num_nodes < 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, "a positive number of nodes")
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError("trainer.max_steps", t.max_steps, "a positive number of steps, or -1")
+    if t.max_steps == -1 and not t.max_epochs:
+        raise ConfigError("trainer.max_epochs", t.max_epochs, "a positive number of epochs when max_steps is -1")
+    allowed = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+    if t.precision not in allowed:
+        raise ConfigError("trainer.precision", t.precision, f"one of {list(allowed)}")
+    if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
+        raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")

@@ -1,0 +1,66 @@
+"""Parallel degrees ``pp x dp_replicate x dp_shard x tp`` and their validation (no processes needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.errors import ConfigError
+
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees of one run; their product is the world size."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the degrees describe."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many different micro-batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes in ``MESH_DIM_NAMES`` order (size-1 dims included, so names are always valid)."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @classmethod
+    def resolve(cls, world_size: int, pp: int, dp_replicate: int, dp_shard: int, tp: int) -> ParallelDims:
+        """Fill in the one degree given as -1 ("the rest of the world") and check the product.
+
+        Raises ConfigError naming the degrees when they cannot multiply to ``world_size``.
+        """
+        given = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        for key, value in given.items():
+            if value == 0 or value < -1:
+                raise ConfigError(f"parallel.{key}", value, "a positive degree, or -1 for the rest of the world")
+        rest = [key for key, value in given.items() if value == -1]
+        if len(rest) > 1:
+            raise ConfigError(f"parallel.{rest[1]}", -1, f"at most one degree may be -1, got -1 for {rest}")
+        known = 1
+        for value in given.values():
+            known *= value if value != -1 else 1
+        if rest:
+            if world_size % known:
+                raise ConfigError(
+                    f"parallel.{rest[0]}", -1,
+                    f"the other degrees multiply to {known}, which does not divide world size {world_size}",
+                )
+            given[rest[0]] = world_size // known
+        dims = cls(**given)
+        if dims.world_size != world_size:
+            raise ConfigError(
+                "parallel", " x ".join(f"{k}={v}" for k, v in given.items()),
+                f"the degrees multiply to {dims.world_size} but the world size is {world_size} "
+                "(trainer.devices x trainer.num_nodes, or the launcher's WORLD_SIZE)",
+            )
+        return dims

@@ -1,0 +1,125 @@
+"""The one Lightning strategy of disttrain: it owns the DeviceMesh and applies parallelism to the model.
+
+It derives from Lightning's ``ModelParallelStrategy`` (the only Lightning strategy that runs FSDP2 and
+DTensor on a CPU/gloo mesh) and replaces its 2-D mesh with the 4-D ``pp x dp_replicate x dp_shard x tp``
+mesh, applies the plan itself (no ``configure_model`` hook needed in the task), and writes checkpoints
+as sharded folders that replace the previous one atomically.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.optimizer import _optimizers_to_device
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
+from disttrain.parallel.config import ParallelConfig
+from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+
+METADATA_FILE = "meta.pt"
+
+
+class DistTrainStrategy(ModelParallelStrategy):
+    """Builds the mesh of ``dims`` and applies ``parallel`` to the task's ``net`` before optimisers exist."""
+
+    def __init__(self, parallel: ParallelConfig, dims: ParallelDims, sync_batchnorm: bool = False) -> None:
+        super().__init__(
+            data_parallel_size=dims.dp,
+            tensor_parallel_size=dims.tp,
+            save_distributed_checkpoint=True,
+            process_group_backend=parallel.backend,
+            timeout=timedelta(seconds=parallel.timeout_s),
+        )
+        self.parallel = parallel
+        self.dims = dims
+        self.sync_batchnorm = sync_batchnorm
+
+    def setup_environment(self) -> None:
+        """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
+        self._setup_distributed()
+        device_type = self.root_device.type
+        self._device_mesh = init_device_mesh(device_type, self.dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel replicas and this rank's index among them (tp/pp peers read the same data)."""
+        return {"num_replicas": self.dims.dp, "rank": dp_rank(self.device_mesh)}
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Move the model, apply the parallel plan once, then build optimisers on the wrapped parameters."""
+        self.accelerator.setup(trainer)
+        task = self.lightning_module
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if not getattr(task, "_parallel_applied", False):
+            task.net = apply_parallelism(
+                task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.sync_batchnorm
+            )
+            task._parallel_applied = True
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient all-reduce on accumulation micro-batches (only the last one syncs)."""
+        with backward_sync_disabled(self.lightning_module.net):
+            yield
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write
+        never damages the previous checkpoint at ``filepath``."""
+        path = Path(self.broadcast(str(filepath)))
+        staging = path.with_name(path.name + ".partial")
+        if self.is_global_zero and staging.exists():
+            shutil.rmtree(staging)
+        self.barrier()
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier()
+        if self.is_global_zero:
+            retired = path.with_name(path.name + ".old")
+            if path.exists():
+                path.rename(retired)
+            staging.rename(path)
+            if retired.exists():
+                shutil.rmtree(retired) if retired.is_dir() else retired.unlink()
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load model and optimiser shards into the already-parallelised model (any world size)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for idx, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["state_dict"])
+        for idx, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
+        return torch.load(path / METADATA_FILE, weights_only=False)
+
+
+def dp_rank(mesh: DeviceMesh) -> int:
+    """This rank's index among the data-parallel ranks (replicate-major, shard-minor)."""
+    return mesh.get_local_rank("dp_replicate") * mesh["dp_shard"].size() + mesh.get_local_rank("dp_shard")

@@ -1,0 +1,228 @@
+"""The runner: a composed config in, a trained run directory and the sweeper's metric out."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from disttrain.callbacks import PlainProgress, ThroughputMeter
+from disttrain.config import RunConfig, validate
+from disttrain.launch import (
+    external_environment,
+    init_process_group,
+    shutdown_process_group,
+    spawn_and_run,
+)
+
+CONFIG_FILE = "config.yaml"
+RESULTS_FILE = "results.json"
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Validate ``cfg``, start its ranks, train, test, write the run directory; return the optimised metric.
+
+    Called by ``train.py`` in the Hydra job process. Every check happens here, before any worker starts.
+    """
+    run = validate(cfg)
+    run_dir = Path(run.train.run_dir)
+    env = external_environment()
+    if env is not None:  # torchrun / SLURM started every rank, and each of them composed the config
+        init_process_group(env, run.train.parallel.backend, run.train.parallel.timeout_s)
+        run_dir = _agree_on_run_dir(run_dir)
+        run = _with_run_dir(cfg, run, run_dir)
+        if env.global_rank() == 0:
+            (run_dir / CONFIG_FILE).write_text(run.yaml)
+        return run_rank(run)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / CONFIG_FILE
+    config_path.write_text(run.yaml)
+    return spawn_and_run(run.dims.world_size, config_path, run_dir / "logs", lambda: run_rank(run))
+
+
+def run_worker(config_path: Path) -> None:
+    """Entry point of a worker rank started by ``spawn_and_run``: the resolved config, no Hydra."""
+    cfg = OmegaConf.load(config_path)
+    run = validate(cfg)
+    run_rank(run)
+
+
+def run_rank(run: RunConfig) -> float | None:
+    """Train on this rank (the process group may already exist); rank 0 writes ``results.json``."""
+    from disttrain.data import build_datamodule
+    from disttrain.models import build_model
+    from disttrain.task import TrainTask
+
+    cfg = run.train
+    try:
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
+        spec = datamodule.spec
+        net = build_model(run.model, spec)
+        task = TrainTask(net, spec, run.optim, run.scheduler, total_steps=_total_steps(run, datamodule))
+        meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
+        trainer = build_trainer(run, task, meter)
+        started = time.perf_counter()
+        trainer.fit(task, datamodule=datamodule, ckpt_path=resume_path(cfg.resume, Path(cfg.run_dir)))
+        fit_seconds = time.perf_counter() - started
+        checkpoint = trainer.checkpoint_callback
+        if cfg.trainer.run_test:
+            best = checkpoint.best_model_path if checkpoint is not None else ""
+            trainer.test(task, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        results = _results(run, trainer, metrics, fit_seconds, meter)
+        if trainer.is_global_zero:
+            (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+        return results["objective"]
+    finally:
+        shutdown_process_group()
+
+
+def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Trainer:
+    """The Lightning Trainer of a validated run: strategy, loggers, checkpoints, progress and callbacks."""
+    from disttrain.parallel.strategy import DistTrainStrategy
+
+    cfg = run.train
+    t = cfg.trainer
+    monitor, mode = (cfg.checkpoint.monitor, _mode_of(cfg.checkpoint.monitor)) if cfg.checkpoint.monitor \
+        else task.monitor
+    callbacks: list[pl.Callback] = [
+        ModelCheckpoint(
+            dirpath=Path(cfg.run_dir) / "checkpoints",
+            filename="step{step}",
+            auto_insert_metric_name=False,
+            monitor=monitor if cfg.checkpoint.save_top_k else None,
+            mode=mode,
+            save_top_k=cfg.checkpoint.save_top_k,
+            save_last=cfg.checkpoint.save_last,
+            every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+        ),
+        meter,
+    ]
+    interactive = sys.stdout.isatty()
+    if not interactive:
+        callbacks.append(PlainProgress(t.log_every_n_steps, meter))
+    callbacks += [instantiate(node) for node in cfg.callbacks.values() if node]
+    loggers = [instantiate(node) for node in cfg.logger.values() if node]
+    return pl.Trainer(
+        accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=DistTrainStrategy(cfg.parallel, run.dims, getattr(run.model, "sync_batchnorm", False)),
+        max_steps=t.max_steps,
+        max_epochs=t.max_epochs if t.max_steps == -1 else None,
+        precision=t.precision,
+        gradient_clip_val=t.gradient_clip_val,
+        accumulate_grad_batches=run.batch.accumulation,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_val_batches=t.limit_val_batches,
+        limit_test_batches=t.limit_test_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        num_sanity_val_steps=t.num_sanity_val_steps,
+        deterministic=t.deterministic or None,
+        use_distributed_sampler=False,  # the datamodules shard data by the mesh's data-parallel ranks
+        logger=loggers or False,
+        callbacks=callbacks,
+        enable_progress_bar=interactive,
+        enable_model_summary=interactive,
+        default_root_dir=cfg.run_dir,
+    )
+
+
+def resume_path(resume: str | None, run_dir: Path) -> str | None:
+    """The checkpoint to continue from: none, the run directory's ``last.ckpt`` (auto), or a given path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        return str(last) if last.exists() else None
+    return resume
+
+
+def _mode_of(metric: str) -> str:
+    return "min" if any(word in metric for word in ("loss", "ppl", "bpb", "err")) else "max"
+
+
+def _total_steps(run: RunConfig, datamodule: Any) -> int:
+    """Optimiser steps of the whole run (sets the length of the learning-rate schedule)."""
+    t = run.train.trainer
+    if t.max_steps > 0:
+        return t.max_steps
+    return max(1, t.max_epochs * (datamodule.num_train_samples // run.batch.global_size))
+
+
+def _results(run: RunConfig, trainer: pl.Trainer, metrics: dict[str, float], seconds: float,
+             meter: ThroughputMeter) -> dict[str, Any]:
+    cfg = run.train
+    checkpoint = trainer.checkpoint_callback
+    monitor = cfg.optimized_metric or (checkpoint.monitor if checkpoint is not None else None)
+    objective = metrics.get(monitor) if monitor else None
+    results: dict[str, Any] = {
+        "metrics": metrics,
+        "wall_time_s": round(seconds, 3),
+        "global_steps": trainer.global_step,
+        "samples_per_sec": _finite(meter.samples_per_sec),
+        "tokens_per_sec": _finite(meter.tokens_per_sec),
+        "world_size": run.dims.world_size,
+        "parallel": {"pp": run.dims.pp, "dp_replicate": run.dims.dp_replicate,
+                     "dp_shard": run.dims.dp_shard, "tp": run.dims.tp},
+        "batch": {"global": run.batch.global_size, "micro": run.batch.micro_size,
+                  "accumulation": run.batch.accumulation},
+        "device": str(trainer.strategy.root_device),
+        "torch": torch.__version__,
+        "config_hash": run.config_hash,
+        "best_checkpoint": checkpoint.best_model_path if checkpoint is not None else None,
+    }
+    if cfg.expect is not None:
+        results["expect"] = _check_expectation(cfg.expect, metrics)
+    results["objective"] = objective
+    results["objective_metric"] = monitor
+    return results
+
+
+def _check_expectation(expect: Any, metrics: dict[str, float]) -> dict[str, Any]:
+    value = metrics.get(expect.metric)
+    bound = expect.value - expect.tolerance if expect.mode == "max" else expect.value + expect.tolerance
+    met = value is not None and (value >= bound if expect.mode == "max" else value <= bound)
+    return {"metric": expect.metric, "value": value, "bound": bound, "mode": expect.mode, "met": met}
+
+
+def _finite(value: float) -> float | None:
+    return round(value, 3) if math.isfinite(value) else None
+
+
+def _agree_on_run_dir(own: Path) -> Path:
+    """Under an external launcher every rank ran Hydra: all adopt rank 0's directory and drop their own."""
+    import shutil
+
+    import torch.distributed as dist
+
+    chosen = [str(own)]
+    dist.broadcast_object_list(chosen, src=0)
+    agreed = Path(chosen[0])
+    if dist.get_rank() == 0:
+        agreed.mkdir(parents=True, exist_ok=True)
+    elif own.resolve() != agreed.resolve() and own.exists():
+        shutil.rmtree(own, ignore_errors=True)  # only Hydra's bookkeeping was written there
+    dist.barrier()
+    return agreed
+
+
+def _with_run_dir(cfg: DictConfig, run: RunConfig, run_dir: Path) -> RunConfig:
+    if Path(run.train.run_dir) == run_dir:
+        return run
+    OmegaConf.update(cfg, "run_dir", str(run_dir))
+    for node in cfg.logger.values():
+        if node and "save_dir" in node:
+            node.save_dir = str(run_dir)
+    return validate(cfg)

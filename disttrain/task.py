@@ -1,0 +1,118 @@
+"""The LightningModule that trains any registered model: loss, metrics and optimiser wiring."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from disttrain.models.spec import DataSpec
+from disttrain.optim import build_optimizer, build_scheduler
+
+LN2 = math.log(2.0)
+
+
+class TrainTask(pl.LightningModule):
+    """Trains ``net`` on image classification or next-token prediction, as ``spec.kind`` says.
+
+    The parallel strategy replaces ``self.net`` with its wrapped form before the optimiser is built,
+    so ``configure_optimizers`` always sees the parameters that are actually trained.
+    """
+
+    def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int):
+        super().__init__()
+        self.net = net
+        self.spec = spec
+        self.optim_cfg = optim_cfg
+        self.scheduler_cfg = scheduler_cfg
+        self.total_steps = total_steps
+        self.is_text = spec.kind == "text"
+        self.is_bytes = self.is_text and spec.vocab_size == 256
+        self._step_loss: list[torch.Tensor] = []
+        self.losses = nn.ModuleDict({stage: MeanMetric() for stage in ("train", "val", "test")})
+        if not self.is_text:
+            self.accuracies = nn.ModuleDict(
+                {stage: MulticlassAccuracy(spec.num_classes, average="micro") for stage in ("val", "test")}
+            )
+
+    @property
+    def monitor(self) -> tuple[str, str]:
+        """The validation metric that ranks checkpoints, and whether higher ("max") or lower is better."""
+        return ("val/loss", "min") if self.is_text else ("val/acc", "max")
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of the wrapped model."""
+        return self.net(inputs)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch
+        logits = self.net(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return loss, logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Mean cross-entropy of this rank's micro-batch (Lightning scales it for accumulation)."""
+        loss, _ = self._loss(batch)
+        self.losses["train"].update(loss.detach())
+        self._step_loss.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log the optimiser step's loss: the mean over its micro-batches and all ranks (one scalar reduce)."""
+        local = torch.stack(self._step_loss).mean()
+        self._step_loss.clear()
+        self.log("train/loss", self.trainer.strategy.reduce(local, reduce_op="mean"), on_step=True,
+                 on_epoch=False, prog_bar=True)
+
+    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        loss, logits = self._loss(batch)
+        self.losses[stage].update(loss.detach(), weight=batch[1].numel())
+        if not self.is_text:
+            self.accuracies[stage].update(logits.detach(), batch[1])
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        # Metrics sync across ranks in compute(); logged values are already global.
+        loss = self.losses[stage].compute()
+        metrics = {f"{stage}/loss": loss}
+        if self.is_text:
+            metrics[f"{stage}/ppl"] = torch.exp(loss)
+            if self.is_bytes:
+                metrics[f"{stage}/bpb"] = loss / LN2
+        else:
+            metrics[f"{stage}/acc"] = self.accuracies[stage].compute()
+            self.accuracies[stage].reset()
+        self.losses[stage].reset()
+        self.log_dict(metrics, prog_bar=stage == "val", sync_dist=False)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate validation loss (and accuracy for images)."""
+        self._eval_step("val", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log global validation metrics."""
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate test loss (and accuracy for images)."""
+        self._eval_step("test", batch)
+
+    def on_test_epoch_end(self) -> None:
+        """Log global test metrics."""
+        self._eval_epoch_end("test")
+
+    def on_train_epoch_end(self) -> None:
+        """Log the epoch's mean training loss over all ranks."""
+        self.log("train/loss_epoch", self.losses["train"].compute())
+        self.losses["train"].reset()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""
+        optimizer = build_optimizer(self.optim_cfg, self.net)
+        scheduler = build_scheduler(self.scheduler_cfg, optimizer, self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,97 @@
+"""Config validation: every bad input is a one-line ConfigError naming key, value and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disttrain.config import BatchConfig, resolve_batch, validate
+from disttrain.errors import ConfigError
+from disttrain.parallel.dims import ParallelDims
+from disttrain.run import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "allowed"),
+    [
+        (["optim.lr=-1"], "optim.lr", "positive"),
+        (["+optim.lrr=0.1"], "optim.lrr", "optim keys are"),
+        (["batch.global_size=10", "batch.micro_size=4"], "batch.global_size", "multiple"),
+        (["batch.global_size=64", "batch.micro_size=16", "batch.accumulation=2"], "batch.global_size", "equal"),
+        (["data=tokens", "data.path=/no/such/dir"], "data.path", "train.bin"),
+        (["model.name=resnet"], "model.name", "one of"),
+        (["parallel=single", "trainer.devices=2"], "parallel", "world size is 2"),
+        (["model=gpt", "data=pydocs", "model.n_embd=30", "model.n_head=4"], "model.n", "divisor"),
+        (["resume=/no/such/last.ckpt"], "resume", "existing checkpoint"),
+        (["trainer.precision=fp8"], "trainer.precision", "one of"),
+        (["trainer.max_steps=0"], "trainer.max_steps", "positive"),
+        (["parallel.dp_replicate=-1", "parallel.dp_shard=-1"], "parallel.dp_shard", "at most one"),
+        (["optim=sgd", "optim.momentum=0", "optim.nesterov=true"], "optim.nesterov", "momentum"),
+        (["+model.depth=3"], "model.depth", "model keys are"),
+    ],
+)
+def test_bad_input_is_one_clear_line(make_config, overrides, key, allowed):
+    with pytest.raises(ConfigError) as info:
+        validate(make_config(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    assert info.value.key.startswith(key), message
+    assert allowed in message, message
+
+
+def test_bad_input_fails_before_any_worker_starts(make_config, tmp_path):
+    cfg = make_config(["parallel=ddp", "trainer.devices=2", "optim.lr=-1"], tmp_path / "run")
+    with pytest.raises(ConfigError):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("parallel=zero9", ["parallel/zero9", "Available options", "ddp", "single"]),
+        ("trainer.devices=two", ["trainer.devices", "two", "int"]),
+        ("optim.lrr=0.1", ["optim.lrr"]),
+    ],
+)
+def test_command_line_errors_name_key_and_options(override, expected):
+    proc = subprocess.run(
+        [sys.executable, "train.py", override], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    for word in expected:
+        assert word.lower() in proc.stderr.lower(), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("batch", "dp", "expected"),
+    [
+        (BatchConfig(64, None, None), 2, (64, 32, 1)),
+        (BatchConfig(64, 8, None), 2, (64, 8, 4)),
+        (BatchConfig(64, None, 4), 2, (64, 8, 4)),
+        (BatchConfig(None, 8, 2), 4, (64, 8, 2)),
+        (BatchConfig(64, 8, 4), 2, (64, 8, 4)),
+    ],
+)
+def test_batch_two_given_third_follows(batch, dp, expected):
+    resolved = resolve_batch(batch, dp)
+    assert (resolved.global_size, resolved.micro_size, resolved.accumulation) == expected
+
+
+def test_parallel_dims_rest_of_world():
+    dims = ParallelDims.resolve(8, pp=2, dp_replicate=1, dp_shard=-1, tp=2)
+    assert dims.dp_shard == 2 and dims.world_size == 8 and dims.dp == 2
+    with pytest.raises(ConfigError, match="does not divide"):
+        ParallelDims.resolve(6, pp=4, dp_replicate=-1, dp_shard=1, tp=1)
+
+
+def test_config_hash_ignores_run_dir(make_config, tmp_path):
+    a = validate(make_config([], tmp_path / "a"))
+    b = validate(make_config([], tmp_path / "b"))
+    c = validate(make_config(["optim.lr=0.01"], tmp_path / "a"))
+    assert a.config_hash == b.config_hash != c.config_hash

@@ -1,0 +1,44 @@
+"""Sweeps from the command line: one job directory per job, workers never re-expand the sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["trainer.max_epochs=1", "trainer.run_test=false", "logger=csv", "callbacks=none"]
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_ddp_sweep_leaves_one_directory_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_cli(["-m", "optim.lr=1e-3,3e-3", "parallel=ddp", "trainer.devices=2", *FAST,
+             f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1"]
+    for job in jobs:
+        results = json.loads((sweep / job / "results.json").read_text())
+        assert results["world_size"] == 2
+    lrs = {json.loads((sweep / j / "results.json").read_text())["config_hash"] for j in jobs}
+    assert len(lrs) == 2
+    # nothing else was created: no second multirun folder from a worker re-running Hydra
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+
+
+def test_optuna_sweeper_runs_trials(tmp_path):
+    sweep = tmp_path / "optuna"
+    run_cli(["hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", *FAST,
+             f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    summary = (sweep / "optimization_results.yaml").read_text()
+    assert "best_value" in summary
+    assert len([p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()]) == 2
