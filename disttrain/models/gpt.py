@@ -1,0 +1,243 @@
+"""A decoder-only transformer language model in the GPT-2 style (pre-LN, learned positions, tied head).
+
+Submodule names are part of the interface, since parallel plans select modules by name::
+
+    wte, wpe, drop, blocks.<i>.{ln_1, attn.{q, k, v, proj}, ln_2, mlp.{fc, act, proj}}, ln_f, lm_head
+
+Query, key and value are separate ``nn.Linear`` layers so each can be sharded column-wise on its own;
+attention takes the number of heads from the width of its (possibly sharded) projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.errors import ConfigError
+from disttrain.models import MODELS
+from disttrain.models.spec import DataSpec
+
+FLAVOURS: dict[str, dict[str, int]] = {
+    "micro": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+    "nano": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64},
+    "mini": {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256},
+    "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304},
+}
+"""Size presets: ``micro`` for tests, ``nano`` the CPU-sized model, ``mini`` a small GPU model and
+``gpt2`` the 124M GPT-2 (vocabulary 50257 padded to 50304, used when the data gives no vocabulary)."""
+
+_DIMS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+@dataclass
+class GPTConfig:
+    """Schema of ``model: gpt``. A ``flavour`` presets the sizes; any size set here overrides it."""
+
+    name: str = "gpt"
+    """Registry key of this model."""
+    flavour: str = "nano"
+    """Size preset, one of micro, nano, mini, gpt2 (see ``FLAVOURS``)."""
+    n_layer: int | None = None
+    """Transformer blocks. None: from the flavour."""
+    n_head: int | None = None
+    """Attention heads per block; must divide n_embd. None: from the flavour."""
+    n_embd: int | None = None
+    """Model width (embedding size). None: from the flavour."""
+    block_size: int | None = None
+    """Longest sequence (rows of the position embedding). None: the data's block size, else the flavour's."""
+    vocab_size: int | None = None
+    """Token embedding rows; at least the data's vocabulary. None: the data's, else the flavour's."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention weights and residual branches."""
+    bias: bool = True
+    """Biases in the Linear and LayerNorm layers."""
+    tie_weights: bool = True
+    """Share the LM head's weight with the token embedding. Tensor or pipeline parallelism may untie it."""
+
+    def validate(self, spec: DataSpec) -> GPTDims:
+        """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("model.dropout", self.dropout, "a probability in [0, 1)")
+        return resolve_gpt_dims(self, spec)
+
+
+@dataclass(frozen=True)
+class GPTDims:
+    """The sizes of a GPT after flavour, config and data have been combined."""
+
+    n_layer: int
+    """Transformer blocks."""
+    n_head: int
+    """Attention heads per block."""
+    n_embd: int
+    """Model width."""
+    block_size: int
+    """Longest sequence the position embedding covers."""
+    vocab_size: int
+    """Rows of the token embedding (columns of the logits)."""
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.n_embd // self.n_head
+
+
+def resolve_gpt_dims(cfg: GPTConfig, spec: DataSpec) -> GPTDims:
+    """Combine flavour, explicit sizes and the data's spec into checked sizes; ConfigError if impossible."""
+    if spec.kind != "text":
+        raise ConfigError("model.name", cfg.name, f"a {spec.kind} model; gpt needs text data")
+    if cfg.flavour not in FLAVOURS:
+        raise ConfigError("model.flavour", cfg.flavour, f"one of {list(FLAVOURS)}")
+    for key in _DIMS:
+        value = getattr(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"model.{key}", value, "a positive integer, or null for the default")
+    preset = FLAVOURS[cfg.flavour]
+    dims = {key: getattr(cfg, key) if getattr(cfg, key) is not None else preset.get(key) for key in _DIMS}
+    if cfg.block_size is None and spec.block_size is not None:
+        dims["block_size"] = spec.block_size
+    if cfg.vocab_size is None and spec.vocab_size is not None:
+        dims["vocab_size"] = spec.vocab_size
+    if dims["vocab_size"] is None:
+        raise ConfigError("model.vocab_size", None,
+                          f"a vocabulary size: the data has none and flavour {cfg.flavour!r} no default")
+    if dims["n_embd"] % dims["n_head"]:
+        raise ConfigError("model.n_head", dims["n_head"], f"a divisor of model.n_embd={dims['n_embd']}")
+    if spec.block_size is not None and dims["block_size"] < spec.block_size:
+        raise ConfigError("model.block_size", dims["block_size"],
+                          f"at least the data's block size {spec.block_size}, or null to use the data's")
+    if spec.vocab_size is not None and dims["vocab_size"] < spec.vocab_size:
+        raise ConfigError("model.vocab_size", dims["vocab_size"],
+                          f"at least the data's vocabulary {spec.vocab_size}, or null to use the data's")
+    return GPTDims(**dims)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k, v projections and an output projection."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.head_dim = n_embd // n_head
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.dropout = dropout
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over earlier positions: ``[B, T, C] -> [B, T, C]``."""
+        b, t, _ = x.shape
+        # The head count follows from the projection width, so column-sharded q/k/v carry a subset of heads.
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: ``fc`` to 4x width, GELU, ``proj`` back."""
+
+    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C] -> [B, T, C]``."""
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C] -> [B, T, C]``."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``blocks`` (the sharding / checkpointing units), final LN, LM head.
+
+    ``forward`` maps token ids ``[B, T]`` to logits ``[B, T, vocab_size]``; the loss is computed outside.
+    """
+
+    def __init__(
+        self, dims: GPTDims, dropout: float = 0.0, bias: bool = True, tie_weights: bool = True
+    ) -> None:
+        super().__init__()
+        self.dims = dims
+        self.wte = nn.Embedding(dims.vocab_size, dims.n_embd)
+        self.wpe = nn.Embedding(dims.block_size, dims.n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(dims.n_embd, dims.n_head, dropout, bias) for _ in range(dims.n_layer)
+        )
+        self.ln_f = nn.LayerNorm(dims.n_embd, bias=bias)
+        self.lm_head = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
+        if tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.dims.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head shares its weight with the token embedding."""
+        return self.lm_head.weight is self.wte.weight
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count (shared tensors once). ``non_embedding`` leaves out the lookup tables: the
+        position embedding, and the token embedding too when it is not also the LM head's weight."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wpe.weight.numel()
+            if not self.tied:
+                n -= self.wte.weight.numel()
+        return n
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab_size]`` of token ids ``[B, T]`` (``T <= block_size``)."""
+        t = idx.size(1)
+        if t > self.dims.block_size:
+            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.dims.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@MODELS.register("gpt", GPTConfig)
+def build_gpt(cfg: GPTConfig, spec: DataSpec) -> GPT:
+    """Build the GPT that ``cfg`` describes for the text of ``spec``."""
+    dims = cfg.validate(spec)
+    return GPT(dims, dropout=cfg.dropout, bias=cfg.bias, tie_weights=cfg.tie_weights)
