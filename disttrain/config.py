@@ -187,7 +187,25 @@ class TrainConfig:
     """Set by recipes: the recipe's name."""
 
 
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+def register_schemas() -> None:
+    """Store the run schema and every component schema (as ``schema/<group>/<name>``) in Hydra's ConfigStore.
+
+    Each file in ``conf/<group>/`` starts from its schema, so Hydra rejects a misspelled key or a wrong
+    type while composing, and any field can be overridden on the command line.
+    """
+    from disttrain.data import DATA
+    from disttrain.models import MODELS
+    from disttrain.optim import OPTIMIZERS, SchedulerConfig
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, registry in (("model", MODELS), ("data", DATA), ("optim", OPTIMIZERS)):
+        for name in registry.names():
+            store.store(group=f"schema/{group}", name=name, node=registry.get(name).schema)
+    store.store(group="schema/scheduler", name="cosine", node=SchedulerConfig)
+
+
+register_schemas()
 # wandb logs offline unless an API key is configured, so a run never waits on the network.
 OmegaConf.register_new_resolver("wandb_offline", lambda: "WANDB_API_KEY" not in os.environ, replace=True)
 
@@ -209,7 +227,8 @@ class RunConfig:
     @property
     def config_hash(self) -> str:
         """Short hash of the resolved config, excluding where it runs (run_dir, resume)."""
-        text = "\n".join(line for line in self.yaml.splitlines() if not line.startswith(("run_dir:", "resume:")))
+        text = self.yaml.replace(self.train.run_dir, "<run_dir>")
+        text = "\n".join(line for line in text.splitlines() if not line.startswith(("run_dir:", "resume:")))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -226,10 +245,10 @@ def _typed(group: str, node: Any, schema: type) -> Any:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        key = f"{group}.{err.full_key}" if getattr(err, "full_key", None) else group
+        key = ".".join(part for part in (group, getattr(err, "full_key", None)) if part) or "config"
         if "not in" in str(err) or "Key '" in str(err):
             allowed = [f for f in schema.__dataclass_fields__]
-            raise ConfigError(key, getattr(err, "key", None), f"not a known key; {group} keys are {allowed}") from None
+            raise ConfigError(key, getattr(err, "key", None), f"not a known key; {group or 'top-level'} keys are {allowed}") from None
         if "Missing mandatory value" in str(err):
             raise ConfigError(key, "???", "a value is required") from None
         value = getattr(err, "value", None) or _lookup(node, err.full_key)
@@ -274,8 +293,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
-    top = _typed("config", {k: v for k, v in cfg.items() if k not in ("model", "data", "optim", "scheduler")},
-                 TrainConfig)
+    top = _typed("", cfg, TrainConfig)
     model = _registry_typed("model", cfg.model, MODELS)
     data = _registry_typed("data", cfg.data, DATA)
     optim = _registry_typed("optim", cfg.optim, OPTIMIZERS)
