@@ -1,0 +1,100 @@
+"""Next-token windows over a 1-D array of token ids, shared by every text data module."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from disttrain.data.base import counter_random
+
+
+class MemmapTokens:
+    """A 1-D ``uint16`` token file read through a memory map that is opened on first access.
+
+    Only the path travels when a loader pickles the dataset to its workers; each process maps the file
+    itself. Supports ``len`` and slicing, which is all ``TokenWindows`` needs.
+    """
+
+    dtype = np.dtype(np.uint16)
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._length = os.path.getsize(self.path) // self.dtype.itemsize
+        self._array: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def array(self) -> np.memmap:
+        """The memory map, opened read-only on first use in this process."""
+        if self._array is None:
+            self._array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self._length,))
+        return self._array
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.array[index]
+
+    def max(self, chunk: int = 1 << 24) -> int:
+        """The largest token id, scanned in chunks (reads the whole file once)."""
+        array = self.array
+        return max((int(array[i:i + chunk].max()) for i in range(0, self._length, chunk)), default=0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_array": None}
+
+
+class TokenWindows(Dataset):
+    """Windows of ``block_size`` tokens and their next-token targets: ``(data[o:o+T], data[o+1:o+T+1])``.
+
+    With a ``seed``, sample ``k`` sits at a random offset, uniform over all valid ones and drawn fresh
+    each epoch from ``(seed, epoch, k)``; index ``e * len(self) + k`` means sample ``k`` of epoch ``e``
+    (see ``EpochDistributedSampler``), and a plain index ``k`` is epoch 0. ``num_windows`` (default
+    ``len(data) // block_size``) defines the epoch.
+
+    Without a seed, the windows are the non-overlapping consecutive ones at offsets ``0, T, 2T, ...``
+    (at most ``num_windows`` of them): deterministic evaluation.
+
+    ``data`` is any 1-D integer sequence that supports ``len`` and slicing (a numpy array, a
+    ``MemmapTokens``).
+    """
+
+    def __init__(self, data: Any, block_size: int, num_windows: int | None = None, seed: int | None = None):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if len(data) < block_size + 1:
+            raise ValueError(f"{len(data)} tokens cannot fill one window of {block_size} plus its target")
+        self.data = data
+        self.block_size = block_size
+        self.seed = seed
+        self.epoch_indexed = seed is not None
+        if seed is None:
+            most = (len(data) - 1) // block_size
+            self.num_windows = most if num_windows is None else min(num_windows, most)
+        else:
+            self.num_windows = len(data) // block_size if num_windows is None else num_windows
+        if self.num_windows < 1:
+            raise ValueError(f"num_windows must be positive, got {self.num_windows}")
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def offset(self, index: int) -> int:
+        """Where the window of ``index`` starts in ``data``."""
+        if index < 0:
+            raise IndexError(index)
+        epoch, k = divmod(index, self.num_windows)
+        if self.seed is None:
+            if epoch:
+                raise IndexError(index)
+            return k * self.block_size
+        return counter_random(self.seed, epoch, k) % (len(self.data) - self.block_size)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.offset(index)
+        chunk = torch.from_numpy(np.asarray(self.data[start:start + self.block_size + 1], dtype=np.int64))
+        return chunk[:-1], chunk[1:]
