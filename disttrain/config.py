@@ -241,6 +241,7 @@ def world_size_of(trainer: TrainerConfig) -> int:
 
 def _typed(group: str, node: Any, schema: type) -> Any:
     """Merge a config node into its dataclass schema; rephrase OmegaConf's errors as one line."""
+    _reject_unknown_keys(group, node, schema)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         obj = OmegaConf.to_object(merged)
@@ -254,6 +255,20 @@ def _typed(group: str, node: Any, schema: type) -> Any:
         value = getattr(err, "value", None) or _lookup(node, err.full_key)
         raise ConfigError(key, value, f"expected {_field_type(schema, err.full_key)}") from None
     return obj
+
+
+def _reject_unknown_keys(prefix: str, node: Any, schema: type) -> None:
+    """Keys forced in with ``+key=...`` or left in a typed node survive a merge silently; name them here."""
+    fields = getattr(schema, "__dataclass_fields__", None)
+    if fields is None or not isinstance(node, (DictConfig, dict)):
+        return
+    for key in node:
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(path, node[key], f"not a known key; {prefix or 'top-level'} keys are {list(fields)}")
+        factory = fields[key].default_factory
+        if hasattr(factory, "__dataclass_fields__"):
+            _reject_unknown_keys(path, node[key], factory)
 
 
 def _field_type(schema: type, dotted: str | None) -> str:

@@ -35,10 +35,10 @@ class TrainTask(pl.LightningModule):
         self.is_text = spec.kind == "text"
         self.is_bytes = self.is_text and spec.vocab_size == 256
         self._step_loss: list[torch.Tensor] = []
-        self.losses = nn.ModuleDict({stage: MeanMetric() for stage in ("train", "val", "test")})
+        self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("train", "val", "test")})
         if not self.is_text:
             self.accuracies = nn.ModuleDict(
-                {stage: MulticlassAccuracy(spec.num_classes, average="micro") for stage in ("val", "test")}
+                {f"{stage}_acc": MulticlassAccuracy(spec.num_classes, average="micro") for stage in ("val", "test")}
             )
 
     @property
@@ -59,7 +59,7 @@ class TrainTask(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean cross-entropy of this rank's micro-batch (Lightning scales it for accumulation)."""
         loss, _ = self._loss(batch)
-        self.losses["train"].update(loss.detach())
+        self.losses["train_loss"].update(loss.detach())
         self._step_loss.append(loss.detach())
         return loss
 
@@ -72,22 +72,22 @@ class TrainTask(pl.LightningModule):
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         loss, logits = self._loss(batch)
-        self.losses[stage].update(loss.detach(), weight=batch[1].numel())
+        self.losses[f"{stage}_loss"].update(loss.detach(), weight=batch[1].numel())
         if not self.is_text:
-            self.accuracies[stage].update(logits.detach(), batch[1])
+            self.accuracies[f"{stage}_acc"].update(logits.detach(), batch[1])
 
     def _eval_epoch_end(self, stage: str) -> None:
         # Metrics sync across ranks in compute(); logged values are already global.
-        loss = self.losses[stage].compute()
+        loss = self.losses[f"{stage}_loss"].compute()
         metrics = {f"{stage}/loss": loss}
         if self.is_text:
             metrics[f"{stage}/ppl"] = torch.exp(loss)
             if self.is_bytes:
                 metrics[f"{stage}/bpb"] = loss / LN2
         else:
-            metrics[f"{stage}/acc"] = self.accuracies[stage].compute()
-            self.accuracies[stage].reset()
-        self.losses[stage].reset()
+            metrics[f"{stage}/acc"] = self.accuracies[f"{stage}_acc"].compute()
+            self.accuracies[f"{stage}_acc"].reset()
+        self.losses[f"{stage}_loss"].reset()
         self.log_dict(metrics, prog_bar=stage == "val", sync_dist=False)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -108,8 +108,8 @@ class TrainTask(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         """Log the epoch's mean training loss over all ranks."""
-        self.log("train/loss_epoch", self.losses["train"].compute())
-        self.losses["train"].reset()
+        self.log("train/loss_epoch", self.losses["train_loss"].compute())
+        self.losses["train_loss"].reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""
