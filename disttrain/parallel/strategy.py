@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
