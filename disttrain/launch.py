@@ -45,6 +45,16 @@ def external_environment() -> ClusterEnvironment | None:
     return None
 
 
+def rank_layout(devices: int, num_nodes: int) -> tuple[int, int]:
+    """(ranks per node, nodes): the launcher's when it started the ranks, else the config's."""
+    env = external_environment()
+    if env is None:
+        return devices, num_nodes
+    world = env.world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or world)
+    return per_node, max(1, world // per_node)
+
+
 def free_port() -> int:
     """An unused TCP port on this machine for the rendezvous."""
     with socket.socket() as sock:

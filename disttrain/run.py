@@ -20,6 +20,7 @@ from disttrain.config import RunConfig, validate
 from disttrain.launch import (
     external_environment,
     init_process_group,
+    rank_layout,
     shutdown_process_group,
     spawn_and_run,
 )
@@ -113,10 +114,11 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         callbacks.append(PlainProgress(t.log_every_n_steps, meter))
     callbacks += [instantiate(node) for node in cfg.callbacks.values() if node]
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
+    devices, num_nodes = rank_layout(t.devices, t.num_nodes)
     return pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=DistTrainStrategy(cfg.parallel, run.dims, getattr(run.model, "sync_batchnorm", False)),
         max_steps=t.max_steps,
         max_epochs=t.max_epochs if t.max_steps == -1 else None,

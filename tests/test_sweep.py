@@ -42,3 +42,16 @@ def test_optuna_sweeper_runs_trials(tmp_path):
     summary = (sweep / "optimization_results.yaml").read_text()
     assert "best_value" in summary
     assert len([p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()]) == 2
+
+
+def test_torchrun_launch_writes_one_run_directory(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "train.py"),
+         "parallel=ddp", *FAST, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["world_size"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
