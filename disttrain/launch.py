@@ -27,7 +27,7 @@ from lightning.fabric.plugins.environments import (
 )
 
 T = TypeVar("T")
-RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
 class WorkerError(RuntimeError):
@@ -50,7 +50,7 @@ def rank_layout(devices: int, num_nodes: int) -> tuple[int, int]:
     env = external_environment()
     if env is None:
         return devices, num_nodes
-    world = env.world_size()
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else env.world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or world)
     return per_node, max(1, world // per_node)
 
@@ -110,7 +110,8 @@ def spawn_and_run(world_size: int, config_path: Path, log_dir: Path, rank0: Call
     workers instead of leaving them waiting in a collective.
     """
     port = str(free_port())
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0"}
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0",
+            "LOCAL_WORLD_SIZE": str(world_size)}
     log_dir.mkdir(parents=True, exist_ok=True)
     workers: list[tuple[int, subprocess.Popen, Path]] = []
     for rank in range(1, world_size):

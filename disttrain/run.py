@@ -125,10 +125,10 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         precision=t.precision,
         gradient_clip_val=t.gradient_clip_val,
         accumulate_grad_batches=run.batch.accumulation,
-        val_check_interval=t.val_check_interval,
+        val_check_interval=_count_or_fraction(t.val_check_interval),
         check_val_every_n_epoch=t.check_val_every_n_epoch,
-        limit_val_batches=t.limit_val_batches,
-        limit_test_batches=t.limit_test_batches,
+        limit_val_batches=_count_or_fraction(t.limit_val_batches),
+        limit_test_batches=_count_or_fraction(t.limit_test_batches),
         log_every_n_steps=t.log_every_n_steps,
         num_sanity_val_steps=t.num_sanity_val_steps,
         deterministic=t.deterministic or None,
@@ -139,6 +139,11 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         enable_model_summary=interactive,
         default_root_dir=cfg.run_dir,
     )
+
+
+def _count_or_fraction(value: float | None) -> float | int | None:
+    """Lightning reads an int as a count of batches and a float as a fraction; configs type both as float."""
+    return int(value) if value is not None and value > 1 and float(value).is_integer() else value
 
 
 def resume_path(resume: str | None, run_dir: Path) -> str | None:

@@ -1,0 +1,141 @@
+"""Overhead of disttrain over a hand-written PyTorch loop: same GPT, data, global batch and optimiser.
+
+    python benchmarks/overhead.py [--steps 60] [--flavour nano]
+
+Runs, in one process tree and one after the other: disttrain single-process, a plain loop
+single-process, disttrain DDP on 2 ranks and a plain DDP loop on 2 ranks. Each reports optimiser steps
+per second measured after the first (warm-up) step, excluding validation. Prints a markdown table and,
+last, the headline ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def overrides(flavour: str, steps: int, global_batch: int, devices: int) -> list[str]:
+    """The disttrain run being measured: no logging, checkpoints, validation or test."""
+    return [
+        "model=gpt", f"model.flavour={flavour}", "data=pydocs", f"batch.global_size={global_batch}",
+        f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.run_test=false",
+        "trainer.log_every_n_steps=1000000", "logger=none", "callbacks=none",
+        "checkpoint.save_last=false", "checkpoint.save_top_k=0",
+        *(["parallel=ddp", f"trainer.devices={devices}"] if devices > 1 else []),
+    ]
+
+
+def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int) -> float:
+    """Steps/s of ``train()`` as reported in its results.json (clock starts after step 1)."""
+    from hydra import compose, initialize_config_dir
+
+    import disttrain.config  # noqa: F401
+    from disttrain.run import train
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices), f"run_dir={run_dir}"])
+        train(cfg)
+        results = json.loads((Path(run_dir) / "results.json").read_text())
+    return results["samples_per_sec"] / global_batch
+
+
+def plain_loop(rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict) -> None:
+    """A hand-written loop: model, DistributedSampler, AdamW, clipping, cosine schedule, optional DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from disttrain.data import build_datamodule
+    from disttrain.data.text import PyDocsConfig
+    from disttrain.models import build_model
+    from disttrain.models.gpt import GPTConfig
+    from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    datamodule = build_datamodule(PyDocsConfig(), micro_batch_size=global_batch // world, seed=0)
+    datamodule.setup("fit")
+    model = build_model(GPTConfig(flavour=flavour), datamodule.spec)
+    if world > 1:
+        model = DistributedDataParallel(model)
+    optimizer = build_optimizer(AdamWConfig(lr=3e-3), model)
+    scheduler = build_scheduler(SchedulerConfig(warmup_fraction=0.05), optimizer, steps)
+    dataset = datamodule.datasets["train"]
+    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
+    loader = iter(DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, drop_last=True))
+    start = 0.0
+    for step in range(steps):
+        if step == 1:
+            start = time.perf_counter()
+        inputs, targets = next(loader)
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if world > 1:  # disttrain logs the global loss each step; the plain loop pays the same reduce
+            dist.all_reduce(loss.detach())
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        out["steps_per_sec"] = (steps - 1) / elapsed
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int) -> float:
+    """Steps/s of the plain loop on ``devices`` ranks."""
+    if devices == 1:
+        out: dict = {}
+        plain_loop(0, 1, 0, flavour, steps, global_batch, out)
+        return out["steps_per_sec"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(plain_loop, args=(devices, port, flavour, steps, global_batch, out), nprocs=devices)
+        return out["steps_per_sec"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--flavour", default="nano")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for devices in (1, 2):
+        ours = disttrain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices)
+        plain = plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices)
+        rows.append((devices, ours, plain))
+    print(f"\nGPT {args.flavour}, pydocs, global batch {args.global_batch}, {args.steps} steps, "
+          f"{args.threads} thread(s) per rank, torch {torch.__version__}\n")
+    print("| ranks | disttrain steps/s | plain PyTorch steps/s | ratio |")
+    print("|---|---|---|---|")
+    for devices, ours, plain in rows:
+        print(f"| {devices} | {ours:.2f} | {plain:.2f} | {ours / plain:.3f} |")
+    worst = min(ours / plain for _, ours, plain in rows)
+    print(f"\ndisttrain / plain PyTorch steps/s: {worst:.3f}x (worst of 1 and 2 ranks; target >= 0.95x)")
+
+
+if __name__ == "__main__":
+    main()
