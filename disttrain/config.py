@@ -247,9 +247,6 @@ def _typed(group: str, node: Any, schema: type) -> Any:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         key = ".".join(part for part in (group, getattr(err, "full_key", None)) if part) or "config"
-        if "not in" in str(err) or "Key '" in str(err):
-            allowed = [f for f in schema.__dataclass_fields__]
-            raise ConfigError(key, getattr(err, "key", None), f"not a known key; {group or 'top-level'} keys are {allowed}") from None
         if "Missing mandatory value" in str(err):
             raise ConfigError(key, "???", "a value is required") from None
         value = getattr(err, "value", None) or _lookup(node, err.full_key)
