@@ -75,11 +75,12 @@ def run_rank(run: RunConfig) -> float | None:
         started = time.perf_counter()
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume_path(cfg.resume, Path(cfg.run_dir)))
         fit_seconds = time.perf_counter() - started
+        metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
         checkpoint = trainer.checkpoint_callback
         if cfg.trainer.run_test:
             best = checkpoint.best_model_path if checkpoint is not None else ""
             trainer.test(task, datamodule=datamodule, ckpt_path=best or None, verbose=False)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+            metrics.update(_scalars(trainer.callback_metrics))
         results = _results(run, trainer, metrics, fit_seconds, meter)
         if trainer.is_global_zero:
             (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
@@ -174,6 +175,8 @@ def _results(run: RunConfig, trainer: pl.Trainer, metrics: dict[str, float], sec
     checkpoint = trainer.checkpoint_callback
     monitor = cfg.optimized_metric or (checkpoint.monitor if checkpoint is not None else None)
     objective = metrics.get(monitor) if monitor else None
+    if checkpoint is not None and checkpoint.monitor == monitor and checkpoint.best_model_score is not None:
+        objective = float(checkpoint.best_model_score)  # the sweeper optimises the best, not the last, value
     results: dict[str, Any] = {
         "metrics": metrics,
         "wall_time_s": round(seconds, 3),
@@ -202,6 +205,10 @@ def _check_expectation(expect: Any, metrics: dict[str, float]) -> dict[str, Any]
     bound = expect.value - expect.tolerance if expect.mode == "max" else expect.value + expect.tolerance
     met = value is not None and (value >= bound if expect.mode == "max" else value <= bound)
     return {"metric": expect.metric, "value": value, "bound": bound, "mode": expect.mode, "met": met}
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {key: float(value) for key, value in metrics.items() if value.numel() == 1}
 
 
 def _finite(value: float) -> float | None:

@@ -31,7 +31,8 @@ def test_default_run_leaves_a_complete_run_directory(make_config, tmp_path):
     objective = train(cfg)
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 1 and results["config_hash"]
-    assert results["objective_metric"] == "val/acc" and objective == results["objective"]
+    assert results["objective_metric"] == "val/acc" and objective == results["objective"] > 0.5
+    assert "val/acc" in results["metrics"] and "train/loss" in results["metrics"]
     assert 0.0 <= results["metrics"]["test/acc"] <= 1.0
     assert results["samples_per_sec"] > 0 and results["wall_time_s"] > 0
     assert (run_dir / "config.yaml").exists()
@@ -76,3 +77,13 @@ def test_resume_auto_continues_the_same_curve(make_config, tmp_path):
     assert len(first_half) + len(resumed) == len(straight) and len(resumed) == len(first_half)
     assert first_half == straight[: len(first_half)]
     assert resumed == straight[len(first_half):]
+
+
+def test_wandb_logger_writes_an_offline_run(make_config, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    train(make_config(["logger=wandb", "trainer.max_epochs=1", "trainer.run_test=false"], run_dir))
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb"))
