@@ -87,3 +87,15 @@ def test_wandb_logger_writes_an_offline_run(make_config, tmp_path, monkeypatch):
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb"))
+
+
+def test_resume_mid_epoch_continues_bitwise(make_config, tmp_path):
+    # validation (and a kept checkpoint) every 6 steps, well inside pydocs' first epoch
+    every6 = [*GPT_FAST, "trainer.max_steps=12", "trainer.val_check_interval=6",
+              "trainer.check_val_every_n_epoch=null", "checkpoint.save_top_k=-1"]
+    train(make_config(every6, tmp_path / "straight"))
+    step6 = tmp_path / "straight" / "checkpoints" / "step6.ckpt"
+    assert step6.is_dir()
+    train(make_config([*every6, f"resume={step6}"], tmp_path / "resumed"))
+    straight, resumed = step_losses(tmp_path / "straight"), step_losses(tmp_path / "resumed")
+    assert len(straight) == 12 and resumed == straight[6:]

@@ -9,13 +9,14 @@ process. A training loader with per-rank batch ``B`` on ``R`` ranks gives rank `
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from disttrain.errors import ConfigError
 from disttrain.models.spec import DataSpec
@@ -52,6 +53,30 @@ class EpochDistributedSampler(DistributedSampler):
         return (base + int(i) for i in super().__iter__())
 
 
+class ResumeSampler(Sampler[int]):
+    """Wraps a training sampler; in the epoch a checkpoint was taken, it skips the samples already seen.
+
+    Lightning restores a mid-epoch checkpoint by starting the epoch's loader afresh; skipping here makes
+    the resumed run see exactly the batches it would have seen without the interruption.
+    """
+
+    def __init__(self, sampler: DistributedSampler, epoch: int, skip: int) -> None:
+        self.sampler, self.resume_epoch, self.skip = sampler, epoch, skip
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped sampler (Lightning calls it before each epoch)."""
+        self.sampler.set_epoch(epoch)
+
+    def _skipped(self) -> int:
+        return self.skip if self.sampler.epoch == self.resume_epoch else 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self._skipped(), None)
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self._skipped()
+
+
 class DataModule(pl.LightningDataModule):
     """Base of the registered data modules.
 
@@ -67,6 +92,19 @@ class DataModule(pl.LightningDataModule):
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.num_workers = num_workers
+        self._resume: dict[str, int] = {}
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands within the epoch; saved with every checkpoint."""
+        trainer: Any = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": trainer.current_epoch, "batches": batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Remember the position so the next training loader continues after the batches already seen."""
+        self._resume = dict(state)
 
     @property
     def spec(self) -> DataSpec:
@@ -105,6 +143,9 @@ class DataModule(pl.LightningDataModule):
         sampler = sampler_cls(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=train, seed=self.seed, drop_last=train
         )
+        if train and self._resume:
+            skip = self._resume["batches"] * self.micro_batch_size
+            sampler = ResumeSampler(sampler, self._resume["epoch"], skip)
         return DataLoader(
             dataset,
             batch_size=self.micro_batch_size,
