@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
+from disttrain.config import validate
+from disttrain.data import build_datamodule
+from disttrain.export import export
+from disttrain.models import build_model
 from disttrain.run import train
 
 GPT_FAST = [
@@ -41,6 +47,11 @@ def test_default_run_leaves_a_complete_run_directory(make_config, tmp_path):
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "last.ckpt" / "meta.pt").exists()
     assert list(ckpts.glob("step*.ckpt"))
+    # one consolidated weights file for inference, loadable with weights_only=True into the bare model
+    weights = torch.load(export(ckpts / "last.ckpt", tmp_path / "model.pt"), weights_only=True)
+    run = validate(OmegaConf.load(run_dir / "config.yaml"))
+    model = build_model(run.model, build_datamodule(run.data, 1, 0).spec)
+    model.load_state_dict(weights, strict=True)
 
 
 def test_same_seed_same_config_gives_bitwise_identical_losses(make_config, tmp_path):
