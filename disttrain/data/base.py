@@ -74,7 +74,9 @@ class ResumeSampler(Sampler[int]):
         return itertools.islice(iter(self.sampler), self._skipped(), None)
 
     def __len__(self) -> int:
-        return len(self.sampler) - self._skipped()
+        # The full length: Lightning sizes the epoch before it sets the epoch number, and the resumed epoch
+        # simply ends early when the iterator runs out.
+        return len(self.sampler)
 
 
 class DataModule(pl.LightningDataModule):
