@@ -17,9 +17,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
