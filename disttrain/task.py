@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +17,8 @@ from disttrain.models.spec import DataSpec
 from disttrain.optim import build_optimizer, build_scheduler
 
 LN2 = math.log(2.0)
+# Epoch metrics are logged from torchmetrics' compute(), which has already reduced them over all ranks.
+warnings.filterwarnings("ignore", message=r".*It is recommended to use `self.log\(.*sync_dist=True")
 
 
 class TrainTask(pl.LightningModule):
