@@ -1,0 +1,99 @@
+"""ZeRO stages 2 and 3 and hybrid sharding (HSDP) with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Stage 2 (``reshard_after_forward=False``): parameters stay gathered from forward until the end of backward,
+so backward needs no second all-gather. Stage 3 (``reshard_after_forward=True``): every unit frees its
+gathered parameters after its forward and gathers them again in backward (1.5x the communication of
+DDP). FSDP2 always frees them after backward, so between steps both stages hold only shards of the
+parameters, gradients and optimiser state.
+
+The units of sharding are ``model.blocks`` (models of this package expose them), else every direct child
+with at least ``min_params_per_unit`` parameters, and last the root, which takes all remaining parameters,
+e.g. GPT's embeddings, final norm and the LM head, whose weight is tied to the token embedding: both
+names refer to one parameter of the root unit, so it is gathered once and its gradient is the sum of
+both uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    min_params_per_unit: int = 100_000,
+) -> nn.Module:
+    """Shard ``model`` in place over ``dp_mesh`` and return it (now also an ``FSDPModule``).
+
+    ``dp_mesh`` is 1-D (``mesh["dp_shard"]``: ZeRO-2/3 over all of it) or 2-D (``mesh["dp_replicate",
+    "dp_shard"]``: HSDP, replicated over dim 0 and sharded over dim 1); a 2-D mesh whose dim 0 has size 1
+    is reduced to its dim 1. ``mp_policy``: see ``mixed_precision_policy``; None keeps fp32.
+    ``offload_policy``: e.g. ``CPUOffloadPolicy()`` to keep shards, gradients and optimiser steps on the
+    CPU of a GPU run; None keeps them on the device. Build the optimiser afterwards, on the sharded
+    parameters (DTensors).
+    """
+    if dp_mesh.ndim == 2 and dp_mesh.size(0) == 1 and dp_mesh.mesh_dim_names:
+        dp_mesh = dp_mesh[dp_mesh.mesh_dim_names[1]]
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp needs a 1-D or 2-D data-parallel mesh, got {dp_mesh.ndim}-D")
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                  mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+    for unit in sharding_units(model, min_params_per_unit):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def sharding_units(model: nn.Module, min_params_per_unit: int = 100_000) -> list[nn.Module]:
+    """Submodules that become FSDP units of their own: ``model.blocks``, else the large direct children.
+
+    A direct child qualifies with at least ``min_params_per_unit`` parameters, unless it shares a
+    parameter with the rest of the model (tied weights must stay in one unit; they go to the root).
+    """
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    children = list(model.children())
+    units = []
+    for child in children:
+        own = {id(p) for p in child.parameters()}
+        others = {id(p) for c in children if c is not child for p in c.parameters()}
+        others |= {id(p) for p in model.parameters(recurse=False)}
+        if sum(p.numel() for p in child.parameters()) >= min_params_per_unit and not own & others:
+            units.append(child)
+    return units
+
+
+def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:
+    """FSDP2 policy for Lightning's ``precision``: bf16 compute with fp32 gradient reduction on GPU.
+
+    Only ``"bf16-mixed"`` on CUDA gives a policy (parameters gathered in bf16, gradients reduced and
+    kept in fp32, fp32 shards for the optimiser). Everything else, including any precision on CPU,
+    returns None: sharded parameters stay fp32 and mixed precision is left to autocast.
+    """
+    if precision == "bf16-mixed" and device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient communication on or off, for gradient accumulation without communication.
+
+    FSDP2 modules (``set_requires_gradient_sync``; with it off they accumulate unsharded gradients, so
+    ZeRO-2/3 hold full-size gradients until the syncing micro-batch) and DDP (``no_sync``'s flag). The
+    last micro-batch of an accumulation window must run with ``enabled=True``.
+    """
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)

@@ -1,0 +1,100 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns.
+
+``run_on_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (start method ``spawn``, one
+thread each), joins them into a gloo process group on a free local port, calls ``fn(*args)`` on every
+rank (``torch.distributed.get_rank()`` tells it which) and returns the ranks' return values in rank
+order. ``fn`` must be a picklable top-level function and its return values picklable. If a rank raises,
+the other ranks are stopped and ``RankError`` is raised with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or timed out; the message holds its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException as exc:  # noqa: BLE001  (every failure is reported to the parent)
+        text = traceback.format_exc()
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001
+            exc = None
+        results.put((rank, False, (text, exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """``[fn(*args) on rank 0, ..., on rank world_size - 1]``, each rank in its own gloo process."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's OpenMP at import time
+    try:
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    values: dict[int, Any] = {}
+    deadline, dead_since = time.monotonic() + timeout, {}
+    try:
+        while len(values) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                if now > deadline:
+                    raise RankError(f"ranks {sorted(set(range(world_size)) - set(values))} timed out "
+                                    f"after {timeout} s") from None
+                for r, p in enumerate(procs):
+                    if r not in values and p.exitcode is not None and now - dead_since.setdefault(r, now) > 2:
+                        raise RankError(f"rank {r} exited with code {p.exitcode} without a result") from None
+                continue
+            if not ok:
+                text, exc = payload
+                raise RankError(f"rank {rank} of {world_size} failed:\n{text}") from exc
+            values[rank] = payload
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    return [values[r] for r in range(world_size)]
