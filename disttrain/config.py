@@ -313,6 +313,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     for part in (data, optim, scheduler):
         part.validate()
     top.parallel.validate()
+    if top.parallel.cpu_offload and not _uses_gpu(top.trainer.accelerator):
+        raise ConfigError("parallel.cpu_offload", True,
+                          "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
     _validate_trainer(top.trainer)
     if top.resume not in (None, "auto") and not os.path.exists(top.resume):
         raise ConfigError("resume", top.resume, "null, auto, or the path of an existing checkpoint")
@@ -323,6 +326,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     batch = resolve_batch(top.batch, dims.dp)
     model.validate(build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed).spec)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg))
+
+
+def _uses_gpu(accelerator: str) -> bool:
+    import torch
+
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 def _validate_trainer(t: TrainerConfig) -> None:

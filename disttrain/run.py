@@ -120,7 +120,7 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
         devices=devices,
         num_nodes=num_nodes,
-        strategy=DistTrainStrategy(cfg.parallel, run.dims, getattr(run.model, "sync_batchnorm", False)),
+        strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False)),
         max_steps=t.max_steps,
         max_epochs=t.max_epochs if t.max_steps == -1 else None,
         precision=t.precision,

@@ -117,5 +117,8 @@ class TrainTask(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""
         optimizer = build_optimizer(self.optim_cfg, self.net)
+        shard = getattr(self.trainer.strategy, "shard_optimizer", None)
+        if shard is not None:  # ZeRO-1 wraps the optimiser; the schedule must drive the wrapper
+            optimizer = shard(optimizer)
         scheduler = build_scheduler(self.scheduler_cfg, optimizer, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,17 +1,24 @@
-"""Plain functions that apply parallelism to a model over a mesh, in one fixed order."""
+"""Plain functions that apply parallelism to a model over a mesh, in one fixed order.
+
+Order: activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding) or DDP
+replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.parallel.checkpointing import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
 
 
 def apply_parallelism(
@@ -20,14 +27,33 @@ def apply_parallelism(
     dims: ParallelDims,
     parallel: ParallelConfig,
     device: torch.device,
+    precision: str = "32-true",
     sync_batchnorm: bool = False,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper)."""
-    if dims.dp_replicate > 1:
+    if parallel.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if parallel.zero_stage in (2, 3):
+        shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        return apply_fsdp(
+            model,
+            shard_mesh,
+            reshard_after_forward=parallel.zero_stage == 3,
+            mp_policy=mixed_precision_policy(precision, device.type),
+            offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
+            min_params_per_unit=parallel.min_params_per_unit,
+        )
+    if dims.dp > 1:
+        dp_mesh = data_parallel_mesh(mesh)
         if sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model, mesh["dp_replicate"].get_group())
-        model = apply_ddp(model, mesh["dp_replicate"], parallel.ddp, device)
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
+        return apply_ddp(model, dp_mesh, parallel.ddp, device)
     return model
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of all data-parallel ranks (replicate x shard flattened into one dimension "dp")."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")  # cached by torch: later calls return the same mesh
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device: torch.device) -> nn.Module:
@@ -46,6 +72,8 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device
 @contextmanager
 def backward_sync_disabled(model: nn.Module) -> Generator[None, None, None]:
     """Within this context backward passes accumulate local gradients without communicating."""
-    context = model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
-    with context:
+    set_gradient_sync(model, False)
+    try:
         yield
+    finally:
+        set_gradient_sync(model, True)

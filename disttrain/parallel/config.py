@@ -38,6 +38,12 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     zero_stage: int = 0
     """0: plain replication; 1, 2, 3: ZeRO stage of the sharded data-parallel dimension."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them (less memory, ~30% more compute)."""
+    cpu_offload: bool = False
+    """ZeRO-2/3 on GPU: keep parameter shards, gradients and the optimiser step on the CPU."""
+    min_params_per_unit: int = 100_000
+    """ZeRO-2/3 of a model without ``blocks``: direct children at least this large become sharding units."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options used when gradients are all-reduced by DDP."""
     backend: str | None = None
@@ -53,18 +59,21 @@ class ParallelConfig:
             raise ConfigError("parallel.backend", self.backend, "null, gloo or nccl")
         if self.ddp.bucket_cap_mb <= 0:
             raise ConfigError("parallel.ddp.bucket_cap_mb", self.ddp.bucket_cap_mb, "a positive size in MiB")
+        if self.min_params_per_unit < 1:
+            raise ConfigError("parallel.min_params_per_unit", self.min_params_per_unit, "a positive count")
         if self.timeout_s <= 0:
             raise ConfigError("parallel.timeout_s", self.timeout_s, "a positive number of seconds")
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
-        unsupported = {"tp": dims.tp, "pp": dims.pp}
-        for key, value in unsupported.items():
+        for key, value in {"tp": dims.tp, "pp": dims.pp}.items():
             if value > 1:
                 raise ConfigError(f"parallel.{key}", value, "1 (this degree is not available yet)")
         if dims.dp_shard > 1 and self.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")
-        if self.zero_stage and dims.dp_shard == 1 and dims.dp_replicate == 1:
-            raise ConfigError("parallel.zero_stage", self.zero_stage, "0 on a single rank (nothing to shard)")
-        if self.zero_stage:
-            raise ConfigError("parallel.zero_stage", self.zero_stage, "0 (ZeRO is not available yet)")
+        if self.zero_stage and dims.dp_shard == 1:
+            raise ConfigError("parallel.dp_shard", dims.dp_shard,
+                              f"> 1 for zero_stage={self.zero_stage} (the ranks that share the model state); "
+                              f"world size {dims.world_size} gives nothing to shard")
+        if self.cpu_offload and self.zero_stage not in (2, 3):
+            raise ConfigError("parallel.cpu_offload", True, "false unless zero_stage is 2 or 3")

@@ -21,18 +21,23 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from disttrain.parallel.zero1 import load_zero1_state_dict, shard_optimizer_state, zero1_load_template, zero1_state_dict
 
 METADATA_FILE = "meta.pt"
+LAYOUT_KEY = "disttrain_optimizer_layout"
 
 
 class DistTrainStrategy(ModelParallelStrategy):
     """Builds the mesh of ``dims`` and applies ``parallel`` to the task's ``net`` before optimisers exist."""
 
-    def __init__(self, parallel: ParallelConfig, dims: ParallelDims, sync_batchnorm: bool = False) -> None:
+    def __init__(
+        self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False
+    ) -> None:
         super().__init__(
             data_parallel_size=dims.dp,
             tensor_parallel_size=dims.tp,
@@ -42,6 +47,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         )
         self.parallel = parallel
         self.dims = dims
+        self.precision = precision
         self.sync_batchnorm = sync_batchnorm
 
     def setup_environment(self) -> None:
@@ -64,7 +70,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.model_to_device()
         if not getattr(task, "_parallel_applied", False):
             task.net = apply_parallelism(
-                task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.sync_batchnorm
+                task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
+                self.sync_batchnorm,
             )
             task._parallel_applied = True
         self.barrier()
@@ -80,9 +87,23 @@ class DistTrainStrategy(ModelParallelStrategy):
         with backward_sync_disabled(self.lightning_module.net):
             yield
 
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1: spread the optimiser state over the sharding ranks; other stages keep ``optimizer``."""
+        if self.parallel.zero_stage != 1:
+            return optimizer
+        return shard_optimizer_state(optimizer, self.device_mesh["dp_shard"].get_group())
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Sharded (DTensor) state for FSDP, a world-size-independent gathered state for ZeRO-1."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        if isinstance(inner, ZeroRedundancyOptimizer):
+            return zero1_state_dict(inner)
+        return super().optimizer_state(optimizer)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write
         never damages the previous checkpoint at ``filepath``."""
+        checkpoint[LAYOUT_KEY] = self._optimizer_layout()
         path = Path(self.broadcast(str(filepath)))
         staging = path.with_name(path.name + ".partial")
         if self.is_global_zero and staging.exists():
@@ -110,14 +131,32 @@ class DistTrainStrategy(ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(str(checkpoint_path)))
+        metadata = torch.load(path / METADATA_FILE, weights_only=False)
+        saved = metadata.get(LAYOUT_KEY, "standard")
+        if self.optimizers and saved != self._optimizer_layout():
+            raise ValueError(
+                f"resume={path}: its optimiser state was saved under {saved!r} layout and this run uses "
+                f"{self._optimizer_layout()!r}; a ZeRO-1 checkpoint resumes under parallel.zero_stage=1 "
+                "(on any world size)"
+            )
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for idx, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                state[f"optimizer_{idx}"] = zero1_load_template(optimizer)
+            else:
+                state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["state_dict"])
         for idx, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
-        return torch.load(path / METADATA_FILE, weights_only=False)
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                load_zero1_state_dict(optimizer, state[f"optimizer_{idx}"])
+            else:
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
+        return metadata
+
+    def _optimizer_layout(self) -> str:
+        """How optimiser state is keyed in checkpoints: by parameter index (ZeRO-1) or by name."""
+        return "zero1" if self.parallel.zero_stage == 1 else "standard"
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

@@ -1,0 +1,77 @@
+"""ZeRO through the real runner: loss curves match one process; sharded checkpoints resume on fewer ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from disttrain.config import validate
+from disttrain.data import build_datamodule
+from disttrain.export import export
+from disttrain.models import build_model
+from disttrain.run import train
+from tests.test_run import GPT_FAST, step_losses
+
+RTOL, ATOL = 1.3e-6, 1e-5  # torch's own FSDP parity tolerance
+
+
+def assert_same_curve(reference: list[float], other: list[float]) -> None:
+    assert len(reference) == len(other) > 0
+    for step, (x, y) in enumerate(zip(reference, other, strict=True)):
+        assert abs(x - y) <= ATOL + RTOL * abs(x), f"step {step}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def single_curve(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    from tests.conftest import compose_config
+
+    train(compose_config(GPT_FAST, run_dir))
+    return step_losses(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("preset", "ranks"),
+    [("zero1", 2), ("zero2", 2), ("zero3", 2), ("hsdp", 4)],
+)
+def test_zero_matches_single_process(make_config, tmp_path, single_curve, preset, ranks):
+    train(make_config([*GPT_FAST, f"parallel={preset}", f"trainer.devices={ranks}"], tmp_path / "run"))
+    assert_same_curve(single_curve, step_losses(tmp_path / "run"))
+
+
+def test_zero3_with_accumulation_and_activation_checkpointing(make_config, tmp_path, single_curve):
+    overrides = [*GPT_FAST, "parallel=zero3", "trainer.devices=2", "batch.accumulation=2",
+                 "parallel.activation_checkpointing=true"]
+    train(make_config(overrides, tmp_path / "run"))
+    assert_same_curve(single_curve, step_losses(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("preset", ["zero3", "zero1"])
+def test_checkpoint_from_4_ranks_resumes_on_2_and_1_and_exports(make_config, tmp_path, preset):
+    every6 = [*GPT_FAST, "trainer.max_steps=12", "trainer.val_check_interval=6",
+              "trainer.check_val_every_n_epoch=null", "checkpoint.save_top_k=-1"]
+    train(make_config([*every6, f"parallel={preset}", "trainer.devices=4"], tmp_path / "four"))
+    step6 = tmp_path / "four" / "checkpoints" / "step6.ckpt"
+    straight = step_losses(tmp_path / "four")
+    # same size: the identical continuation
+    train(make_config([*every6, f"parallel={preset}", "trainer.devices=4", f"resume={step6}"], tmp_path / "same"))
+    assert_same_curve(straight[6:], step_losses(tmp_path / "same"))
+    # fewer ranks (same global batch, so the same samples per step): the continuation matches too
+    train(make_config([*every6, f"parallel={preset}", "trainer.devices=2", f"resume={step6}"], tmp_path / "two"))
+    assert_same_curve(straight[6:], step_losses(tmp_path / "two"))
+    if preset == "zero1":  # index-keyed optimiser state: resumes under ZeRO-1 only, and says so otherwise
+        with pytest.raises(ValueError, match="zero_stage=1"):
+            train(make_config([*every6, f"resume={step6}"], tmp_path / "one"))
+    else:
+        train(make_config([*every6, f"resume={step6}"], tmp_path / "one"))
+        assert_same_curve(straight[6:], step_losses(tmp_path / "one"))
+    # one consolidated file for inference
+    weights = torch.load(export(step6, tmp_path / "model.pt"), weights_only=True)
+    run = validate(OmegaConf.load(tmp_path / "four" / "config.yaml"), world_size=4)
+    model = build_model(run.model, build_datamodule(run.data, 1, 0).spec)
+    model.load_state_dict(weights, strict=True)
+    results = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert results["world_size"] == 2 and results["global_steps"] == 12
