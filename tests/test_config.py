@@ -31,6 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
         (["trainer.max_steps=0"], "trainer.max_steps", "positive"),
         (["parallel.dp_replicate=-1", "parallel.dp_shard=-1"], "parallel.dp_shard", "at most one"),
         (["optim=sgd", "optim.momentum=0", "optim.nesterov=true"], "optim.nesterov", "momentum"),
+        (["parallel=zero3", "trainer.devices=4", "parallel.dp_replicate=3"], "parallel", "does not divide"),
+        (["parallel=zero3", "parallel.zero_stage=4", "trainer.devices=2"], "parallel.zero_stage", "one of 0, 1, 2, 3"),
+        (["parallel=zero2"], "parallel.dp_shard", "> 1 for zero_stage=2"),
+        (["parallel=zero3", "trainer.devices=4", "parallel.tp=2"], "parallel.tp", "not available yet"),
+        (["parallel=zero1", "trainer.devices=2", "parallel.cpu_offload=true"], "parallel.cpu_offload", "false"),
+        (["parallel=zero3", "trainer.devices=2", "parallel.cpu_offload=true"], "parallel.cpu_offload", "CPU run"),
+        (["parallel=ddp", "trainer.devices=2", "parallel.dp_replicate=4"], "parallel", "multiply to 4"),
     ],
 )
 def test_bad_input_is_one_clear_line(make_config, overrides, key, allowed):
