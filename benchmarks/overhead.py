@@ -27,18 +27,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def overrides(flavour: str, steps: int, global_batch: int, devices: int) -> list[str]:
+def overrides(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp") -> list[str]:
     """The disttrain run being measured: no logging, checkpoints, validation or test."""
     return [
         "model=gpt", f"model.flavour={flavour}", "data=pydocs", f"batch.global_size={global_batch}",
         f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.run_test=false",
         "trainer.log_every_n_steps=1000000", "logger=none", "callbacks=none",
         "checkpoint.save_last=false", "checkpoint.save_top_k=0",
-        *(["parallel=ddp", f"trainer.devices={devices}"] if devices > 1 else []),
+        *([f"parallel={preset}", f"trainer.devices={devices}"] if devices > 1 else []),
     ]
 
 
-def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int) -> float:
+def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp") -> float:
     """Steps/s of ``train()`` as reported in its results.json (clock starts after step 1)."""
     from hydra import compose, initialize_config_dir
 
@@ -47,14 +47,17 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 
     with tempfile.TemporaryDirectory() as run_dir:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices), f"run_dir={run_dir}"])
+            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices, preset),
+                                                     f"run_dir={run_dir}"])
         train(cfg)
         results = json.loads((Path(run_dir) / "results.json").read_text())
     return results["samples_per_sec"] / global_batch
 
 
-def plain_loop(rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict) -> None:
-    """A hand-written loop: model, DistributedSampler, AdamW, clipping, cosine schedule, optional DDP."""
+def plain_loop(
+    rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict, wrap: str = "ddp"
+) -> None:
+    """A hand-written loop: model, DistributedSampler, AdamW, clipping, cosine schedule; DDP or FSDP2 (zero3)."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -70,8 +73,16 @@ def plain_loop(rank: int, world: int, port: int, flavour: str, steps: int, globa
     datamodule = build_datamodule(PyDocsConfig(), micro_batch_size=global_batch // world, seed=0)
     datamodule.setup("fit")
     model = build_model(GPTConfig(flavour=flavour), datamodule.spec)
-    if world > 1:
+    if world > 1 and wrap == "ddp":
         model = DistributedDataParallel(model)
+    elif world > 1:  # FSDP2 per transformer block, then the root, resharding after forward (ZeRO-3)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = build_optimizer(AdamWConfig(lr=3e-3), model)
     scheduler = build_scheduler(SchedulerConfig(warmup_fraction=0.05), optimizer, steps)
     dataset = datamodule.datasets["train"]
@@ -98,7 +109,7 @@ def plain_loop(rank: int, world: int, port: int, flavour: str, steps: int, globa
         dist.destroy_process_group()
 
 
-def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int) -> float:
+def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, wrap: str = "ddp") -> float:
     """Steps/s of the plain loop on ``devices`` ranks."""
     if devices == 1:
         out: dict = {}
@@ -109,7 +120,7 @@ def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: in
         port = sock.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(plain_loop, args=(devices, port, flavour, steps, global_batch, out), nprocs=devices)
+        mp.spawn(plain_loop, args=(devices, port, flavour, steps, global_batch, out, wrap), nprocs=devices)
         return out["steps_per_sec"]
 
 
