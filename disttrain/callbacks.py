@@ -25,7 +25,7 @@ class ThroughputMeter(pl.Callback):
         self._paused = 0.0
         self._pause_start = 0.0
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         now = time.perf_counter()
         if self._origin is None:
             if trainer.global_step >= 1:  # the clock starts after the first (warm-up) optimiser step
@@ -33,6 +33,9 @@ class ThroughputMeter(pl.Callback):
             return
         self.steps = trainer.global_step - self._origin[1]
         self.seconds = now - self._origin[0] - self._paused
+        if trainer.global_step % trainer.log_every_n_steps == 0 and self.seconds > 0:
+            pl_module.log_dict({"train/samples_per_sec": self.samples_per_sec,
+                                "train/tokens_per_sec": self.tokens_per_sec}, on_step=True, on_epoch=False)
 
     def on_validation_start(self, trainer: pl.Trainer, *_: Any) -> None:
         self._pause_start = time.perf_counter()

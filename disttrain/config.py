@@ -317,6 +317,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         raise ConfigError("parallel.cpu_offload", True,
                           "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
     _validate_trainer(top.trainer)
+    if getattr(model, "sync_batchnorm", False) and not _uses_gpu(top.trainer.accelerator):
+        raise ConfigError("model.sync_batchnorm", True,
+                          "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
     if top.resume not in (None, "auto") and not os.path.exists(top.resume):
         raise ConfigError("resume", top.resume, "null, auto, or the path of an existing checkpoint")
     world = world_size if world_size is not None else world_size_of(top.trainer)

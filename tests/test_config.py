@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
         (["parallel=zero3", "trainer.devices=4", "parallel.dp_replicate=3"], "parallel", "does not divide"),
         (["parallel=zero3", "parallel.zero_stage=4", "trainer.devices=2"], "parallel.zero_stage", "one of 0, 1, 2, 3"),
         (["parallel=zero2"], "parallel.dp_shard", "> 1 for zero_stage=2"),
+        (["parallel=ddp", "trainer.devices=2", "model.sync_batchnorm=true"], "model.sync_batchnorm", "GPU"),
         (["parallel=zero3", "trainer.devices=4", "parallel.tp=2"], "parallel.tp", "not available yet"),
         (["parallel=zero1", "trainer.devices=2", "parallel.cpu_offload=true"], "parallel.cpu_offload", "false"),
         (["parallel=zero3", "trainer.devices=2", "parallel.cpu_offload=true"], "parallel.cpu_offload", "CPU run"),

@@ -35,7 +35,7 @@ def single_curve(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("preset", "ranks"),
-    [("zero1", 2), ("zero2", 2), ("zero3", 2), ("hsdp", 4)],
+    [("zero1", 2), ("zero2", 2), ("zero3", 2), ("zero3", 4), ("hsdp", 4)],
 )
 def test_zero_matches_single_process(make_config, tmp_path, single_curve, preset, ranks):
     train(make_config([*GPT_FAST, f"parallel={preset}", f"trainer.devices={ranks}"], tmp_path / "run"))
