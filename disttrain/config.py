@@ -327,8 +327,19 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
     p.check_dims(dims)
     batch = resolve_batch(top.batch, dims.dp)
-    model.validate(build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed).spec)
+    model_dims = model.validate(build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed).spec)
+    if dims.tp > 1:
+        _check_tensor_parallel(model, model_dims, dims.tp)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg))
+
+
+def _check_tensor_parallel(model: Any, model_dims: Any, tp: int) -> None:
+    """Only models with a tensor-parallel plan may use tp, and their widths must split evenly."""
+    from disttrain.parallel.tp import check_tp_divisibility
+
+    if model.name != "gpt":
+        raise ConfigError("parallel.tp", tp, f"1 for model {model.name!r}: it has no tensor-parallel plan (gpt has)")
+    check_tp_divisibility(model_dims.n_head, model_dims.n_embd, tp)
 
 
 def _uses_gpu(accelerator: str) -> bool:

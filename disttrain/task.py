@@ -15,6 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from disttrain.models.spec import DataSpec
 from disttrain.optim import build_optimizer, build_scheduler
+from disttrain.parallel.clip import clip_grad_norm
 
 LN2 = math.log(2.0)
 # Epoch metrics are logged from torchmetrics' compute(), which has already reduced them over all ranks.
@@ -113,6 +114,15 @@ class TrainTask(pl.LightningModule):
         """Log the epoch's mean training loss over all ranks."""
         self.log("train/loss_epoch", self.losses["train_loss"].compute())
         self.losses["train_loss"].reset()
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the global norm of whole parameters, also when some are tensor-parallel shards."""
+        if gradient_clip_val:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm(params, gradient_clip_val)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""

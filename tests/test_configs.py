@@ -13,6 +13,12 @@ from disttrain.models import build_model
 from tests.conftest import CONF
 
 GROUPS = ["model", "data", "parallel", "optim", "scheduler", "trainer", "logger", "callbacks", "recipe"]
+GPT_ON_TEXT = ["model=gpt", "data=pydocs"]
+PARALLEL_NEEDS = {  # presets that need more ranks than 2, or a model with a tensor-parallel plan
+    "hsdp": ["trainer.devices=4"],
+    "hybrid": ["trainer.devices=4", *GPT_ON_TEXT],
+    "tp": ["trainer.devices=2", *GPT_ON_TEXT],
+}
 TEXT_DATA = ("pydocs", "tokens", "synthetic_tokens")
 CASES = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 
@@ -31,7 +37,7 @@ def test_config_composes_validates_and_builds(make_config, tmp_path, group, opti
     if group == "data" and option == "tokens":
         overrides.append(f"data.path={token_dir(tmp_path)}")
     if group == "parallel" and option != "single":
-        overrides.append("trainer.devices=2")
+        overrides += PARALLEL_NEEDS.get(option, ["trainer.devices=2"])
     if group == "data" and option in TEXT_DATA:
         overrides.append("model=gpt")
     if group == "model" and option == "gpt":

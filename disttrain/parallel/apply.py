@@ -1,6 +1,6 @@
 """Plain functions that apply parallelism to a model over a mesh, in one fixed order.
 
-Order: activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding) or DDP
+Order: tensor parallelism, activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding) or DDP
 replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy).
 """
 
@@ -19,6 +19,7 @@ from disttrain.parallel.checkpointing import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
+from disttrain.parallel.tp import apply_tp
 
 
 def apply_parallelism(
@@ -31,6 +32,8 @@ def apply_parallelism(
     sync_batchnorm: bool = False,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper)."""
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], sequence_parallel=parallel.sequence_parallel)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     if parallel.zero_stage in (2, 3):

@@ -38,6 +38,8 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     zero_stage: int = 0
     """0: plain replication; 1, 2, 3: ZeRO stage of the sharded data-parallel dimension."""
+    sequence_parallel: bool = False
+    """With tp > 1: also shard norms and dropout along the sequence (less activation memory)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them (less memory, ~30% more compute)."""
     cpu_offload: bool = False
@@ -66,9 +68,14 @@ class ParallelConfig:
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
-        for key, value in {"tp": dims.tp, "pp": dims.pp}.items():
-            if value > 1:
-                raise ConfigError(f"parallel.{key}", value, "1 (this degree is not available yet)")
+        if dims.pp > 1:
+            raise ConfigError("parallel.pp", dims.pp, "1 (pipeline parallelism is not available yet)")
+        if dims.tp > 1 and dims.dp_replicate > 1 and self.zero_stage in (0, 1):
+            raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
+                              "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "
+                              "parameters; shard them with dp_shard, or use hybrid sharding)")
+        if self.sequence_parallel and dims.tp == 1:
+            raise ConfigError("parallel.sequence_parallel", True, "false unless parallel.tp > 1")
         if dims.dp_shard > 1 and self.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")
         if self.zero_stage and dims.dp_shard == 1:

@@ -1,0 +1,29 @@
+"""Gradient clipping by the global norm when parameters are a mix of DTensor shards and plain tensors.
+
+``torch.nn.utils.clip_grad_norm_`` refuses a mix (tensor parallelism shards some layers and replicates
+the rest); here every parameter's norm is taken on its whole tensor from the local shard, with the same
+single batched all-reduce per process group as the layer-wise optimisers use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from disttrain.optim.norms import local_grad, whole_norms
+
+
+def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Scale all gradients so that their global L2 norm is at most ``max_norm``; return the norm before."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    total = whole_norms([local_grad(p) for p in params], params).square().sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad.mul_(coef.to(grad.dtype))
+    return total
