@@ -330,6 +330,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     model_dims = model.validate(build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed).spec)
     if dims.tp > 1:
         _check_tensor_parallel(model, model_dims, dims.tp)
+    if dims.pp > 1:
+        _check_pipeline(model, model_dims, dims.pp, p.pipeline, batch.micro_size)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg))
 
 
@@ -340,6 +342,16 @@ def _check_tensor_parallel(model: Any, model_dims: Any, tp: int) -> None:
     if model.name != "gpt":
         raise ConfigError("parallel.tp", tp, f"1 for model {model.name!r}: it has no tensor-parallel plan (gpt has)")
     check_tp_divisibility(model_dims.n_head, model_dims.n_embd, tp)
+
+
+def _check_pipeline(model: Any, model_dims: Any, pp: int, options: Any, micro_size: int) -> None:
+    """Only models with split points may be pipelined; the schedule, stages and micro-batches must fit."""
+    from disttrain.parallel.pipeline import check_pipeline
+
+    if model.name != "gpt":
+        raise ConfigError("parallel.pp", pp, f"1 for model {model.name!r}: it has no pipeline split plan (gpt has)")
+    check_pipeline(options.schedule, pp, options.stages_per_rank, options.microbatches, micro_size,
+                   model_dims.n_layer, model.tie_weights)
 
 
 def _uses_gpu(accelerator: str) -> bool:

@@ -61,6 +61,7 @@ def run_rank(run: RunConfig) -> float | None:
     """Train on this rank (the process group may already exist); rank 0 writes ``results.json``."""
     from disttrain.data import build_datamodule
     from disttrain.models import build_model
+    from disttrain.pipeline_task import PipelineTask
     from disttrain.task import TrainTask
 
     cfg = run.train
@@ -69,7 +70,13 @@ def run_rank(run: RunConfig) -> float | None:
         datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
         spec = datamodule.spec
         net = build_model(run.model, spec)
-        task = TrainTask(net, spec, run.optim, run.scheduler, total_steps=_total_steps(run, datamodule))
+        task_args = (net, spec, run.optim, run.scheduler)
+        if run.dims.pp > 1:
+            task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule),
+                                accumulation=run.batch.accumulation, microbatches=cfg.parallel.pipeline.microbatches,
+                                clip=cfg.trainer.gradient_clip_val, dp=run.dims.dp)
+        else:
+            task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule))
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         trainer = build_trainer(run, task, meter)
         started = time.perf_counter()
@@ -116,6 +123,7 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
     callbacks += [instantiate(node) for node in cfg.callbacks.values() if node]
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
+    pipelined = run.dims.pp > 1
     return pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
         devices=devices,
@@ -124,8 +132,10 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         max_steps=t.max_steps,
         max_epochs=t.max_epochs if t.max_steps == -1 else None,
         precision=t.precision,
-        gradient_clip_val=t.gradient_clip_val,
-        accumulate_grad_batches=run.batch.accumulation,
+        # a pipelined task steps its optimiser itself (manual optimisation), clipping and accumulating
+        gradient_clip_val=None if pipelined else t.gradient_clip_val,
+        accumulate_grad_batches=1 if pipelined else run.batch.accumulation,
+        inference_mode=not pipelined,  # pipeline stages exchange activations that autograd may not track
         val_check_interval=_count_or_fraction(t.val_check_interval),
         check_val_every_n_epoch=t.check_val_every_n_epoch,
         limit_val_batches=_count_or_fraction(t.limit_val_batches),

@@ -27,8 +27,11 @@ GPT_FAST = [
 def step_losses(run_dir: Path) -> list[float]:
     """The train/loss column of the CSV log, one value per optimiser step."""
     with open(run_dir / "csv" / "metrics.csv") as handle:
-        rows = [row for row in csv.DictReader(handle) if row.get("train/loss")]
-    return [float(row["train/loss"]) for row in rows]
+        by_step = {}  # a step's loss may be written again on later rows of the same step
+        for row in csv.DictReader(handle):
+            if row.get("train/loss"):
+                by_step.setdefault(int(row["step"]), float(row["train/loss"]))
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def test_default_run_leaves_a_complete_run_directory(make_config, tmp_path):

@@ -10,18 +10,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from disttrain.optim.norms import local_grad, whole_norms
 
 
-def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
-    """Scale all gradients so that their global L2 norm is at most ``max_norm``; return the norm before."""
+def clip_grad_norm(
+    parameters: Iterable[Tensor], max_norm: float, across: dist.ProcessGroup | None = None
+) -> Tensor:
+    """Scale all gradients so that their global L2 norm is at most ``max_norm``; return the norm before.
+
+    ``across``: a group whose ranks hold different parameters (pipeline stages); their squared norms add up.
+    """
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    total = whole_norms([local_grad(p) for p in params], params).square().sum().sqrt()
+    squared = whole_norms([local_grad(p) for p in params], params).square().sum() if params else torch.zeros(())
+    if across is not None:
+        dist.all_reduce(squared, group=across)
+    total = squared.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -23,6 +23,20 @@ class DDPOptions:
 
 
 @dataclass
+class PipelineOptions:
+    """Options of pipeline parallelism (torch.distributed.pipelining), used when parallel.pp > 1."""
+
+    schedule: str = "1f1b"
+    """One of gpipe, 1f1b, interleaved_1f1b, zero_bubble (interleaved zero bubble), zbv."""
+    microbatches: int = 4
+    """Micro-batches each rank's batch is split into per step (at least pp for 1f1b)."""
+    stages_per_rank: int = 1
+    """Stages each rank holds: 1 for gpipe/1f1b, 2 or more for the interleaved schedules, 2 for zbv."""
+    split_points: list[int] | None = None
+    """Block index where each stage after the first starts; null: balanced by parameter count."""
+
+
+@dataclass
 class ParallelConfig:
     """How a run is spread over ranks: mesh degrees ``pp x dp_replicate x dp_shard x tp`` and options."""
 
@@ -48,6 +62,8 @@ class ParallelConfig:
     """ZeRO-2/3 of a model without ``blocks``: direct children at least this large become sharding units."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options used when gradients are all-reduced by DDP."""
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """Options used when parallel.pp > 1."""
     backend: str | None = None
     """torch.distributed backend; null: gloo on CPU, nccl on GPU."""
     timeout_s: int = 1800
@@ -68,8 +84,12 @@ class ParallelConfig:
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
-        if dims.pp > 1:
-            raise ConfigError("parallel.pp", dims.pp, "1 (pipeline parallelism is not available yet)")
+        if dims.pp > 1 and (dims.tp > 1 or dims.dp_replicate > 1 or self.zero_stage == 1):
+            raise ConfigError("parallel.pp", dims.pp,
+                              "pp > 1 combines with dp_shard (zero_stage 2 or 3) only; tp, dp_replicate and "
+                              "zero_stage=1 with pipelining are not available yet")
+        if dims.pp > 1 and self.activation_checkpointing:
+            raise ConfigError("parallel.activation_checkpointing", True, "false with pp > 1 (not available yet)")
         if dims.tp > 1 and dims.dp_replicate > 1 and self.zero_stage in (0, 1):
             raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
                               "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "

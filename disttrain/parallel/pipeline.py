@@ -122,7 +122,7 @@ def stage_indices(rank: int, pp: int, stages_per_rank: int, style: str = "loop")
     """
     if style == "v":
         if stages_per_rank != 2:
-            raise ConfigError("parallel.stages_per_rank", stages_per_rank, "2 for the 'v' placement (zbv)")
+            raise ConfigError("parallel.pipeline.stages_per_rank", stages_per_rank, "2 for the 'v' placement (zbv)")
         return [rank, 2 * pp - 1 - rank]
     if style != "loop":
         raise ValueError(f"unknown stage placement {style!r}: 'loop' or 'v'")
@@ -146,34 +146,34 @@ def check_pipeline(
     """Raise ``ConfigError`` for a pipeline that cannot run; ``batch_size`` is the batch each step splits
     into ``microbatches`` (per data-parallel rank)."""
     if schedule not in SCHEDULES:
-        raise ConfigError("parallel.pipeline_schedule", schedule, f"one of {list(SCHEDULES)}")
+        raise ConfigError("parallel.pipeline.schedule", schedule, f"one of {list(SCHEDULES)}")
     if pp < 1:
         raise ConfigError("parallel.pp", pp, "a positive integer")
     if schedule in SINGLE_STAGE and stages_per_rank != 1:
-        raise ConfigError("parallel.stages_per_rank", stages_per_rank, f"1 for the {schedule} schedule")
+        raise ConfigError("parallel.pipeline.stages_per_rank", stages_per_rank, f"1 for the {schedule} schedule")
     if schedule == "zbv" and stages_per_rank != 2:
-        raise ConfigError("parallel.stages_per_rank", stages_per_rank, "2 for the zbv schedule")
+        raise ConfigError("parallel.pipeline.stages_per_rank", stages_per_rank, "2 for the zbv schedule")
     if stages_per_rank < 1:
-        raise ConfigError("parallel.stages_per_rank", stages_per_rank, "a positive integer")
+        raise ConfigError("parallel.pipeline.stages_per_rank", stages_per_rank, "a positive integer")
     num_stages = pp * stages_per_rank
     if num_stages > num_blocks:
         raise ConfigError("parallel.pp", pp, f"pp x stages_per_rank = {num_stages} stages for a model of "
                           f"{num_blocks} blocks: at most one stage per block")
     if microbatches < 1:
-        raise ConfigError("parallel.microbatches", microbatches, "a positive integer")
+        raise ConfigError("parallel.pipeline.microbatches", microbatches, "a positive integer")
     if schedule == "1f1b" and microbatches < pp:
-        raise ConfigError("parallel.microbatches", microbatches, f"at least pp={pp} for the 1f1b schedule")
+        raise ConfigError("parallel.pipeline.microbatches", microbatches, f"at least pp={pp} for the 1f1b schedule")
     if schedule == "zbv" and microbatches < num_stages:
-        raise ConfigError("parallel.microbatches", microbatches,
+        raise ConfigError("parallel.pipeline.microbatches", microbatches,
                           f"at least the number of stages ({num_stages}) for the zbv schedule")
     if schedule in ("interleaved_1f1b", "zero_bubble"):
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            raise ConfigError("parallel.microbatches", microbatches,
+            raise ConfigError("parallel.pipeline.microbatches", microbatches,
                               f"a multiple of max(1, microbatches // pp) = {rounds} for {schedule}, "
                               f"e.g. a multiple of pp={pp}")
     if batch_size % microbatches:
-        raise ConfigError("parallel.microbatches", microbatches,
+        raise ConfigError("parallel.pipeline.microbatches", microbatches,
                           f"a divisor of the batch size {batch_size}: microbatches must be equal in size")
     if tie_weights and pp > 1:
         raise ConfigError("model.tie_weights", tie_weights,
@@ -268,10 +268,10 @@ def build_schedule(
     then equal those of the full-batch mean loss (see the module docstring).
     """
     if name not in SCHEDULES:
-        raise ConfigError("parallel.pipeline_schedule", name, f"one of {list(SCHEDULES)}")
+        raise ConfigError("parallel.pipeline.schedule", name, f"one of {list(SCHEDULES)}")
     cls = get_schedule_class(SCHEDULES[name])
     if name in SINGLE_STAGE:
         if len(stages) != 1:
-            raise ConfigError("parallel.stages_per_rank", len(stages), f"1 for the {name} schedule")
+            raise ConfigError("parallel.pipeline.stages_per_rank", len(stages), f"1 for the {name} schedule")
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return cls(list(stages), n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)

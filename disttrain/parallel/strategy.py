@@ -20,16 +20,21 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from disttrain.parallel.pipelined import Pipeline, build_pipeline
 from disttrain.parallel.zero1 import load_zero1_state_dict, shard_optimizer_state, zero1_load_template, zero1_state_dict
 
 METADATA_FILE = "meta.pt"
 LAYOUT_KEY = "disttrain_optimizer_layout"
+# Optimiser state keyed by parameter name, hyper-parameters included: pipeline stages hold different
+# parameters, and nested param groups of different stages would collide in one checkpoint.
+FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
 
 class DistTrainStrategy(ModelParallelStrategy):
@@ -49,6 +54,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.dims = dims
         self.precision = precision
         self.sync_batchnorm = sync_batchnorm
+        self.pipeline: Pipeline | None = None
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
@@ -69,10 +75,15 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not getattr(task, "_parallel_applied", False):
-            task.net = apply_parallelism(
-                task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
-                self.sync_batchnorm,
-            )
+            if self.dims.pp > 1:
+                task.net, self.pipeline = build_pipeline(
+                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, task.pipeline_loss
+                )
+            else:
+                task.net = apply_parallelism(
+                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
+                    self.sync_batchnorm,
+                )
             task._parallel_applied = True
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -98,7 +109,9 @@ class DistTrainStrategy(ModelParallelStrategy):
         inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
         if isinstance(inner, ZeroRedundancyOptimizer):
             return zero1_state_dict(inner)
-        return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, inner, options=FLAT_STATE)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write
@@ -144,14 +157,14 @@ class DistTrainStrategy(ModelParallelStrategy):
             if isinstance(optimizer, ZeroRedundancyOptimizer):
                 state[f"optimizer_{idx}"] = zero1_load_template(optimizer)
             else:
-                state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
+                state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=FLAT_STATE)
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["state_dict"])
         for idx, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, ZeroRedundancyOptimizer):
                 load_zero1_state_dict(optimizer, state[f"optimizer_{idx}"])
             else:
-                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], options=FLAT_STATE)
         return metadata
 
     def _optimizer_layout(self) -> str:

@@ -1,0 +1,86 @@
+"""Pipeline parallelism inside the runner: build this rank's stages and run a schedule in a training step.
+
+Lightning's automatic loop zeroes gradients between ``training_step`` and ``backward``, while a pipeline
+schedule runs forward and backward inside one call; the pipelined task therefore uses Lightning's manual
+optimisation and does accumulation, global-norm clipping and the optimiser step itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+
+from disttrain.parallel.config import ParallelConfig
+from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.pipeline import build_schedule, build_stage_module, gpt_split_points, placement, stage_indices
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a pipeline: its schedule and whether it holds the first and the last stage."""
+
+    schedule: Any
+    has_first: bool
+    has_last: bool
+    pp_group: dist.ProcessGroup
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor | None:
+        """One step (train) or forward-only pass of the schedule over the batch; the summed microbatch
+        losses on the last stage, None elsewhere."""
+        self.losses.clear()
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": self.losses} if self.has_last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        return torch.stack(self.losses).sum() if self.has_last else None
+
+
+def build_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    device: torch.device,
+    loss_fn: Any,
+) -> tuple[nn.Module, Pipeline]:
+    """Cut ``model`` into stages, keep this rank's (sharded over dp_shard when zero_stage is 2 or 3), and
+    build the schedule. Returns a module holding exactly this rank's parameters under the full model's
+    names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
+    options = parallel.pipeline
+    num_stages = dims.pp * options.stages_per_rank
+    points = [0, *options.split_points] if options.split_points else gpt_split_points(model, num_stages)
+    pp_rank = mesh.get_local_rank("pp")
+    indices = stage_indices(pp_rank, dims.pp, options.stages_per_rank, placement(options.schedule))
+    modules = [build_stage_module(model, i, num_stages, points).to(device) for i in indices]
+    if parallel.zero_stage in (2, 3):
+        for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
+            fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=parallel.zero_stage == 3)
+    pp_group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, i, num_stages, device, group=pp_group) for m, i in zip(modules, indices, strict=True)]
+    # Gradients are scaled by the loss function (1 / microbatches / accumulation), not by the schedule,
+    # whose scaling would also divide gradients accumulated over earlier batches.
+    schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
+    owned = merge_stage_modules(modules)
+    return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group)
+
+
+def merge_stage_modules(modules: list[nn.Module]) -> nn.Module:
+    """One module whose children are the union of the stage modules' children (same names as the full model)."""
+    if len(modules) == 1:
+        return modules[0]
+    merged = nn.Module()
+    merged.blocks = nn.ModuleDict()
+    for module in modules:
+        for name, child in module.named_children():
+            if name == "blocks":
+                merged.blocks.update(child)
+            elif child is not None:
+                setattr(merged, name, child)
+    return merged

@@ -1,0 +1,65 @@
+"""The task for pipeline-parallel runs: a schedule runs forward and backward of all micro-batches at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from disttrain.parallel.clip import clip_grad_norm
+from disttrain.task import TrainTask
+
+
+class PipelineTask(TrainTask):
+    """TrainTask under manual optimisation: accumulation, clipping and the step happen here.
+
+    Losses exist on the last stage only; they are summed over the world and divided by the number of
+    last-stage ranks (the data-parallel size) to log the global mean.
+    """
+
+    def __init__(self, *args: Any, accumulation: int, microbatches: int, clip: float | None, dp: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.accumulation = accumulation
+        self.microbatches = microbatches
+        self.clip = clip
+        self.dp = dp
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Microbatch mean cross-entropy, scaled so the summed gradients are those of the step's mean."""
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return loss / (self.microbatches * self.accumulation)
+
+    def _global_mean(self, local_sum: torch.Tensor | None) -> torch.Tensor:
+        value = local_sum.detach().clone() if local_sum is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(value)
+        return value / self.dp
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""
+        pipeline = self.trainer.strategy.pipeline
+        scaled = pipeline.run(batch[0], batch[1], train=True)
+        # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
+        self._step_loss.append(self._global_mean(scaled) * self.accumulation)
+        if (batch_idx + 1) % self.accumulation:
+            return
+        optimizer = self.optimizers()
+        if self.clip:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm(params, self.clip, across=pipeline.pp_group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.lr_schedulers().step()
+        # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
+        self.log("train/loss", torch.stack(self._step_loss).mean(), on_step=True, on_epoch=False, prog_bar=True)
+        self._step_loss.clear()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's loss is already global here (see training_step); nothing to reduce."""
+
+    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        scaled = self.trainer.strategy.pipeline.run(batch[0], batch[1], train=False)
+        if scaled is not None:  # last stage: undo the training-time scaling of the loss function
+            self.losses[f"{stage}_loss"].update(scaled.detach() * self.accumulation, weight=batch[1].numel())
