@@ -14,6 +14,8 @@ from disttrain.parallel.dims import ParallelDims
 from disttrain.run import train
 
 ROOT = Path(__file__).resolve().parent.parent
+GPT_TEXT = ["model=gpt", "data=pydocs"]
+GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
 
 
 @pytest.mark.parametrize(
@@ -35,7 +37,18 @@ ROOT = Path(__file__).resolve().parent.parent
         (["parallel=zero3", "parallel.zero_stage=4", "trainer.devices=2"], "parallel.zero_stage", "one of 0, 1, 2, 3"),
         (["parallel=zero2"], "parallel.dp_shard", "> 1 for zero_stage=2"),
         (["parallel=ddp", "trainer.devices=2", "model.sync_batchnorm=true"], "model.sync_batchnorm", "GPU"),
-        (["parallel=zero3", "trainer.devices=4", "parallel.pp=2"], "parallel.pp", "not available yet"),
+        (["parallel=zero3", "trainer.devices=4", "parallel.pp=2"], "parallel.pp", "no pipeline split plan"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_TEXT], "model.tie_weights", "different stages"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.microbatches=1"],
+         "parallel.pipeline.microbatches", "at least pp=2"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.microbatches=3"],
+         "parallel.pipeline.microbatches", "divisor of the batch size"),
+        (["parallel=pipeline", "trainer.devices=8", *GPT_UNTIED], "parallel.pp", "at most one stage per block"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.schedule=looped"],
+         "parallel.pipeline.schedule", "one of"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.schedule=zbv"],
+         "parallel.pipeline.stages_per_rank", "2 for the zbv"),
+        (["parallel=pipeline", "trainer.devices=4", *GPT_UNTIED, "parallel.tp=2"], "parallel.pp", "not available yet"),
         (["parallel=tp", "trainer.devices=2"], "parallel.tp", "no tensor-parallel plan"),
         (["parallel=tp", "trainer.devices=2", "model=gpt", "data=pydocs", "model.n_head=1", "model.n_embd=33"],
          "model.n_head", "divisible by parallel.tp"),

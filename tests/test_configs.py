@@ -18,6 +18,7 @@ PARALLEL_NEEDS = {  # presets that need more ranks than 2, or a model with a ten
     "hsdp": ["trainer.devices=4"],
     "hybrid": ["trainer.devices=4", *GPT_ON_TEXT],
     "tp": ["trainer.devices=2", *GPT_ON_TEXT],
+    "pipeline": ["trainer.devices=2", *GPT_ON_TEXT, "model.tie_weights=false"],
 }
 TEXT_DATA = ("pydocs", "tokens", "synthetic_tokens")
 CASES = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
