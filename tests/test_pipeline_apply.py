@@ -151,7 +151,7 @@ def test_stage_indices() -> None:
 
 
 @pytest.mark.parametrize(("args", "key"), [
-    (("pipedream", 2, 1, 4, 8, 4), "pipeline_schedule"),
+    (("pipedream", 2, 1, 4, 8, 4), "schedule"),
     (("gpipe", 2, 2, 4, 8, 8), "stages_per_rank"),
     (("1f1b", 2, 2, 4, 8, 8), "stages_per_rank"),
     (("zbv", 2, 1, 4, 8, 8), "stages_per_rank"),
