@@ -30,7 +30,6 @@ def clip_grad_norm(
         dist.all_reduce(squared, group=across)
     total = squared.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        grad.mul_(coef.to(grad.dtype))
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
     return total
