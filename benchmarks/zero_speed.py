@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="alternate the two this many times; best of each")
     args = parser.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the workers started below
+    torch.set_num_threads(1)  # this process is rank 0 of the disttrain run: one thread, like every rank
     ours, plain = [], []
     for _ in range(args.repeats):  # alternating evens out drift in a shared machine's load
         ours.append(disttrain_steps_per_sec(args.flavour, args.steps, args.global_batch, 2, preset="zero3"))
