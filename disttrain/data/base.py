@@ -10,6 +10,7 @@ process. A training loader with per-rank batch ``B`` on ``R`` ranks gives rank `
 from __future__ import annotations
 
 import itertools
+from abc import abstractmethod
 from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
@@ -109,17 +110,18 @@ class DataModule(pl.LightningDataModule):
         self._resume = dict(state)
 
     @property
+    @abstractmethod
     def spec(self) -> DataSpec:
-        """What the model must fit: kind, classes or vocabulary, sizes."""
-        raise NotImplementedError
+        """What the model must fit: kind, classes or vocabulary, sizes (each data module defines it)."""
 
     @property
     def num_train_samples(self) -> int:
         """Training samples per epoch, over all ranks."""
         return len(self.datasets["train"])
 
+    @abstractmethod
     def _datasets(self) -> dict[str, Dataset]:
-        raise NotImplementedError
+        """The train, val and test datasets (each data module builds its own)."""
 
     @cached_property
     def datasets(self) -> dict[str, Dataset]:
