@@ -28,3 +28,13 @@ def make_config(tmp_path: Path):
         return compose_config(overrides, run_dir or tmp_path / "run")
 
     return make
+
+
+def single_process_curve(tmp_path_factory: pytest.TempPathFactory, overrides: list[str]) -> list[float]:
+    """Train ``overrides`` in one process and return its per-step loss curve (the parity reference)."""
+    from disttrain.run import train
+    from tests.test_run import step_losses
+
+    run_dir = tmp_path_factory.mktemp("single")
+    train(compose_config(overrides, run_dir))
+    return step_losses(run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain.run import train
+from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 from tests.test_tp_run import assert_close_curves
 
@@ -14,11 +15,7 @@ PIPE_MODEL = ["model.n_layer=4", "model.tie_weights=false", "trainer.max_steps=1
 
 @pytest.fixture(scope="module")
 def single_curve(tmp_path_factory):
-    from tests.conftest import compose_config
-
-    run_dir = tmp_path_factory.mktemp("single")
-    train(compose_config([*GPT_FAST, *PIPE_MODEL], run_dir))
-    return step_losses(run_dir)
+    return single_process_curve(tmp_path_factory, [*GPT_FAST, *PIPE_MODEL])
 
 
 @pytest.mark.parametrize(

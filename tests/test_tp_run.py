@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain.run import train
+from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 
 REL = 1e-4  # relative loss tolerance of the model-parallel parity tests
@@ -21,11 +22,7 @@ TEN_STEPS = [*GPT_FAST, "trainer.max_steps=10"]
 
 @pytest.fixture(scope="module")
 def single_curve(tmp_path_factory):
-    from tests.conftest import compose_config
-
-    run_dir = tmp_path_factory.mktemp("single")
-    train(compose_config(TEN_STEPS, run_dir))
-    return step_losses(run_dir)
+    return single_process_curve(tmp_path_factory, TEN_STEPS)
 
 
 @pytest.mark.parametrize(

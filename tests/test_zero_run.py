@@ -13,6 +13,7 @@ from disttrain.data import build_datamodule
 from disttrain.export import export
 from disttrain.models import build_model
 from disttrain.run import train
+from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 
 RTOL, ATOL = 1.3e-6, 1e-5  # torch's own FSDP parity tolerance
@@ -26,11 +27,7 @@ def assert_same_curve(reference: list[float], other: list[float]) -> None:
 
 @pytest.fixture(scope="module")
 def single_curve(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    from tests.conftest import compose_config
-
-    train(compose_config(GPT_FAST, run_dir))
-    return step_losses(run_dir)
+    return single_process_curve(tmp_path_factory, GPT_FAST)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from disttrain.errors import ConfigError
 from disttrain.optim import OPTIMIZERS, checks
 from disttrain.optim.groups import param_groups
-from disttrain.optim.norms import local, local_grad, whole_norms
+from disttrain.optim.norms import local, local_grad, pair_norms
 
 
 class Lamb(torch.optim.Optimizer):
@@ -33,7 +33,7 @@ class Lamb(torch.optim.Optimizer):
 
     The norms are those of the whole parameter and of its whole update even when the parameter is a
     DTensor sharded by FSDP2 or tensor parallelism: local sums of squares of every parameter are reduced
-    together, one all-reduce per step and process group (see ``whole_norms``); ``full_tensor`` is never
+    together, one all-reduce per step and process group (see ``pair_norms``); ``full_tensor`` is never
     called. ``shard_local_norms=True`` skips that reduction, i.e. takes norms of the local shards only.
     It is wrong on purpose and exists only so the parity tests can show that they catch this mistake.
 
@@ -93,12 +93,8 @@ class Lamb(torch.optim.Optimizer):
                     u.add_(w, alpha=group["weight_decay"])
                 todo.append((group, p, w, u))
         adapted = [item for item in todo if item[0]["adapt"]]
-        norms = whole_norms(
-            [x for _, _, w, u in adapted for x in (w, u)],
-            [p for _, p, _, _ in adapted for _ in (0, 1)],
-            shard_local=self.shard_local_norms,
-        )
-        ratios = iter(_trust_ratios(norms[0::2], norms[1::2], adapted))
+        w_norms, u_norms = pair_norms(adapted, shard_local=self.shard_local_norms)
+        ratios = iter(_trust_ratios(w_norms, u_norms, adapted))
         for group, _, w, u in todo:
             if group["adapt"]:
                 u.mul_(next(ratios).to(u.dtype))

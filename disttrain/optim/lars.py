@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from disttrain.errors import ConfigError
 from disttrain.optim import OPTIMIZERS, checks
 from disttrain.optim.groups import param_groups
-from disttrain.optim.norms import local, local_grad, whole_norms
+from disttrain.optim.norms import local, local_grad, pair_norms
 
 
 class Lars(torch.optim.Optimizer):
@@ -32,7 +32,7 @@ class Lars(torch.optim.Optimizer):
 
     ``||w||`` and ``||g||`` are the norms of the whole parameter and gradient even when the parameter is a
     DTensor sharded by FSDP2 or tensor parallelism: one all-reduce per step and process group of stacked
-    local sums of squares (see ``whole_norms``); ``full_tensor`` is never called. ``shard_local_norms=True``
+    local sums of squares (see ``pair_norms``); ``full_tensor`` is never called. ``shard_local_norms=True``
     skips that reduction, i.e. takes norms of the local shards only. It is wrong on purpose and exists
     only so the parity tests can show that they catch this mistake.
 
@@ -74,12 +74,8 @@ class Lars(torch.optim.Optimizer):
                     raise RuntimeError("Lars does not support sparse gradients")
                 todo.append((group, p, local(p), g))
         adapted = [item for item in todo if item[0]["adapt"]]
-        norms = whole_norms(
-            [x for _, _, w, g in adapted for x in (w, g)],
-            [p for _, p, _, _ in adapted for _ in (0, 1)],
-            shard_local=self.shard_local_norms,
-        )
-        local_lrs = iter(_local_lrs(norms[0::2], norms[1::2], adapted))
+        w_norms, g_norms = pair_norms(adapted, shard_local=self.shard_local_norms)
+        local_lrs = iter(_local_lrs(w_norms, g_norms, adapted))
         for group, p, w, g in todo:
             state = self.state[p]
             if not state:

@@ -67,3 +67,13 @@ def whole_norms(tensors: list[Tensor], owners: list[Tensor], shard_local: bool =
                 dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
                 sq.index_copy_(0, index, part)
     return sq.sqrt()
+
+
+def pair_norms(items: list[tuple], shard_local: bool = False) -> tuple[Tensor, Tensor]:
+    """Whole norms of ``(w, x)`` for items ``(group, param, w, x)``: a weight and its update or gradient.
+
+    All pairs go through one ``whole_norms`` call, so a step costs one all-reduce per process group.
+    """
+    norms = whole_norms([t for _, _, w, x in items for t in (w, x)], [p for _, p, _, _ in items for _ in (0, 1)],
+                        shard_local=shard_local)
+    return norms[0::2], norms[1::2]
