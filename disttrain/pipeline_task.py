@@ -16,16 +16,17 @@ class PipelineTask(TrainTask):
     """TrainTask under manual optimisation: accumulation, clipping and the step happen here.
 
     Losses exist on the last stage only; they are summed over the world and divided by the number of
-    last-stage ranks (the data-parallel size) to log the global mean.
+    last-stage ranks (data-parallel x tensor-parallel size) to log the global mean.
     """
 
-    def __init__(self, *args: Any, accumulation: int, microbatches: int, clip: float | None, dp: int, **kwargs: Any):
+    def __init__(self, *args: Any, accumulation: int, microbatches: int, clip: float | None, loss_ranks: int,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
         self.accumulation = accumulation
         self.microbatches = microbatches
         self.clip = clip
-        self.dp = dp
+        self.loss_ranks = loss_ranks
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Microbatch mean cross-entropy, scaled so the summed gradients are those of the step's mean."""
@@ -35,7 +36,7 @@ class PipelineTask(TrainTask):
     def _global_mean(self, local_sum: torch.Tensor | None) -> torch.Tensor:
         value = local_sum.detach().clone() if local_sum is not None else torch.zeros((), device=self.device)
         dist.all_reduce(value)
-        return value / self.dp
+        return value / self.loss_ranks
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""

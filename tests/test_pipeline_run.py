@@ -41,6 +41,19 @@ def test_pipeline_with_sharded_data_parallel_and_accumulation(make_config, tmp_p
     assert_close_curves(single_curve, per_step)
 
 
+def test_pipeline_with_tensor_parallel(make_config, tmp_path, single_curve):
+    overrides = [*GPT_FAST, *PIPE_MODEL, "parallel=pipeline", "parallel.pp=2", "parallel.tp=2", "trainer.devices=4"]
+    train(make_config(overrides, tmp_path / "run"))
+    assert_close_curves(single_curve, step_losses(tmp_path / "run"))
+
+
+def test_pipeline_x_sharded_data_parallel_x_tensor_parallel(make_config, tmp_path, single_curve):
+    overrides = [*GPT_FAST, *PIPE_MODEL, "parallel=pipeline", "parallel.pp=2", "parallel.dp_shard=2",
+                 "parallel.zero_stage=3", "parallel.tp=2", "trainer.devices=8", "parallel.pipeline.microbatches=2"]
+    train(make_config(overrides, tmp_path / "run"))
+    assert_close_curves(single_curve, step_losses(tmp_path / "run"))
+
+
 def test_pipeline_save_and_resume_continue_the_curve(make_config, tmp_path):
     every5 = [*GPT_FAST, *PIPE_MODEL, "parallel=pipeline", "trainer.devices=2", "trainer.val_check_interval=5",
               "trainer.check_val_every_n_epoch=null", "checkpoint.save_top_k=-1"]

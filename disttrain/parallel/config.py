@@ -84,10 +84,12 @@ class ParallelConfig:
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
-        if dims.pp > 1 and (dims.tp > 1 or dims.dp_replicate > 1 or self.zero_stage == 1):
+        if dims.pp > 1 and (dims.dp_replicate > 1 or self.zero_stage == 1):
             raise ConfigError("parallel.pp", dims.pp,
-                              "pp > 1 combines with dp_shard (zero_stage 2 or 3) only; tp, dp_replicate and "
+                              "pp > 1 combines with tp and with dp_shard (zero_stage 2 or 3); dp_replicate and "
                               "zero_stage=1 with pipelining are not available yet")
+        if dims.pp > 1 and self.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, "false with pp > 1 (not available yet)")
         if dims.pp > 1 and self.activation_checkpointing:
             raise ConfigError("parallel.activation_checkpointing", True, "false with pp > 1 (not available yet)")
         if dims.tp > 1 and dims.dp_replicate > 1 and self.zero_stage in (0, 1):

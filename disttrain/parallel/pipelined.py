@@ -16,10 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor.parallel import parallelize_module
 
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.pipeline import build_schedule, build_stage_module, gpt_split_points, placement, stage_indices
+from disttrain.parallel.tp import block_plan
 
 
 @dataclass
@@ -50,7 +52,8 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Any,
 ) -> tuple[nn.Module, Pipeline]:
-    """Cut ``model`` into stages, keep this rank's (sharded over dp_shard when zero_stage is 2 or 3), and
+    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, sharded over dp_shard when
+    zero_stage is 2 or 3), and
     build the schedule. Returns a module holding exactly this rank's parameters under the full model's
     names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
@@ -59,6 +62,10 @@ def build_pipeline(
     pp_rank = mesh.get_local_rank("pp")
     indices = stage_indices(pp_rank, dims.pp, options.stages_per_rank, placement(options.schedule))
     modules = [build_stage_module(model, i, num_stages, points).to(device) for i in indices]
+    if dims.tp > 1:  # embeddings and head stay replicated, as in apply_tp; stages exchange whole activations
+        for module in modules:
+            for block in module.blocks.values():
+                parallelize_module(block, mesh["tp"], block_plan(sequence_parallel=False))
     if parallel.zero_stage in (2, 3):
         for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
             fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=parallel.zero_stage == 3)

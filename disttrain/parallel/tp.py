@@ -64,8 +64,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
                          "wte, wpe, drop, blocks.<i>.{ln_1, attn.{q,k,v,proj}, ln_2, mlp.{fc,proj}}, ln_f and "
                          "lm_head (gpt)")
     seq = Shard(1)
+    plan = block_plan(sequence_parallel)
+    if sequence_parallel:
+        parallelize_module(model, tp_mesh, {
+            "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq),
+            "ln_f": SequenceParallel(),
+            "lm_head": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True),
+        })
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+    return model
+
+
+def block_plan(sequence_parallel: bool = False) -> dict:
+    """The tensor-parallel plan of one transformer block (also used on the blocks of a pipeline stage)."""
+    seq = Shard(1)
     out = seq if sequence_parallel else Replicate()
-    block_plan = {
+    plan = {
         "attn.q": ColwiseParallel(),
         "attn.k": ColwiseParallel(),
         "attn.v": ColwiseParallel(),
@@ -75,13 +91,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     }
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
-        block_plan |= {"ln_1": SequenceParallel(), "attn": gather, "ln_2": SequenceParallel(), "mlp": gather}
-        parallelize_module(model, tp_mesh, {
-            "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq),
-            "ln_f": SequenceParallel(),
-            "lm_head": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True),
-        })
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, block_plan)
-    return model
+        plan |= {"ln_1": SequenceParallel(), "attn": gather, "ln_2": SequenceParallel(), "mlp": gather}
+    return plan
