@@ -43,7 +43,9 @@ class PipelineTask(TrainTask):
         pipeline = self.trainer.strategy.pipeline
         scaled = pipeline.run(batch[0], batch[1], train=True)
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
-        self._step_loss.append(self._global_mean(scaled) * self.accumulation)
+        batch_loss = self._global_mean(scaled) * self.accumulation
+        self._step_loss.append(batch_loss)
+        self.losses["train_loss"].update(batch_loss)
         if (batch_idx + 1) % self.accumulation:
             return
         optimizer = self.optimizers()

@@ -68,6 +68,7 @@ def run_rank(run: RunConfig) -> float | None:
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
+        datamodule.full_eval_batches = run.dims.pp > 1
         spec = datamodule.spec
         net = build_model(run.model, spec)
         task_args = (net, spec, run.optim, run.scheduler)

@@ -96,6 +96,8 @@ class DataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self._resume: dict[str, int] = {}
+        self.full_eval_batches = False
+        """Drop a smaller last validation/test batch (pipeline stages need one batch shape throughout)."""
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands within the epoch; saved with every checkpoint."""
@@ -154,7 +156,7 @@ class DataModule(pl.LightningDataModule):
             dataset,
             batch_size=self.micro_batch_size,
             sampler=sampler,
-            drop_last=train,
+            drop_last=train or self.full_eval_batches,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
