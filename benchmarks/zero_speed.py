@@ -1,6 +1,6 @@
 """Speed of disttrain ZeRO-3 vs a plain PyTorch FSDP2 script: same GPT, data, batch, optimiser, 2 ranks.
 
-    python benchmarks/zero_speed.py [--steps 40] [--flavour nano]
+    python benchmarks/zero_speed.py [--steps 100] [--flavour nano]
 
 Both shard per transformer block with FSDP2 and reshard after forward. Prints a markdown table and,
 last, the headline ratio (target >= 0.95x).
@@ -17,10 +17,10 @@ from overhead import disttrain_steps_per_sec, plain_steps_per_sec
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--flavour", default="nano")
     parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="alternate the two this many times; best of each")
+    parser.add_argument("--repeats", type=int, default=3, help="alternate the two this many times; best of each")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # for the workers started below
     torch.set_num_threads(1)  # this process is rank 0 of the disttrain run: one thread, like every rank
