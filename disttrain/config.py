@@ -348,10 +348,13 @@ def _check_pipeline(model: Any, model_dims: Any, pp: int, options: Any, micro_si
     """Only models with split points may be pipelined; the schedule, stages and micro-batches must fit."""
     from disttrain.parallel.pipeline import check_pipeline
 
-    if model.name != "gpt":
-        raise ConfigError("parallel.pp", pp, f"1 for model {model.name!r}: it has no pipeline split plan (gpt has)")
-    check_pipeline(options.schedule, pp, options.stages_per_rank, options.microbatches, micro_size,
-                   model_dims.n_layer, model.tie_weights)
+    if model.name == "gpt":
+        units, tied = model_dims.n_layer, model.tie_weights
+    elif model.name == "cnn":  # cut only between the CNN's own stages (where the width changes)
+        units, tied = len(model.widths), False
+    else:
+        raise ConfigError("parallel.pp", pp, f"1 for model {model.name!r}: it has no pipeline split plan")
+    check_pipeline(options.schedule, pp, options.stages_per_rank, options.microbatches, micro_size, units, tied)
 
 
 def _uses_gpu(accelerator: str) -> bool:

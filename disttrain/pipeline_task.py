@@ -19,12 +19,14 @@ class PipelineTask(TrainTask):
     last-stage ranks (data-parallel x tensor-parallel size) to log the global mean.
     """
 
-    def __init__(self, *args: Any, accumulation: int, microbatches: int, clip: float | None, loss_ranks: int,
+    def __init__(self, *args: Any, accumulation: int, microbatches: int, micro_batch_size: int, clip: float | None,
+                 loss_ranks: int,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
         self.accumulation = accumulation
         self.microbatches = microbatches
+        self.micro_batch_size = micro_batch_size
         self.clip = clip
         self.loss_ranks = loss_ranks
 
@@ -41,9 +43,9 @@ class PipelineTask(TrainTask):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""
         pipeline = self.trainer.strategy.pipeline
-        scaled = pipeline.run(batch[0], batch[1], train=True)
+        result = pipeline.run(batch[0], batch[1], train=True)
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
-        batch_loss = self._global_mean(scaled) * self.accumulation
+        batch_loss = self._global_mean(result[0] if result else None) * self.accumulation
         self._step_loss.append(batch_loss)
         self.losses["train_loss"].update(batch_loss)
         if (batch_idx + 1) % self.accumulation:
@@ -63,6 +65,16 @@ class PipelineTask(TrainTask):
         """The step's loss is already global here (see training_step); nothing to reduce."""
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        scaled = self.trainer.strategy.pipeline.run(batch[0], batch[1], train=False)
-        if scaled is not None:  # last stage: undo the training-time scaling of the loss function
+        result = self.trainer.strategy.pipeline.run(batch[0], batch[1], train=False)
+        if result is not None:  # last stage: undo the training-time scaling of the loss function
+            scaled, logits = result
             self.losses[f"{stage}_loss"].update(scaled.detach() * self.accumulation, weight=batch[1].numel())
+            if not self.is_text:
+                self.accuracies[f"{stage}_acc"].update(logits.detach(), batch[1])
+
+    def example_microbatch(self) -> torch.Tensor:
+        """A zero-valued input of one microbatch's shape (token ids or images), for the stages' set-up."""
+        size = self.micro_batch_size // self.microbatches
+        if self.is_text:
+            return torch.zeros(size, self.spec.block_size, dtype=torch.long)
+        return torch.zeros(size, self.spec.in_channels, self.spec.image_size, self.spec.image_size)

@@ -75,6 +75,7 @@ def run_rank(run: RunConfig) -> float | None:
         if run.dims.pp > 1:
             task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule),
                                 accumulation=run.batch.accumulation, microbatches=cfg.parallel.pipeline.microbatches,
+                                micro_batch_size=run.batch.micro_size,
                                 clip=cfg.trainer.gradient_clip_val, loss_ranks=run.dims.dp * run.dims.tp)
         else:
             task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule))

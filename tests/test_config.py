@@ -37,7 +37,7 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["parallel=zero3", "parallel.zero_stage=4", "trainer.devices=2"], "parallel.zero_stage", "one of 0, 1, 2, 3"),
         (["parallel=zero2"], "parallel.dp_shard", "> 1 for zero_stage=2"),
         (["parallel=ddp", "trainer.devices=2", "model.sync_batchnorm=true"], "model.sync_batchnorm", "GPU"),
-        (["parallel=zero3", "trainer.devices=4", "parallel.pp=2"], "parallel.pp", "no pipeline split plan"),
+        (["parallel=pipeline", "trainer.devices=4"], "parallel.pp", "at most one stage per block"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_TEXT], "model.tie_weights", "different stages"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.microbatches=1"],
          "parallel.pipeline.microbatches", "at least pp=2"),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from disttrain.run import train
 from tests.conftest import single_process_curve
@@ -61,3 +64,34 @@ def test_pipeline_save_and_resume_continue_the_curve(make_config, tmp_path):
     step5 = tmp_path / "straight" / "checkpoints" / "step5.ckpt"
     train(make_config([*every5, f"resume={step5}"], tmp_path / "resumed"))
     assert_close_curves(step_losses(tmp_path / "straight")[5:], step_losses(tmp_path / "resumed"))
+
+
+def test_cnn_stages_chain_to_the_whole_model():
+    from disttrain.data import build_datamodule
+    from disttrain.data.digits import DigitsConfig
+    from disttrain.models import build_model
+    from disttrain.models.cnn import CNNConfig
+    from disttrain.parallel.pipeline import build_stage_module, cnn_split_points
+
+    model = build_model(CNNConfig(blocks_per_stage=2), build_datamodule(DigitsConfig(), 4, 0).spec).eval()
+    points = cnn_split_points(model, 2)
+    assert points == [0, 2]  # cut where the width changes
+    first, last = (build_stage_module(model, i, 2, points) for i in (0, 1))
+    images = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(last(first(images)), model(images), rtol=0, atol=0)
+    names = {n for stage in (first, last) for n, _ in stage.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_cnn_pipeline_trains_and_resumes(make_config, tmp_path):
+    # BatchNorm statistics are per microbatch in a pipeline, so the curve is not compared with one process
+    base = ["parallel=pipeline", "trainer.devices=2", "trainer.max_epochs=2", "logger=csv", "callbacks=none",
+            "trainer.run_test=false", "trainer.log_every_n_steps=1"]
+    train(make_config(base, tmp_path / "run"))
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["metrics"]["val/acc"] > 0.7, results["metrics"]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    train(make_config([*base, "trainer.max_epochs=3", f"resume={last}"], tmp_path / "resumed"))
+    resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert resumed["global_steps"] == 3 * results["global_steps"] // 2
+    assert resumed["metrics"]["val/acc"] > 0.7, resumed["metrics"]

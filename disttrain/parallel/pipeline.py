@@ -213,7 +213,46 @@ class GPTStage(nn.Module):
         return x
 
 
-def build_stage_module(model: nn.Module, stage_index: int, num_stages: int, points: Sequence[int]) -> GPTStage:
+class CNNStage(nn.Module):
+    """The part of a CNN that one pipeline stage owns: the stem on the first, residual blocks (keyed by their
+    original index, so names stay those of the full model), the head on the last."""
+
+    def __init__(self, model: nn.Module, owned: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.stem = model.stem if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in owned})
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (first stage) or feature maps to feature maps or class logits (last stage)."""
+        if self.stem is not None:
+            x = self.stem(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def cnn_split_points(model: nn.Module, num_stages: int, explicit: Sequence[int] | None = None) -> list[int]:
+    """Block index where each pipeline stage starts, cut only between the CNN's own stages (where the
+    width changes), balanced by parameter count (stem on the first stage, head on the last)."""
+    if explicit:
+        return split_points(len(model.blocks), num_stages, explicit=explicit)
+    per = model.blocks_per_stage
+    units = [sum(p.numel() for b in model.blocks[u * per:(u + 1) * per] for p in b.parameters())
+             for u in range(model.num_stages)]
+    stem = sum(p.numel() for p in model.stem.parameters())
+    head = sum(p.numel() for p in model.head.parameters())
+    return [u * per for u in split_points(len(units), num_stages, units, None, embed_params=stem, head_params=head)]
+
+
+def model_split_points(model: nn.Module, num_stages: int, explicit: Sequence[int] | None = None) -> list[int]:
+    """Split points of a GPT (between any blocks) or a CNN (between its stages)."""
+    if hasattr(model, "stem"):
+        return cnn_split_points(model, num_stages, explicit)
+    return gpt_split_points(model, num_stages, explicit)
+
+
+def build_stage_module(model: nn.Module, stage_index: int, num_stages: int, points: Sequence[int]) -> nn.Module:
     """Stage ``stage_index`` of ``num_stages`` of a GPT cut at ``points`` (from ``split_points``).
 
     Shares the modules with ``model`` (nothing is copied): build each stage from its own model instance,
@@ -227,7 +266,8 @@ def build_stage_module(model: nn.Module, stage_index: int, num_stages: int, poin
         raise ConfigError("model.tie_weights", True, "false with pipeline parallelism: the embedding and the "
                           "LM head live on different stages")
     end = points[stage_index + 1] if stage_index + 1 < num_stages else len(model.blocks)
-    return GPTStage(model, range(points[stage_index], end), stage_index == 0, stage_index == num_stages - 1)
+    stage_cls = CNNStage if hasattr(model, "stem") else GPTStage
+    return stage_cls(model, range(points[stage_index], end), stage_index == 0, stage_index == num_stages - 1)
 
 
 def build_stages(

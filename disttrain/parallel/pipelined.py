@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-from disttrain.parallel.pipeline import build_schedule, build_stage_module, gpt_split_points, placement, stage_indices
+from disttrain.parallel.pipeline import build_schedule, build_stage_module, model_split_points, placement, stage_indices
 from disttrain.parallel.tp import block_plan
 
 
@@ -34,14 +34,14 @@ class Pipeline:
     pp_group: dist.ProcessGroup
     losses: list[torch.Tensor] = field(default_factory=list)
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor | None:
-        """One step (train) or forward-only pass of the schedule over the batch; the summed microbatch
-        losses on the last stage, None elsewhere."""
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[torch.Tensor, Any] | None:
+        """One step (train) or forward-only pass of the schedule over the batch; on the last stage the summed
+        microbatch losses and the merged outputs, None elsewhere."""
         self.losses.clear()
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": self.losses} if self.has_last else {}
-        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
-        return torch.stack(self.losses).sum() if self.has_last else None
+        outputs = (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        return (torch.stack(self.losses).sum(), outputs) if self.has_last else None
 
 
 def build_pipeline(
@@ -51,6 +51,7 @@ def build_pipeline(
     parallel: ParallelConfig,
     device: torch.device,
     loss_fn: Any,
+    example_input: torch.Tensor,
 ) -> tuple[nn.Module, Pipeline]:
     """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, sharded over dp_shard when
     zero_stage is 2 or 3), and
@@ -58,10 +59,12 @@ def build_pipeline(
     names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
     num_stages = dims.pp * options.stages_per_rank
-    points = [0, *options.split_points] if options.split_points else gpt_split_points(model, num_stages)
+    points = model_split_points(model, num_stages, options.split_points)
     pp_rank = mesh.get_local_rank("pp")
     indices = stage_indices(pp_rank, dims.pp, options.stages_per_rank, placement(options.schedule))
-    modules = [build_stage_module(model, i, num_stages, points).to(device) for i in indices]
+    every_stage = [build_stage_module(model, i, num_stages, points).to(device) for i in range(num_stages)]
+    examples = stage_examples(every_stage, example_input.to(device))
+    modules = [every_stage[i] for i in indices]
     if dims.tp > 1:  # embeddings and head stay replicated, as in apply_tp; stages exchange whole activations
         for module in modules:
             for block in module.blocks.values():
@@ -70,12 +73,29 @@ def build_pipeline(
         for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
             fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=parallel.zero_stage == 3)
     pp_group = mesh["pp"].get_group()
-    stages = [PipelineStage(m, i, num_stages, device, group=pp_group) for m, i in zip(modules, indices, strict=True)]
+    stages = [PipelineStage(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
+                            group=pp_group) for m, i in zip(modules, indices, strict=True)]
     # Gradients are scaled by the loss function (1 / microbatches / accumulation), not by the schedule,
     # whose scaling would also divide gradients accumulated over earlier batches.
     schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
     owned = merge_stage_modules(modules)
     return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group)
+
+
+def stage_examples(stages: list[nn.Module], first_input: torch.Tensor) -> list[torch.Tensor]:
+    """Input of every stage and output of the last for one microbatch, from one pass in eval mode.
+
+    Given to ``PipelineStage`` as example inputs and outputs, they replace its first-step shape inference,
+    which runs stages on uninitialised buffers and would poison BatchNorm running statistics.
+    """
+    examples = [first_input]
+    for stage in stages:
+        training = stage.training
+        stage.eval()
+        output = stage(examples[-1]).detach()
+        stage.train(training)
+        examples.append(output.requires_grad_(output.is_floating_point()))
+    return examples
 
 
 def merge_stage_modules(modules: list[nn.Module]) -> nn.Module:

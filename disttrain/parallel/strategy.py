@@ -77,7 +77,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         if not getattr(task, "_parallel_applied", False):
             if self.dims.pp > 1:
                 task.net, self.pipeline = build_pipeline(
-                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, task.pipeline_loss
+                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, task.pipeline_loss,
+                    task.example_microbatch(),
                 )
             else:
                 task.net = apply_parallelism(
