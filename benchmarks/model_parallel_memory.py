@@ -50,11 +50,9 @@ def measure(rank: int, port: int, out: dict) -> None:
 
 
 def main() -> None:
-    import socket
+    from disttrain.launch import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(measure, args=(port, out), nprocs=2)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -115,9 +114,9 @@ def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: in
         out: dict = {}
         plain_loop(0, 1, 0, flavour, steps, global_batch, out)
         return out["steps_per_sec"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from disttrain.launch import free_port
+
+    port = free_port()
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(plain_loop, args=(devices, port, flavour, steps, global_batch, out, wrap), nprocs=devices)

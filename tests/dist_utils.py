@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -23,16 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from disttrain.launch import free_port
+
 
 class RankError(RuntimeError):
     """A rank raised, died or timed out; the message holds its traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results) -> None:
