@@ -32,7 +32,8 @@ def shard_groups(owner: Tensor) -> list[dist.ProcessGroup]:
     for dim, placement in enumerate(owner.placements):
         if placement.is_partial():
             raise ValueError("a parameter with a Partial placement has no well-defined local norm")
-        if placement.is_shard():
+        # not ``is_shard()``: FSDP over a tensor-parallel shard places ``_StridedShard``, for which it is False
+        if not placement.is_replicate():
             groups.append(mesh.get_group(dim))
     return groups
 
