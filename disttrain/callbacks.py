@@ -1,4 +1,4 @@
-"""Callbacks the runner always adds: throughput measurement and plain-text progress for non-terminals."""
+"""Callbacks the runner always adds: checkpoints, throughput measurement and plain-text progress for non-terminals."""
 
 from __future__ import annotations
 
@@ -7,6 +7,49 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+
+class NewestAndBestCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``last.ckpt`` is the newest state at every save point and at the end of fit.
+
+    Lightning 2.6 rewrites ``last.ckpt`` only when a top-k checkpoint is written in the same step, so a run
+    whose validation metric stops improving keeps an old ``last.ckpt`` and ``resume=auto`` repeats work.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_step_written = -1
+        """The global step of the newest ``last.ckpt`` this run wrote (-1: none yet)."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Top-k as Lightning does, then ``last.ckpt`` if this validation was a save point."""
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Top-k as Lightning does, then ``last.ckpt`` if epoch ends are the save points."""
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The final state, also when the run stops between save points (``max_steps`` mid-epoch)."""
+        self._refresh_last(trainer)
+
+    def _refresh_last(self, trainer: pl.Trainer) -> None:
+        if not self.save_last or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        if trainer.global_step == 0 or self.last_step_written == trainer.global_step:
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self.last_step_written = trainer.global_step
 
 
 class ThroughputMeter(pl.Callback):
@@ -64,7 +107,8 @@ class PlainProgress(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or step % self.every or step == getattr(self, "_printed", -1):
+        # step 0: no optimiser step yet (the first micro-batches of an accumulating step)
+        if not trainer.is_global_zero or step == 0 or step % self.every or step == getattr(self, "_printed", -1):
             return
         self._printed = step
         metrics = trainer.callback_metrics

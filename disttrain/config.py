@@ -97,14 +97,15 @@ class TrainerConfig:
     """Lightning precision: 32-true, bf16-mixed, 16-mixed, bf16-true."""
     gradient_clip_val: float | None = 1.0
     """Clip gradients to this global norm; null disables clipping."""
-    val_check_interval: float | None = None
-    """Validate every this many training batches (int) or fraction of an epoch (float); null: each epoch."""
+    val_check_interval: Any = None
+    """Validate every this many training batches (an int, e.g. 50) or fraction of an epoch (a float in (0, 1],
+    e.g. 0.5); null: each epoch. As in Lightning, 1 means one batch and 1.0 the whole epoch."""
     check_val_every_n_epoch: int | None = 1
     """Validate every n epochs (null with an integer val_check_interval to validate by steps only)."""
-    limit_val_batches: float | None = None
-    """Cap on validation batches (int) or fraction (float); null: all."""
-    limit_test_batches: float | None = None
-    """Cap on test batches (int) or fraction (float); null: all."""
+    limit_val_batches: Any = None
+    """Validation batches per rank: a count (an int, e.g. 1) or a fraction (a float in (0, 1]); null: all."""
+    limit_test_batches: Any = None
+    """Test batches per rank: a count (an int) or a fraction (a float in (0, 1]); null: all."""
     log_every_n_steps: int = 10
     """How often training metrics are logged."""
     num_sanity_val_steps: int = 0
@@ -380,3 +381,20 @@ def _validate_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.precision", t.precision, f"one of {list(allowed)}")
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
+    for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):
+        _check_count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")
+
+
+def _check_count_or_fraction(key: str, value: Any, allow_zero: bool) -> None:
+    """Lightning's convention: an int counts batches, a float is a fraction of them (1.0: all)."""
+    if value is None:
+        return
+    least = 0 if allow_zero else 1
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < least:
+            raise ConfigError(key, value, f"a count of batches >= {least} (an int), or a fraction in (0, 1] (a float)")
+    elif isinstance(value, float):
+        if not (0.0 < value <= 1.0 or (allow_zero and value == 0.0)):
+            raise ConfigError(key, value, "a fraction in (0, 1] (a float), or a count of batches (an int)")
+    else:
+        raise ConfigError(key, value, "a count of batches (an int), a fraction in (0, 1] (a float), or null")

@@ -21,11 +21,14 @@ def consolidated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Read every rank's shard of the model from a checkpoint folder, in one process, as full tensors."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    from disttrain.checkpoint_io import SafeFileSystemReader, reading
+
     if not (checkpoint / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint folder (no .metadata inside)")
-    with warnings.catch_warnings():  # loading without a process group is the intent here
+    with warnings.catch_warnings(), reading(checkpoint):  # loading without a process group is the intent here
         warnings.simplefilter("ignore", UserWarning)
-        state = _load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(checkpoint))["state_dict"]
+        state = _load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(checkpoint),
+                                           storage_reader=SafeFileSystemReader(str(checkpoint)))["state_dict"]
     return {key.removeprefix(TASK_PREFIX): value.contiguous() for key, value in state.items()}
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from disttrain.data.base import IGNORE_INDEX
 from disttrain.parallel.clip import clip_grad_norm
 from disttrain.task import TrainTask
 
@@ -31,9 +32,11 @@ class PipelineTask(TrainTask):
         self.loss_ranks = loss_ranks
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Microbatch mean cross-entropy, scaled so the summed gradients are those of the step's mean."""
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return loss / (self.microbatches * self.accumulation)
+        """Microbatch cross-entropy summed over its targets / its target count, scaled so the summed gradients
+        are those of the step's mean (evaluation padding, ``IGNORE_INDEX``, adds nothing to the sum)."""
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+        return loss / (targets.numel() * self.microbatches * self.accumulation)
 
     def _global_mean(self, local_sum: torch.Tensor | None) -> torch.Tensor:
         value = local_sum.detach().clone() if local_sum is not None else torch.zeros((), device=self.device)
@@ -68,9 +71,8 @@ class PipelineTask(TrainTask):
         result = self.trainer.strategy.pipeline.run(batch[0], batch[1], train=False)
         if result is not None:  # last stage: undo the training-time scaling of the loss function
             scaled, logits = result
-            self.losses[f"{stage}_loss"].update(scaled.detach() * self.accumulation, weight=batch[1].numel())
-            if not self.is_text:
-                self.accuracies[f"{stage}_acc"].update(logits.detach(), batch[1])
+            loss_sum = scaled.detach() * self.accumulation * batch[1].numel()
+            self._update_eval_metrics(stage, loss_sum, logits.detach(), batch[1])
 
     def example_microbatch(self) -> torch.Tensor:
         """A zero-valued input of one microbatch's shape (token ids or images), for the stages' set-up."""

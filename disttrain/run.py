@@ -12,10 +12,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from disttrain.callbacks import PlainProgress, ThroughputMeter
+from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, ThroughputMeter
 from disttrain.config import RunConfig, validate
 from disttrain.launch import (
     external_environment,
@@ -68,6 +67,7 @@ def run_rank(run: RunConfig) -> float | None:
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
+        datamodule.accumulation = run.batch.accumulation
         datamodule.full_eval_batches = run.dims.pp > 1
         spec = datamodule.spec
         net = build_model(run.model, spec)
@@ -107,7 +107,7 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
     monitor, mode = (cfg.checkpoint.monitor, _mode_of(cfg.checkpoint.monitor)) if cfg.checkpoint.monitor \
         else task.monitor
     callbacks: list[pl.Callback] = [
-        ModelCheckpoint(
+        NewestAndBestCheckpoint(
             dirpath=Path(cfg.run_dir) / "checkpoints",
             filename="step{step}",
             auto_insert_metric_name=False,
@@ -138,10 +138,10 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         gradient_clip_val=None if pipelined else t.gradient_clip_val,
         accumulate_grad_batches=1 if pipelined else run.batch.accumulation,
         inference_mode=not pipelined,  # pipeline stages exchange activations that autograd may not track
-        val_check_interval=_count_or_fraction(t.val_check_interval),
+        val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=t.check_val_every_n_epoch,
-        limit_val_batches=_count_or_fraction(t.limit_val_batches),
-        limit_test_batches=_count_or_fraction(t.limit_test_batches),
+        limit_val_batches=t.limit_val_batches,
+        limit_test_batches=t.limit_test_batches,
         log_every_n_steps=t.log_every_n_steps,
         num_sanity_val_steps=t.num_sanity_val_steps,
         deterministic=t.deterministic or None,
@@ -152,11 +152,6 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         enable_model_summary=interactive,
         default_root_dir=cfg.run_dir,
     )
-
-
-def _count_or_fraction(value: float | None) -> float | int | None:
-    """Lightning reads an int as a count of batches and a float as a fraction; configs type both as float."""
-    return int(value) if value is not None and value > 1 and float(value).is_integer() else value
 
 
 def resume_path(resume: str | None, run_dir: Path) -> str | None:

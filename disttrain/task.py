@@ -13,6 +13,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from disttrain.data.base import IGNORE_INDEX
 from disttrain.models.spec import DataSpec
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm
@@ -41,9 +42,10 @@ class TrainTask(pl.LightningModule):
         self._step_loss: list[torch.Tensor] = []
         self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("train", "val", "test")})
         if not self.is_text:
-            self.accuracies = nn.ModuleDict(
-                {f"{stage}_acc": MulticlassAccuracy(spec.num_classes, average="micro") for stage in ("val", "test")}
-            )
+            self.accuracies = nn.ModuleDict({
+                f"{stage}_acc": MulticlassAccuracy(spec.num_classes, average="micro", ignore_index=IGNORE_INDEX)
+                for stage in ("val", "test")
+            })
 
     @property
     def monitor(self) -> tuple[str, str]:
@@ -75,10 +77,19 @@ class TrainTask(pl.LightningModule):
                  on_epoch=False, prog_bar=True)
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        loss, logits = self._loss(batch)
-        self.losses[f"{stage}_loss"].update(loss.detach(), weight=batch[1].numel())
+        inputs, targets = batch
+        logits = self.net(inputs)
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
+                                   ignore_index=IGNORE_INDEX)
+        self._update_eval_metrics(stage, loss_sum.detach(), logits.detach(), targets)
+
+    def _update_eval_metrics(self, stage: str, loss_sum: torch.Tensor, logits: torch.Tensor,
+                             targets: torch.Tensor) -> None:
+        """Add a batch's summed loss and its predictions; padding targets (``IGNORE_INDEX``) count nowhere."""
+        count = (targets != IGNORE_INDEX).sum()
+        self.losses[f"{stage}_loss"].update(loss_sum / count.clamp(min=1), weight=count)
         if not self.is_text:
-            self.accuracies[f"{stage}_acc"].update(logits.detach(), batch[1])
+            self.accuracies[f"{stage}_acc"].update(logits, targets)
 
     def _eval_epoch_end(self, stage: str) -> None:
         # Metrics sync across ranks in compute(); logged values are already global.

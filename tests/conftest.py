@@ -38,3 +38,43 @@ def single_process_curve(tmp_path_factory: pytest.TempPathFactory, overrides: li
     run_dir = tmp_path_factory.mktemp("single")
     train(compose_config(overrides, run_dir))
     return step_losses(run_dir)
+
+
+def logged_metric(run_dir: Path, name: str) -> list[tuple[int, float]]:
+    """``(csv step, value)`` of every row of ``csv/metrics.csv`` that logged ``name``."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return [(int(row["step"]), float(row[name])) for row in csv.DictReader(handle) if row.get(name)]
+
+
+def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float:
+    """Export ``checkpoint``, load it into the bare model in this process and return its validation loss
+    on the samples the run validated on (all of them, or the first ``limit_val_batches`` global batches)."""
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from disttrain.config import validate
+    from disttrain.data import build_datamodule
+    from disttrain.export import export
+    from disttrain.models import build_model
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    run = validate(cfg, world_size=cfg.trainer.devices)
+    datamodule = build_datamodule(run.data, run.batch.micro_size, run.train.seed)
+    model = build_model(run.model, datamodule.spec)
+    model.load_state_dict(torch.load(export(checkpoint, export_to), weights_only=True), strict=True)
+    model.eval()
+    val = datamodule.datasets["val"]
+    limit = run.train.trainer.limit_val_batches
+    count = len(val) if limit is None else min(len(val), limit * run.batch.micro_size * run.dims.dp)
+    total, targets_seen = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, count, 64):
+            samples = [val[i] for i in range(start, min(count, start + 64))]
+            inputs, targets = (torch.stack(part) for part in zip(*samples, strict=True))
+            logits = model(inputs)
+            total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum").item()
+            targets_seen += targets.numel()
+    return total / targets_seen

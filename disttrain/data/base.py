@@ -4,7 +4,8 @@ Sampling is owned here, not by Lightning (the runner passes ``use_distributed_sa
 loader shards its data with a ``DistributedSampler`` over the data-parallel ranks, also in a single
 process. A training loader with per-rank batch ``B`` on ``R`` ranks gives rank ``r`` the samples
 ``perm[r::R]`` of the epoch's permutation ``perm``, so one optimiser step sees the same samples whatever
-``R`` is, as long as ``B * R`` is the same.
+``R`` is, as long as ``B * R`` is the same, and an epoch holds only whole optimiser steps. Evaluation
+takes samples in order, rank ``r`` the samples ``r::R``, each counted once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from disttrain.errors import ConfigError
 from disttrain.models.spec import DataSpec
 
 _MASK64 = (1 << 64) - 1
+IGNORE_INDEX = -100
+"""Target of an evaluation sample that only pads a rank's share (skipped by the loss and the metrics)."""
 
 
 def _splitmix64(x: int) -> int:
@@ -54,15 +57,20 @@ class EpochDistributedSampler(DistributedSampler):
         return (base + int(i) for i in super().__iter__())
 
 
-class ResumeSampler(Sampler[int]):
-    """Wraps a training sampler; in the epoch a checkpoint was taken, it skips the samples already seen.
+class StepSampler(Sampler[int]):
+    """Wraps a training sampler: whole optimiser steps only, and in a resumed epoch the samples not yet seen.
 
-    Lightning restores a mid-epoch checkpoint by starting the epoch's loader afresh; skipping here makes
-    the resumed run see exactly the batches it would have seen without the interruption.
+    An epoch ends at its last complete global batch (``samples_per_step`` samples per rank: micro-batch x
+    accumulation), so accumulating over 4 micro-batches gives the same steps as one batch 4 times larger,
+    and no step averages fewer micro-batches than the others. Lightning restores a mid-epoch checkpoint by
+    starting the epoch's loader afresh; skipping ``skip`` samples in epoch ``resume_epoch`` makes the
+    resumed run see exactly the batches it would have seen without the interruption.
     """
 
-    def __init__(self, sampler: DistributedSampler, epoch: int, skip: int) -> None:
-        self.sampler, self.resume_epoch, self.skip = sampler, epoch, skip
+    def __init__(self, sampler: DistributedSampler, samples_per_step: int, resume_epoch: int = -1,
+                 skip: int = 0) -> None:
+        self.sampler, self.samples_per_step = sampler, samples_per_step
+        self.resume_epoch, self.skip = resume_epoch, skip
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the wrapped sampler (Lightning calls it before each epoch)."""
@@ -72,12 +80,33 @@ class ResumeSampler(Sampler[int]):
         return self.skip if self.sampler.epoch == self.resume_epoch else 0
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.sampler), self._skipped(), None)
+        return itertools.islice(iter(self.sampler), self._skipped(), len(self))
 
     def __len__(self) -> int:
-        # The full length: Lightning sizes the epoch before it sets the epoch number, and the resumed epoch
-        # simply ends early when the iterator runs out.
-        return len(self.sampler)
+        # The full epoch's length also when resuming: Lightning sizes the epoch before it sets the epoch
+        # number, and the resumed epoch simply ends early when the iterator runs out.
+        return len(self.sampler) // self.samples_per_step * self.samples_per_step
+
+
+class MaskedPadding(Dataset):
+    """An evaluation dataset padded to ``length`` samples; padding repeats samples with ignored targets.
+
+    Every data-parallel rank must run the same number of full batches (sharded and pipelined models
+    communicate inside forward), yet each sample must count once: padded samples carry the target
+    ``IGNORE_INDEX`` everywhere, which the loss and the metrics skip.
+    """
+
+    def __init__(self, dataset: Dataset, length: int) -> None:
+        self.dataset, self.length, self.real = dataset, length, len(dataset)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index < self.real:
+            return self.dataset[index]
+        inputs, targets = self.dataset[index % self.real]
+        return inputs, torch.full_like(torch.as_tensor(targets), IGNORE_INDEX)
 
 
 class DataModule(pl.LightningDataModule):
@@ -96,8 +125,10 @@ class DataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self._resume: dict[str, int] = {}
+        self.accumulation = 1
+        """Micro-batches per optimiser step on each rank; a training epoch ends at its last whole step."""
         self.full_eval_batches = False
-        """Drop a smaller last validation/test batch (pipeline stages need one batch shape throughout)."""
+        """Pad evaluation to whole batches on every rank (pipeline stages need one batch shape throughout)."""
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands within the epoch; saved with every checkpoint."""
@@ -144,19 +175,22 @@ class DataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         num_replicas, rank = self.replicas()
-        epoch_indexed = getattr(dataset, "epoch_indexed", False)
-        sampler_cls = EpochDistributedSampler if epoch_indexed else DistributedSampler
-        sampler = sampler_cls(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=train, seed=self.seed, drop_last=train
-        )
-        if train and self._resume:
-            skip = self._resume["batches"] * self.micro_batch_size
-            sampler = ResumeSampler(sampler, self._resume["epoch"], skip)
+        if train:
+            sampler_cls = EpochDistributedSampler if getattr(dataset, "epoch_indexed", False) else DistributedSampler
+            inner = sampler_cls(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed,
+                                drop_last=True)
+            resume = (self._resume["epoch"], self._resume["batches"] * self.micro_batch_size) if self._resume \
+                else (-1, 0)
+            sampler: Sampler[int] = StepSampler(inner, self.micro_batch_size * self.accumulation, *resume)
+        else:
+            multiple = num_replicas * (self.micro_batch_size if self.full_eval_batches else 1)
+            dataset = MaskedPadding(dataset, -(-len(dataset) // multiple) * multiple)  # type: ignore[arg-type]
+            sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
         return DataLoader(
             dataset,
             batch_size=self.micro_batch_size,
             sampler=sampler,
-            drop_last=train or self.full_eval_batches,
+            drop_last=train,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -167,7 +201,7 @@ class DataModule(pl.LightningDataModule):
         return self._loader(self.datasets["train"], train=True)
 
     def val_dataloader(self) -> DataLoader:
-        """In order, sharded over the data-parallel ranks (the last shard is padded to equal length)."""
+        """In order, sharded over the data-parallel ranks; each sample counts once (see ``MaskedPadding``)."""
         return self._loader(self.datasets["val"], train=False)
 
     def test_dataloader(self) -> DataLoader:

@@ -23,15 +23,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
+from disttrain.checkpoint_io import load_metadata, load_sharded
+from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled, data_parallel_mesh
+from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from disttrain.parallel.pipelined import Pipeline, build_pipeline
-from disttrain.parallel.zero1 import load_zero1_state_dict, shard_optimizer_state, zero1_load_template, zero1_state_dict
+from disttrain.parallel.zero1 import (
+    load_zero1_named_state_dict,
+    shard_optimizer_state,
+    zero1_named_state_dict,
+    zero1_named_template,
+)
 
-METADATA_FILE = "meta.pt"
-LAYOUT_KEY = "disttrain_optimizer_layout"
 # Optimiser state keyed by parameter name, hyper-parameters included: pipeline stages hold different
 # parameters, and nested param groups of different stages would collide in one checkpoint.
 FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
@@ -93,6 +99,28 @@ class DistTrainStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Buffers agree before every training batch, as DDP makes them (FSDP and pipeline stages do not)."""
+        if not isinstance(self.lightning_module.net, DistributedDataParallel):
+            self._broadcast_buffers()
+
+    def on_validation_start(self) -> None:
+        """All ranks evaluate with the same buffers (the first data-parallel rank's, as DDP keeps them)."""
+        self._broadcast_buffers()
+
+    def on_test_start(self) -> None:
+        """As ``on_validation_start``."""
+        self._broadcast_buffers()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's (sharded) state with buffers made equal first, so a checkpoint holds what ranks used."""
+        self._broadcast_buffers()
+        return super().lightning_module_state_dict()
+
+    def _broadcast_buffers(self) -> None:
+        if self.dims.dp > 1:
+            broadcast_buffers(self.lightning_module.net, data_parallel_mesh(self.device_mesh).get_group())
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient all-reduce on accumulation micro-batches (only the last one syncs)."""
@@ -106,10 +134,10 @@ class DistTrainStrategy(ModelParallelStrategy):
         return shard_optimizer_state(optimizer, self.device_mesh["dp_shard"].get_group())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Sharded (DTensor) state for FSDP, a world-size-independent gathered state for ZeRO-1."""
+        """State keyed by parameter name under every layout: sharded (DTensor) for FSDP, whole otherwise."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
         if isinstance(inner, ZeroRedundancyOptimizer):
-            return zero1_state_dict(inner)
+            return zero1_named_state_dict(self.model, inner, FLAT_STATE)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(self.model, inner, options=FLAT_STATE)
@@ -117,7 +145,6 @@ class DistTrainStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write
         never damages the previous checkpoint at ``filepath``."""
-        checkpoint[LAYOUT_KEY] = self._optimizer_layout()
         path = Path(self.broadcast(str(filepath)))
         staging = path.with_name(path.name + ".partial")
         if self.is_global_zero and staging.exists():
@@ -136,7 +163,6 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimiser shards into the already-parallelised model (any world size)."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -145,32 +171,21 @@ class DistTrainStrategy(ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(str(checkpoint_path)))
-        metadata = torch.load(path / METADATA_FILE, weights_only=False)
-        saved = metadata.get(LAYOUT_KEY, "standard")
-        if self.optimizers and saved != self._optimizer_layout():
-            raise ValueError(
-                f"resume={path}: its optimiser state was saved under {saved!r} layout and this run uses "
-                f"{self._optimizer_layout()!r}; a ZeRO-1 checkpoint resumes under parallel.zero_stage=1 "
-                "(on any world size)"
-            )
+        metadata = load_metadata(path)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for idx, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, ZeroRedundancyOptimizer):
-                state[f"optimizer_{idx}"] = zero1_load_template(optimizer)
+                state[f"optimizer_{idx}"] = zero1_named_template(self.model, optimizer, FLAT_STATE)
             else:
                 state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=FLAT_STATE)
-        dcp.load(state, checkpoint_id=path)
+        load_sharded(state, path)
         set_model_state_dict(self.model, state["state_dict"])
         for idx, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, ZeroRedundancyOptimizer):
-                load_zero1_state_dict(optimizer, state[f"optimizer_{idx}"])
+                load_zero1_named_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], FLAT_STATE)
             else:
                 set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], options=FLAT_STATE)
         return metadata
-
-    def _optimizer_layout(self) -> str:
-        """How optimiser state is keyed in checkpoints: by parameter index (ZeRO-1) or by name."""
-        return "zero1" if self.parallel.zero_stage == 1 else "standard"
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

@@ -10,12 +10,14 @@ Checkpoints: ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`
 (it calls ``state_dict()``, which needs ``consolidate_state_dict`` first). ``zero1_state_dict`` gathers
 the state into the usual ``Optimizer.state_dict`` layout, keyed by the parameter's index in the param
 groups, which does not depend on the world size, and ``load_zero1_state_dict`` hands each rank its part
-of such a state, on any number of ranks. With ``torch.distributed.checkpoint``::
+of such a state, on any number of ranks. The runner's checkpoints key the state by parameter name
+instead (``zero1_named_state_dict``: the layout of DDP and FSDP checkpoints), so they move between ZeRO
+stages and DDP. With ``torch.distributed.checkpoint``::
 
-    dcp.save({"optimizer": zero1_state_dict(opt), ...}, checkpoint_id=path)                # save
-    state = {"optimizer": zero1_load_template(opt), ...}                                   # load
+    dcp.save({"optimizer": zero1_named_state_dict(model, opt, options), ...}, checkpoint_id=path)  # save
+    state = {"optimizer": zero1_named_template(model, opt, options), ...}                          # load
     dcp.load(state, checkpoint_id=path)
-    load_zero1_state_dict(opt, state["optimizer"])
+    load_zero1_named_state_dict(model, opt, state["optimizer"], options)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
@@ -105,3 +108,40 @@ def load_zero1_state_dict(optimizer: ZeroRedundancyOptimizer, state_dict: dict[s
         raise ValueError(f"the state has param groups of sizes {sizes}, the optimiser {expected}")
     optimizer.load_state_dict({"state": dict(state_dict["state"]), "param_groups": copy.deepcopy(groups)})
     optimizer.state.clear()  # the wrapper's own copy is never read (the local optimiser holds the state)
+
+
+def _unsharded_twin(optimizer: ZeroRedundancyOptimizer) -> torch.optim.Optimizer:
+    """A plain optimiser of the same class and groups over all parameters, with no state yet (the wrapper
+    keeps the local optimiser's constructor and options, which it needs to build that optimiser itself)."""
+    groups = [dict(group) for group in optimizer.param_groups]
+    return optimizer._optim_constructor(groups, **optimizer._optim_defaults)
+
+
+def zero1_named_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, options: Any) -> dict[str, Any]:
+    """The whole state of ``optimizer`` keyed by parameter name, exactly as ``get_optimizer_state_dict(model,
+    <a plain optimiser>, options)`` lays it out, so a ZeRO-1 checkpoint resumes under any stage or DDP.
+
+    Collective over the optimiser's group; every rank holds a full copy while it exists.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    twin = _unsharded_twin(optimizer)
+    twin.load_state_dict(zero1_state_dict(optimizer))
+    return get_optimizer_state_dict(model, twin, options=options)
+
+
+def zero1_named_template(model: nn.Module, optimizer: ZeroRedundancyOptimizer, options: Any) -> dict[str, Any]:
+    """A name-keyed state with every tensor allocated, for ``dcp.load`` to fill (no collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, _unsharded_twin(optimizer), options=options)
+
+
+def load_zero1_named_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, state: dict[str, Any],
+                                options: Any) -> None:
+    """Load a name-keyed state (from ``zero1_named_state_dict``, DDP or FSDP gathered to whole tensors)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    twin = _unsharded_twin(optimizer)
+    set_optimizer_state_dict(model, twin, state, options=options)
+    load_zero1_state_dict(optimizer, twin.state_dict())

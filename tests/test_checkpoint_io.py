@@ -1,0 +1,67 @@
+"""Checkpoint files never run code: a crafted index, metadata or stored item is refused, not executed."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from disttrain.checkpoint_io import CheckpointReadError, load_metadata, load_sharded
+from disttrain.export import consolidated_weights
+
+
+class Payload:
+    """Unpickling this calls ``Path.touch`` on the marker: the sign that a file ran code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    path = tmp_path / "last.ckpt"
+    dcp.save({"state_dict": {"w": torch.arange(4.0)}, "hyper": {"lr": 0.1, "betas": (0.9, 0.95)}},
+             checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": 3}, path / "meta.pt")
+    return path
+
+
+def test_a_genuine_checkpoint_loads(checkpoint):
+    assert load_metadata(checkpoint) == {"global_step": 3}
+    state = {"state_dict": {"w": torch.zeros(4)}, "hyper": {"lr": 0.0, "betas": (0.0, 0.0)}}
+    load_sharded(state, checkpoint)
+    assert torch.equal(state["state_dict"]["w"], torch.arange(4.0)) and state["hyper"]["lr"] == 0.1
+    assert torch.equal(consolidated_weights(checkpoint)["w"], torch.arange(4.0))
+
+
+def test_crafted_files_are_refused_without_running(checkpoint, tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"global_step": Payload(marker)}, checkpoint / "meta.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_metadata(checkpoint)
+    index = checkpoint / ".metadata"
+    genuine = index.read_bytes()
+    index.write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointReadError, match="refers to pathlib.Path.touch, which a torch.distributed.checkpoint"):
+        load_sharded({"state_dict": {"w": torch.zeros(4)}}, checkpoint)
+    with pytest.raises(CheckpointReadError, match="refers to pathlib.Path.touch"):
+        consolidated_weights(checkpoint)
+    assert not marker.exists()
+    index.write_bytes(genuine)
+
+
+def test_a_stored_object_is_refused_where_torch_would_run_it(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "crafted.ckpt"
+    dcp.save({"hyper": Payload(marker)}, checkpoint_id=str(path), no_dist=True)
+    with pytest.raises(CheckpointReadError, match="Weights only load failed"):
+        load_sharded({"hyper": None}, path)
+    assert not marker.exists()
+    dcp.load({"hyper": None}, checkpoint_id=str(path), no_dist=True)  # torch's own loader runs it
+    assert marker.exists()
