@@ -67,6 +67,26 @@ class ThroughputMeter(pl.Callback):
         self._origin: tuple[float, int] | None = None
         self._paused = 0.0
         self._pause_start = 0.0
+        self._fit_start = time.perf_counter()
+        self.earlier_wall_time_s = 0.0
+        """Wall time of the run's earlier processes, up to the checkpoint this one resumed from."""
+
+    @property
+    def wall_time_s(self) -> float:
+        """Wall time of the whole run: earlier processes up to the resumed checkpoint, plus this fit so far."""
+        return self.earlier_wall_time_s + time.perf_counter() - self._fit_start
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start this process's clock."""
+        self._fit_start = time.perf_counter()
+
+    def state_dict(self) -> dict[str, float]:
+        """Saved with every checkpoint, so a resumed run's wall time counts the time before it."""
+        return {"wall_time_s": self.wall_time_s}
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        """Continue the clock of the checkpoint's run."""
+        self.earlier_wall_time_s = float(state_dict.get("wall_time_s", 0.0))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         now = time.perf_counter()

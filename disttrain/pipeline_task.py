@@ -56,7 +56,8 @@ class PipelineTask(TrainTask):
         optimizer = self.optimizers()
         if self.clip:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm(params, self.clip, across=pipeline.pp_group)
+            norm = clip_grad_norm(params, self.clip, across=pipeline.pp_group)
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()

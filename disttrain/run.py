@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +80,8 @@ def run_rank(run: RunConfig) -> float | None:
             task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule))
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         trainer = build_trainer(run, task, meter)
-        started = time.perf_counter()
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume_path(cfg.resume, Path(cfg.run_dir)))
-        fit_seconds = time.perf_counter() - started
+        fit_seconds = meter.wall_time_s
         metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
         checkpoint = trainer.checkpoint_callback
         if cfg.trainer.run_test:

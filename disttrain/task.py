@@ -130,10 +130,11 @@ class TrainTask(pl.LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip by the global norm of whole parameters, also when some are tensor-parallel shards."""
+        """Clip by the global norm of whole parameters, also when some are tensor-parallel shards; log the
+        norm before clipping as ``train/grad_norm``."""
         if gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm(params, gradient_clip_val)
+            self.log("train/grad_norm", clip_grad_norm(params, gradient_clip_val), on_step=True, on_epoch=False)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""

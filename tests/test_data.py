@@ -21,6 +21,7 @@ from disttrain.data import (
     TokenWindows,
     build_datamodule,
 )
+from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.text import pydocs_bytes
 from disttrain.errors import ConfigError
 from disttrain.models.spec import DataSpec
@@ -284,10 +285,10 @@ def test_two_ranks_see_the_samples_of_one_process(cfg, epoch):
     ranks = [attach(build_datamodule(cfg, micro_batch_size=batch, seed=7), 2, rank).train_dataloader()
              for rank in range(2)]
     for loader in (single, *ranks):
-        assert isinstance(loader.sampler, DistributedSampler) and loader.drop_last
+        assert isinstance(loader.sampler.sampler, DistributedSampler) and loader.drop_last
         loader.sampler.set_epoch(epoch)
-    assert ranks[0].sampler.num_replicas == 2 and ranks[1].sampler.rank == 1
-    assert single.sampler.num_replicas == 1
+    assert ranks[0].sampler.sampler.num_replicas == 2 and ranks[1].sampler.sampler.rank == 1
+    assert single.sampler.sampler.num_replicas == 1
     iterators = [iter(loader) for loader in (single, *ranks)]
     seen = []
     for _ in range(steps):
@@ -316,7 +317,7 @@ def test_no_trainer_or_no_distributed_kwargs_means_one_replica():
     assert datamodule.replicas() == (1, 0)
     datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs=None)
     assert datamodule.replicas() == (1, 0)
-    sampler = datamodule.train_dataloader().sampler
+    sampler = datamodule.train_dataloader().sampler.sampler
     settings = (sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, sampler.drop_last)
     assert settings == (1, 0, True, 0, True)
 
@@ -365,3 +366,38 @@ def test_every_schema_field_is_documented():
 def test_dict_configs_are_typed_by_the_schema():
     datamodule = build_datamodule({"name": "pydocs", "block_size": 24}, micro_batch_size=2, seed=0)
     assert isinstance(datamodule.cfg, PyDocsConfig) and datamodule.spec.block_size == 24
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 4])
+def test_an_epoch_holds_only_whole_optimiser_steps(accumulation):
+    """Digits' 1258 training images at a global batch of 64: 19 steps whatever the accumulation."""
+    micro = 64 // (2 * accumulation)
+    ranks = []
+    for rank in range(2):
+        datamodule = attach(build_datamodule(DigitsConfig(), micro_batch_size=micro, seed=0), 2, rank)
+        datamodule.accumulation = accumulation
+        ranks.append(datamodule.train_dataloader())
+    assert [len(loader) for loader in ranks] == [19 * accumulation] * 2
+    seen = Counter(s for loader in ranks for batch in loader for s in samples(batch))
+    assert sum(seen.values()) == 19 * 64 and max(seen.values()) == 1
+
+
+@pytest.mark.parametrize("full_batches", [False, True])
+def test_evaluation_on_ranks_counts_every_sample_once(full_batches):
+    """Digits' 359 test images on 2 ranks: every image once with its label, padding only with ignored labels."""
+    reference = build_datamodule(DigitsConfig(), micro_batch_size=32, seed=0).datasets["test"]
+    labels = Counter((x.numpy().tobytes(), int(y)) for x, y in (reference[i] for i in range(len(reference))))
+    seen, padding, batch_sizes = Counter(), 0, []
+    for rank in range(2):
+        datamodule = attach(build_datamodule(DigitsConfig(), micro_batch_size=32, seed=0), 2, rank)
+        datamodule.full_eval_batches = full_batches
+        for inputs, targets in datamodule.test_dataloader():
+            batch_sizes.append(len(targets))
+            for x, y in zip(inputs, targets, strict=True):
+                if int(y) == IGNORE_INDEX:
+                    padding += 1
+                else:
+                    seen[(x.numpy().tobytes(), int(y))] += 1
+    assert seen == labels
+    assert padding == (2 * 32 * 6 - 359 if full_batches else 1)
+    assert not full_batches or set(batch_sizes) == {32}

@@ -7,6 +7,8 @@ optimisation and does accumulation, global-norm clipping and the optimiser step 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +42,37 @@ class Pipeline:
         self.losses.clear()
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": self.losses} if self.has_last else {}
-        outputs = (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        if train:
+            outputs = self.schedule.step(*args, **kwargs)
+        else:
+            with forward_only(self.schedule):
+                outputs = self.schedule.eval(*args, **kwargs)
         return (torch.stack(self.losses).sum(), outputs) if self.has_last else None
+
+
+BACKWARD_ACTIONS = frozenset({"B", "I", "W", "OVERLAP_F_B", "SEND_B", "RECV_B", "REDUCE_GRAD"})
+"""Action types of torch's multi-stage schedules that belong to the backward pass."""
+
+
+@contextmanager
+def forward_only(schedule: Any) -> Iterator[None]:
+    """Run a multi-stage schedule's actions without the backward ones (evaluation).
+
+    torch's ``eval`` keeps every action and only marks stages as having no backward, which the ZBV
+    schedule's local backward hand-over between the two stages of the last rank refuses. Keeping each
+    rank's forward actions in their order cannot deadlock where the whole schedule did not.
+    """
+    # the runtime schedules (interleaved, zero bubble, ZBV) run the order with communication actions added
+    saved = {name: getattr(schedule, name) for name in ("pipeline_order", "pipeline_order_with_comms")
+             if getattr(schedule, name, None)}
+    for name, order in saved.items():
+        setattr(schedule, name, {rank: [a for a in actions if a is None or a.computation_type not in BACKWARD_ACTIONS]
+                                 for rank, actions in order.items()})
+    try:
+        yield
+    finally:
+        for name, order in saved.items():
+            setattr(schedule, name, order)
 
 
 def build_pipeline(

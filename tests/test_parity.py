@@ -1,0 +1,99 @@
+"""Every parallel layout through the real runner equals one process: loss curve, gradient norms, final weights.
+
+Two families that a wrong gradient scale or norm cannot pass: plain SGD (no momentum, no clipping), where
+a gradient off by a factor moves every weight by that factor, and the same with clipping that binds on
+every step (the logged pre-clip norm is asserted to exceed the limit), where a wrong global norm scales
+every update. Each run validates at its last step; ``last.ckpt`` must hold that step, and its exported
+weights must give the run's logged validation loss in one process. Tolerances are set from the
+deviations measured in fp32 (reduction order only), see ``LOSS_RTOL`` and ``WEIGHT_ATOL``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.checkpoint_io import load_metadata
+from disttrain.export import consolidated_weights
+from disttrain.run import train
+from tests.conftest import compose_config, exported_val_loss, logged_metric
+from tests.test_run import GPT_FAST, step_losses
+
+STEPS, CLIP = 10, 0.5
+BASE = [*GPT_FAST, "model.n_layer=4", "model.tie_weights=false", f"trainer.max_steps={STEPS}",
+        f"trainer.val_check_interval={STEPS}", "trainer.check_val_every_n_epoch=null",
+        "optim=sgd", "optim.momentum=0", "optim.nesterov=false", "optim.lr=0.5"]
+FAMILIES = {"sgd": ["trainer.gradient_clip_val=null"], "sgd+clip": [f"trainer.gradient_clip_val={CLIP}"]}
+PIPE = ["parallel=pipeline"]
+LAYOUTS = {
+    "ddp": (["parallel=ddp"], 2),
+    "zero1": (["parallel=zero1"], 2),
+    "zero2": (["parallel=zero2"], 2),
+    "zero3": (["parallel=zero3"], 2),
+    "hsdp": (["parallel=hsdp"], 4),
+    "tp": (["parallel=tp"], 2),
+    "tp+sp": (["parallel=tp", "parallel.sequence_parallel=true"], 2),
+    "dp_shard2xtp2": (["parallel=hybrid", "parallel.tp=2"], 4),
+    **{f"pp-{name}": ([*PIPE, f"parallel.pipeline.schedule={name}", f"parallel.pipeline.stages_per_rank={spr}"], 2)
+       for name, spr in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2))},
+    "pp2xdp_shard2": ([*PIPE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], 4),
+    "pp2xtp2": ([*PIPE, "parallel.pp=2", "parallel.tp=2"], 4),
+}
+# measured over all layouts (fp32, gloo): losses within 2.3e-7 relative, pre-clip norms 4.4e-7, final
+# weights 1.2e-7 absolute, logged vs exported validation loss 6.5e-8
+LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL, VAL_RTOL = 1e-6, 1e-6, 5e-7, 5e-7
+
+
+def run_summary(run_dir: Path, overrides: list[str]) -> dict:
+    """Train ``overrides`` into ``run_dir``; the loss curve, pre-clip norms, final weights and checks."""
+    train(compose_config(overrides, run_dir))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return {
+        "losses": step_losses(run_dir),
+        "norms": [value for _, value in logged_metric(run_dir, "train/grad_norm")],
+        "val_loss": logged_metric(run_dir, "val/loss")[-1][1],
+        "last_step": load_metadata(last)["global_step"],
+        "weights": consolidated_weights(last),
+        "exported_val_loss": exported_val_loss(run_dir, last, run_dir / "model.pt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, dict]:
+    return {family: run_summary(tmp_path_factory.mktemp("single"), [*BASE, *extra])
+            for family, extra in FAMILIES.items()}
+
+
+def relative_deviation(reference: list[float], other: list[float]) -> float:
+    assert len(reference) == len(other) > 0, (len(reference), len(other))
+    return max(abs(x - y) / abs(x) for x, y in zip(reference, other, strict=True))
+
+
+def check_against(reference: dict, got: dict, clipped: bool) -> None:
+    assert got["last_step"] == STEPS
+    assert got["exported_val_loss"] == pytest.approx(got["val_loss"], rel=VAL_RTOL)
+    assert relative_deviation(reference["losses"], got["losses"]) <= LOSS_RTOL
+    assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=LOSS_RTOL)
+    if clipped:
+        assert len(got["norms"]) == STEPS and min(got["norms"]) > CLIP, got["norms"]
+        assert relative_deviation(reference["norms"], got["norms"]) <= NORM_RTOL
+    else:
+        assert not got["norms"]
+    assert got["weights"].keys() == reference["weights"].keys()
+    for name, weight in got["weights"].items():
+        torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_reference_is_consistent(references):
+    for family, reference in references.items():
+        check_against(reference, reference, clipped=family == "sgd+clip")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(tmp_path, references, layout, family):
+    overrides, ranks = LAYOUTS[layout]
+    got = run_summary(tmp_path / "run", [*BASE, *FAMILIES[family], *overrides, f"trainer.devices={ranks}"])
+    check_against(references[family], got, clipped=family == "sgd+clip")
