@@ -8,7 +8,7 @@ from disttrain.run import train
 from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 
-REL = 1e-4  # relative loss tolerance of the model-parallel parity tests
+REL = 1e-6  # relative loss tolerance of the model-parallel parity tests (AdamW, tied head)
 
 
 def assert_close_curves(reference: list[float], other: list[float]) -> None:

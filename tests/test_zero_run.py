@@ -32,7 +32,7 @@ def single_curve(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("preset", "ranks"),
-    [("zero1", 2), ("zero2", 2), ("zero3", 2), ("zero3", 4), ("hsdp", 4)],
+    [("zero1", 2), ("zero3", 4)],  # AdamW and a tied head; SGD families of every stage: test_parity.py
 )
 def test_zero_matches_single_process(make_config, tmp_path, single_curve, preset, ranks):
     train(make_config([*GPT_FAST, f"parallel={preset}", f"trainer.devices={ranks}"], tmp_path / "run"))
@@ -59,12 +59,12 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_1_and_exports(make_config, tmp
     # fewer ranks (same global batch, so the same samples per step): the continuation matches too
     train(make_config([*every6, f"parallel={preset}", "trainer.devices=2", f"resume={step6}"], tmp_path / "two"))
     assert_same_curve(straight[6:], step_losses(tmp_path / "two"))
-    if preset == "zero1":  # index-keyed optimiser state: resumes under ZeRO-1 only, and says so otherwise
-        with pytest.raises(ValueError, match="zero_stage=1"):
-            train(make_config([*every6, f"resume={step6}"], tmp_path / "one"))
-    else:
-        train(make_config([*every6, f"resume={step6}"], tmp_path / "one"))
-        assert_same_curve(straight[6:], step_losses(tmp_path / "one"))
+    # optimiser state keyed by parameter name: resumes in one process and under the other sharding
+    train(make_config([*every6, f"resume={step6}"], tmp_path / "one"))
+    assert_same_curve(straight[6:], step_losses(tmp_path / "one"))
+    other = "zero1" if preset == "zero3" else "zero3"
+    train(make_config([*every6, f"parallel={other}", "trainer.devices=2", f"resume={step6}"], tmp_path / "other"))
+    assert_same_curve(straight[6:], step_losses(tmp_path / "other"))
     # one consolidated file for inference
     weights = torch.load(export(step6, tmp_path / "model.pt"), weights_only=True)
     run = validate(OmegaConf.load(tmp_path / "four" / "config.yaml"), world_size=4)

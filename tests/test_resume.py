@@ -1,0 +1,70 @@
+"""Lost work is bounded: ``last.ckpt`` is the newest save point, and a killed run resumed with ``resume=auto``
+continues the uninterrupted run's curve, its CSV history and its wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disttrain.checkpoint_io import load_metadata
+from disttrain.run import train
+from tests.conftest import ROOT, compose_config
+from tests.test_run import GPT_FAST, step_losses
+
+EVERY, STEPS = 4, 16
+RUN = [*GPT_FAST, f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={EVERY}",
+       "trainer.check_val_every_n_epoch=null"]
+# a step drawn at random (fixed seed) that is not itself a save point
+CRASH_AT = random.Random(11).choice([s for s in range(EVERY + 1, STEPS) if s % EVERY])
+
+
+def run_cli(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(("preset", "ranks"), [("ddp", 2), ("hsdp", 4)])
+def test_killed_run_resumes_from_its_newest_save_point(tmp_path, preset, ranks):
+    layout = [*RUN, f"parallel={preset}", f"trainer.devices={ranks}"]
+    train(compose_config(layout, tmp_path / "straight"))
+    straight = step_losses(tmp_path / "straight")
+    assert len(straight) == STEPS
+
+    run_dir = tmp_path / "killed"
+    crashed = run_cli([*layout, "+callbacks.crash._target_=tests.crash.CrashAtStep",
+                       f"+callbacks.crash.step={CRASH_AT}"], run_dir)
+    assert crashed.returncode != 0
+    saved = load_metadata(run_dir / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == CRASH_AT // EVERY * EVERY, CRASH_AT  # only the steps since the last save point
+
+    resumed = run_cli([*layout, "resume=auto"], run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    # the CSV holds the whole run: the steps before the checkpoint from the first process, the rest after
+    assert step_losses(run_dir) == pytest.approx(straight, rel=1e-6)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["global_steps"] == STEPS
+    assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == STEPS
+    assert results["wall_time_s"] > saved["callbacks"]["ThroughputMeter"]["wall_time_s"] > 0
+
+
+def test_last_checkpoint_is_the_final_state_when_the_metric_stops_improving(tmp_path):
+    # the default run: digits' val/acc peaks before the last of its 190 steps
+    run_dir = tmp_path / "run"
+    train(compose_config(["logger=csv", "callbacks=none", "trainer.run_test=false"], run_dir))
+    checkpoints = run_dir / "checkpoints"
+    best = json.loads((run_dir / "results.json").read_text())["best_checkpoint"]
+    assert load_metadata(checkpoints / "last.ckpt")["global_step"] == 190
+    assert load_metadata(Path(best))["global_step"] < 190  # otherwise this run would not test anything
+
+
+def test_a_run_ending_between_save_points_saves_its_last_step(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_config([*RUN, f"trainer.max_steps={STEPS + 2}"], run_dir))
+    assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == STEPS + 2
