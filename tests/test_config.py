@@ -56,6 +56,10 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["parallel=zero1", "trainer.devices=2", "parallel.cpu_offload=true"], "parallel.cpu_offload", "false"),
         (["parallel=zero3", "trainer.devices=2", "parallel.cpu_offload=true"], "parallel.cpu_offload", "CPU run"),
         (["parallel=ddp", "trainer.devices=2", "parallel.dp_replicate=4"], "parallel", "multiply to 4"),
+        (["trainer.limit_val_batches=1.5"], "trainer.limit_val_batches", "a fraction in (0, 1]"),
+        (["trainer.limit_test_batches=-1"], "trainer.limit_test_batches", "a count of batches >= 0"),
+        (["trainer.val_check_interval=0"], "trainer.val_check_interval", "a count of batches >= 1"),
+        (["trainer.limit_val_batches=all"], "trainer.limit_val_batches", "a count of batches (an int)"),
     ],
 )
 def test_bad_input_is_one_clear_line(make_config, overrides, key, allowed):
@@ -136,3 +140,10 @@ def test_config_hash_ignores_run_dir(make_config, tmp_path):
     b = validate(make_config([], tmp_path / "b"))
     c = validate(make_config(["optim.lr=0.01"], tmp_path / "a"))
     assert a.config_hash == b.config_hash != c.config_hash
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("1.0", 1.0), ("0.25", 0.25), ("null", None)])
+def test_a_batch_limit_keeps_count_or_fraction(make_config, value, expected):
+    """As in Lightning: ``1`` is one batch, ``1.0`` all of them."""
+    limit = validate(make_config([f"trainer.limit_val_batches={value}"])).train.trainer.limit_val_batches
+    assert limit == expected and type(limit) is type(expected)

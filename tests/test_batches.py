@@ -1,0 +1,53 @@
+"""What a batch setting means through the real runner: accumulation changes nothing but memory, an int
+batch limit is a count, and exported weights reproduce the logged validation loss (BatchNorm included)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.run import train
+from tests.conftest import compose_config, exported_val_loss, logged_metric
+from tests.test_run import GPT_FAST, step_losses
+
+# 100 training windows a epoch at a global batch of 8: 12 whole steps and 4 windows dropped per epoch
+EPOCHS = [*GPT_FAST, "trainer.max_steps=-1", "trainer.max_epochs=2", "data.samples_per_epoch=100",
+          "trainer.log_every_n_steps=1"]
+
+
+def test_accumulation_gives_the_same_steps_and_curve(tmp_path, capsys):
+    train(compose_config(EPOCHS, tmp_path / "one"))
+    train(compose_config([*EPOCHS, "batch.accumulation=4"], tmp_path / "four"))
+    one, four = step_losses(tmp_path / "one"), step_losses(tmp_path / "four")
+    assert len(one) == len(four) == 24
+    assert four == pytest.approx(one, rel=1e-6)
+    printed = capsys.readouterr().out.splitlines()
+    assert not [line for line in printed if line.startswith("step 0/")]
+    assert any(line.startswith("step 24/24") for line in printed)
+
+
+CNN = ["logger=csv", "callbacks=none", "trainer.run_test=false", "trainer.max_steps=20",
+       "trainer.limit_val_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def cnn_runs(tmp_path_factory) -> dict[str, dict]:
+    """The CNN (BatchNorm) for 20 steps, validated on one batch per rank at the end of its first epoch."""
+    runs = {}
+    for name, overrides in {"single": [], "ddp": ["parallel=ddp", "trainer.devices=2"],
+                            "zero3": ["parallel=zero3", "trainer.devices=2"]}.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        train(compose_config([*CNN, *overrides], run_dir))
+        (step, logged), = logged_metric(run_dir, "val/loss")
+        runs[name] = {"logged": logged, "exported": exported_val_loss(
+            run_dir, run_dir / "checkpoints" / f"step{step + 1}.ckpt", run_dir / "model.pt")}
+    return runs
+
+
+@pytest.mark.parametrize("name", ["single", "ddp", "zero3"])
+def test_exported_weights_reproduce_the_logged_validation_loss(cnn_runs, name):
+    # one batch per rank (64 images in all), with every rank's BatchNorm statistics equal to the first's
+    assert cnn_runs[name]["exported"] == pytest.approx(cnn_runs[name]["logged"], rel=1e-6)
+
+
+def test_sharding_keeps_buffers_as_ddp_does(cnn_runs):
+    assert cnn_runs["zero3"]["logged"] == pytest.approx(cnn_runs["ddp"]["logged"], rel=1e-6)
