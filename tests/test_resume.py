@@ -30,12 +30,19 @@ def run_cli(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[float]:
+    """The uninterrupted curve, from one process (every layout matches it, see test_parity.py)."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(compose_config(RUN, run_dir))
+    losses = step_losses(run_dir)
+    assert len(losses) == STEPS
+    return losses
+
+
 @pytest.mark.parametrize(("preset", "ranks"), [("ddp", 2), ("hsdp", 4)])
-def test_killed_run_resumes_from_its_newest_save_point(tmp_path, preset, ranks):
+def test_killed_run_resumes_from_its_newest_save_point(tmp_path, straight, preset, ranks):
     layout = [*RUN, f"parallel={preset}", f"trainer.devices={ranks}"]
-    train(compose_config(layout, tmp_path / "straight"))
-    straight = step_losses(tmp_path / "straight")
-    assert len(straight) == STEPS
 
     run_dir = tmp_path / "killed"
     crashed = run_cli([*layout, "+callbacks.crash._target_=tests.crash.CrashAtStep",
