@@ -15,7 +15,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from disttrain.errors import ConfigError
 from disttrain.parallel.config import ParallelConfig
@@ -85,8 +85,10 @@ class TrainerConfig:
 
     accelerator: str = "auto"
     """Device type: auto, cpu or gpu."""
-    devices: int = 1
-    """Ranks per node that the runner starts (ignored under torchrun/SLURM, which start their own)."""
+    devices: Any = "auto"
+    """Ranks per node that the runner starts (ignored under torchrun/SLURM, which start their own): a number,
+    or auto: every GPU of the machine, or on a CPU the fewest ranks the ``parallel`` preset runs on (one for
+    single, two where a degree is "the rest of the world", e.g. zero3; four for hsdp and hybrid)."""
     num_nodes: int = 1
     """Number of machines (needs torchrun or SLURM when > 1)."""
     max_steps: int = -1
@@ -94,7 +96,7 @@ class TrainerConfig:
     max_epochs: int | None = None
     """Epochs to train for when max_steps is -1."""
     precision: str = "32-true"
-    """Lightning precision: 32-true, bf16-mixed, 16-mixed, bf16-true."""
+    """Lightning precision: 32-true, bf16-mixed (bf16 autocast), bf16-true or 16-true (parameters in that type)."""
     gradient_clip_val: float | None = 1.0
     """Clip gradients to this global norm; null disables clipping."""
     val_check_interval: Any = None
@@ -224,6 +226,8 @@ class RunConfig:
     batch: ResolvedBatch
     yaml: str
     """The resolved config as YAML (what workers receive and what is written to the run directory)."""
+    notices: tuple[str, ...] = ()
+    """Lines to show the user before ranks start (e.g. how many ranks ``trainer.devices=auto`` chose)."""
 
     @property
     def config_hash(self) -> str:
@@ -233,11 +237,31 @@ class RunConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
+"""The precisions the strategy runs (Lightning's ModelParallelStrategy plugins)."""
+
+
 def world_size_of(trainer: TrainerConfig) -> int:
     """Number of ranks: the launcher's WORLD_SIZE under torchrun/SLURM, else devices x num_nodes."""
     if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     return trainer.devices * trainer.num_nodes
+
+
+def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[int, str | None]:
+    """``trainer.devices`` as a number, and a one-line notice when ``auto`` chose it."""
+    if trainer.devices != "auto":
+        return trainer.devices, None
+    if _uses_gpu(trainer.accelerator):
+        import torch
+
+        count = max(1, torch.cuda.device_count())
+        return count, f"trainer.devices=auto: {count} GPU rank(s) per node"
+    fewest = parallel.fewest_ranks()
+    if fewest == 1:
+        return 1, None
+    return fewest, (f"trainer.devices=auto: starting {fewest} CPU ranks, the fewest parallel={parallel.name} runs "
+                    "on (trainer.devices=N for another number)")
 
 
 def _typed(group: str, node: Any, schema: type) -> Any:
@@ -248,11 +272,18 @@ def _typed(group: str, node: Any, schema: type) -> Any:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         key = ".".join(part for part in (group, getattr(err, "full_key", None)) if part) or "config"
-        if "Missing mandatory value" in str(err):
-            raise ConfigError(key, "???", "a value is required") from None
+        if isinstance(err, MissingMandatoryValue) or "Missing mandatory value" in str(err):
+            missing = key if key.count(".") or not group else f"{group}.{_missing_field(err)}"
+            raise ConfigError(missing, "???", f"a value is required (set {missing}=...)") from None
         value = getattr(err, "value", None) or _lookup(node, err.full_key)
         raise ConfigError(key, value, f"expected {_field_type(schema, err.full_key)}") from None
     return obj
+
+
+def _missing_field(err: OmegaConfBaseException) -> str:
+    """The field a structured config's "has missing mandatory value: <field>" message names."""
+    return str(err).split("missing mandatory value:")[-1].split()[0] if "missing mandatory value:" in str(err) \
+        else "?"
 
 
 def _reject_unknown_keys(prefix: str, node: Any, schema: type) -> None:
@@ -311,29 +342,67 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     data = _registry_typed("data", cfg.data, DATA)
     optim = _registry_typed("optim", cfg.optim, OPTIMIZERS)
     scheduler = _typed("scheduler", cfg.scheduler, SchedulerConfig)
-    for part in (data, optim, scheduler):
-        part.validate()
+    notices = [notice for part in (data, optim, scheduler) for notice in (part.validate() or [])]
     top.parallel.validate()
     if top.parallel.cpu_offload and not _uses_gpu(top.trainer.accelerator):
         raise ConfigError("parallel.cpu_offload", True,
                           "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
     _validate_trainer(top.trainer)
+    top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
+    notices += [devices_notice] if devices_notice else []
+    OmegaConf.update(cfg, "trainer.devices", top.trainer.devices)  # workers read the number, not auto
     if getattr(model, "sync_batchnorm", False) and not _uses_gpu(top.trainer.accelerator):
         raise ConfigError("model.sync_batchnorm", True,
                           "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
-    if top.resume not in (None, "auto") and not os.path.exists(top.resume):
-        raise ConfigError("resume", top.resume, "null, auto, or the path of an existing checkpoint")
+    if top.resume not in (None, "auto"):
+        top.resume = checkpoint_folder(top.resume)
+        OmegaConf.update(cfg, "resume", top.resume)
     world = world_size if world_size is not None else world_size_of(top.trainer)
     p = top.parallel
     dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
     p.check_dims(dims)
     batch = resolve_batch(top.batch, dims.dp)
-    model_dims = model.validate(build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed).spec)
+    datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
+    model_dims = model.validate(datamodule.spec)
     if dims.tp > 1:
         _check_tensor_parallel(model, model_dims, dims.tp)
     if dims.pp > 1:
         _check_pipeline(model, model_dims, dims.pp, p.pipeline, batch.micro_size)
-    return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg))
+    notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
+    return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices))
+
+
+def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:
+    """Lines that say how ``max_steps``, ``max_epochs`` and validation combine, where it may surprise."""
+    notices = []
+    if steps_per_epoch < 1:
+        raise ConfigError("batch.global_size", None, "at most the number of training samples (an epoch would "
+                          "hold no whole optimiser step)")
+    if t.max_steps > 0:
+        epochs = -(-t.max_steps // steps_per_epoch)
+        if t.max_epochs and epochs > t.max_epochs:
+            notices.append(f"trainer.max_steps={t.max_steps} sets the length: {epochs} epochs of {steps_per_epoch} "
+                           f"steps (trainer.max_epochs={t.max_epochs} applies only when max_steps is -1)")
+        interval = t.val_check_interval
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval > t.max_steps \
+                and t.check_val_every_n_epoch is None:
+            notices.append(f"trainer.val_check_interval={interval} is beyond trainer.max_steps={t.max_steps}: "
+                           "this run never validates (no val metrics, no best checkpoint)")
+    return notices
+
+
+def checkpoint_folder(resume: str) -> str:
+    """``resume=PATH``: a checkpoint folder, or a run directory whose ``checkpoints/last.ckpt`` is taken."""
+    path = os.path.expanduser(resume)
+    allowed = "null, auto, a checkpoint folder (with meta.pt) or a run directory with checkpoints/last.ckpt"
+    if not os.path.exists(path):
+        raise ConfigError("resume", resume, f"{allowed}; there is no such path")
+    last = os.path.join(path, "checkpoints", "last.ckpt")
+    if os.path.isfile(os.path.join(path, "meta.pt")) and os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    if os.path.isdir(last):
+        return last
+    raise ConfigError("resume", resume, f"{allowed}; this is neither")
 
 
 def _check_tensor_parallel(model: Any, model_dims: Any, tp: int) -> None:
@@ -368,17 +437,20 @@ def _validate_trainer(t: TrainerConfig) -> None:
     """Semantic checks of the Trainer options that the type system cannot express."""
     if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError("trainer.accelerator", t.accelerator, "one of auto, cpu, gpu, cuda")
-    if t.devices < 1:
-        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node")
+    if t.devices != "auto" and (not isinstance(t.devices, int) or isinstance(t.devices, bool) or t.devices < 1):
+        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node, or auto")
     if t.num_nodes < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "a positive number of nodes")
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError("trainer.max_steps", t.max_steps, "a positive number of steps, or -1")
     if t.max_steps == -1 and not t.max_epochs:
         raise ConfigError("trainer.max_epochs", t.max_epochs, "a positive number of epochs when max_steps is -1")
-    allowed = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
-    if t.precision not in allowed:
-        raise ConfigError("trainer.precision", t.precision, f"one of {list(allowed)}")
+    if t.precision in ("16-mixed", "16"):
+        raise ConfigError("trainer.precision", t.precision,
+                          f"one of {list(PRECISIONS)}: fp16 autocast needs a gradient scaler, which the sharded "
+                          "strategy does not run; bf16-mixed needs none")
+    if t.precision not in PRECISIONS:
+        raise ConfigError("trainer.precision", t.precision, f"one of {list(PRECISIONS)}")
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
     for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):

@@ -11,10 +11,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, ThroughputMeter
 from disttrain.config import RunConfig, validate
+from disttrain.console import quiet_noise, run_summary
 from disttrain.launch import (
     external_environment,
     init_process_group,
@@ -42,6 +44,8 @@ def train(cfg: DictConfig) -> float | None:
         if env.global_rank() == 0:
             (run_dir / CONFIG_FILE).write_text(run.yaml)
         return run_rank(run)
+    for notice in run.notices:
+        print(notice, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / CONFIG_FILE
     config_path.write_text(run.yaml)
@@ -63,6 +67,7 @@ def run_rank(run: RunConfig) -> float | None:
     from disttrain.task import TrainTask
 
     cfg = run.train
+    quiet_noise()
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
@@ -79,7 +84,7 @@ def run_rank(run: RunConfig) -> float | None:
         else:
             task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule))
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
-        trainer = build_trainer(run, task, meter)
+        trainer = build_trainer(run, task, meter, datamodule.num_train_samples // run.batch.global_size)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume_path(cfg.resume, Path(cfg.run_dir)))
         fit_seconds = meter.wall_time_s
         metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
@@ -90,13 +95,15 @@ def run_rank(run: RunConfig) -> float | None:
             metrics.update(_scalars(trainer.callback_metrics))
         results = _results(run, trainer, metrics, fit_seconds, meter)
         if trainer.is_global_zero:
-            (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+            results_path = Path(cfg.run_dir) / RESULTS_FILE
+            results_path.write_text(json.dumps(results, indent=2) + "\n")
+            print(run_summary(results, results_path), flush=True)
         return results["objective"]
     finally:
         shutdown_process_group()
 
 
-def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Trainer:
+def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter, steps_per_epoch: int) -> pl.Trainer:
     """The Lightning Trainer of a validated run: strategy, loggers, checkpoints, progress and callbacks."""
     from disttrain.parallel.strategy import DistTrainStrategy
 
@@ -120,8 +127,10 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
     interactive = sys.stdout.isatty()
     if not interactive:
         callbacks.append(PlainProgress(t.log_every_n_steps, meter))
-    callbacks += [instantiate(node) for node in cfg.callbacks.values() if node]
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
+    extra = [instantiate(node) for node in cfg.callbacks.values() if node]
+    # a learning-rate monitor writes to loggers and refuses to run without one (logger=none)
+    callbacks += [c for c in extra if loggers or not isinstance(c, LearningRateMonitor)]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
     pipelined = run.dims.pp > 1
     return pl.Trainer(
@@ -130,7 +139,8 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter) -> pl.Train
         num_nodes=num_nodes,
         strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False)),
         max_steps=t.max_steps,
-        max_epochs=t.max_epochs if t.max_steps == -1 else None,
+        # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
+        max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),
         precision=t.precision,
         # a pipelined task steps its optimiser itself (manual optimisation), clipping and accumulating
         gradient_clip_val=None if pipelined else t.gradient_clip_val,
@@ -187,7 +197,7 @@ def _results(run: RunConfig, trainer: pl.Trainer, metrics: dict[str, float], sec
         "wall_time_s": round(seconds, 3),
         "global_steps": trainer.global_step,
         "samples_per_sec": _finite(meter.samples_per_sec),
-        "tokens_per_sec": _finite(meter.tokens_per_sec),
+        "tokens_per_sec": _finite(meter.tokens_per_sec) if meter.tokens_per_sample > 1 else None,
         "world_size": run.dims.world_size,
         "parallel": {"pp": run.dims.pp, "dp_replicate": run.dims.dp_replicate,
                      "dp_shard": run.dims.dp_shard, "tp": run.dims.tp},
@@ -196,7 +206,9 @@ def _results(run: RunConfig, trainer: pl.Trainer, metrics: dict[str, float], sec
         "device": str(trainer.strategy.root_device),
         "torch": torch.__version__,
         "config_hash": run.config_hash,
-        "best_checkpoint": checkpoint.best_model_path if checkpoint is not None else None,
+        "best_checkpoint": (checkpoint.best_model_path or None) if checkpoint is not None else None,
+        "best": ({"metric": checkpoint.monitor, "value": float(checkpoint.best_model_score)}
+                 if checkpoint is not None and checkpoint.best_model_score is not None else None),
     }
     if cfg.expect is not None:
         results["expect"] = _check_expectation(cfg.expect, metrics)

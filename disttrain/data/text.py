@@ -120,8 +120,9 @@ class TokensConfig:
         """Path of ``train.bin`` or ``val.bin``."""
         return os.path.join(os.path.expanduser(self.path), f"{split}.bin")
 
-    def validate(self) -> None:
-        """The directory and both files exist, hold whole uint16 ids and at least one window each."""
+    def validate(self) -> list[str]:
+        """The directory and both files exist, hold whole uint16 ids, at least one window each, and ids below
+        ``vocab_size``; returns a notice when an inferred vocabulary looks inflated."""
         check_positive("data.block_size", self.block_size)
         check_positive("data.vocab_size", self.vocab_size, optional=True)
         check_positive("data.samples_per_epoch", self.samples_per_epoch, optional=True)
@@ -137,8 +138,30 @@ class TokensConfig:
                 raise ConfigError("data.path", self.path,
                                   f"{split}.bin has an odd number of bytes; {TOKEN_FILES}")
             if size // 2 < self.block_size + 1:
-                raise ConfigError("data.block_size", self.block_size,
-                                  f"at most {size // 2 - 1}: {split}.bin holds only {size // 2} tokens")
+                raise ConfigError("data.path", self.path,
+                                  f"{split}.bin holds {size // 2} tokens; each split needs at least "
+                                  f"data.block_size + 1 = {self.block_size + 1}")
+        return self._check_ids()
+
+    def _check_ids(self) -> list[str]:
+        """Every id below a given vocabulary; an inferred vocabulary that a few stray ids inflate is named."""
+        files = {split: MemmapTokens(self.file(split)) for split in ("train", "val")}
+        if self.vocab_size is not None:
+            for split, tokens in files.items():
+                stray = tokens.first_at_least(self.vocab_size)
+                if stray is not None:
+                    raise ConfigError("data.vocab_size", self.vocab_size,
+                                      f"more than every token id: {split}.bin holds id {stray[1]} at position "
+                                      f"{stray[0]}")
+            return []
+        counts = sum(tokens.id_counts() for tokens in files.values())
+        present = np.flatnonzero(counts)
+        largest = int(present.max(initial=0))
+        vocab = round_up(largest + 1, 64)
+        if vocab > 4 * len(present) + 64:
+            return [f"data.vocab_size inferred as {vocab} from the largest id {largest}, but only {len(present)} "
+                    "distinct ids occur: set data.vocab_size if that id is a stray"]
+        return []
 
 
 def round_up(value: int, multiple: int) -> int:

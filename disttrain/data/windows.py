@@ -41,8 +41,24 @@ class MemmapTokens:
 
     def max(self, chunk: int = 1 << 24) -> int:
         """The largest token id, scanned in chunks (reads the whole file once)."""
-        array = self.array
-        return max((int(array[i:i + chunk].max()) for i in range(0, self._length, chunk)), default=0)
+        return self.id_counts(chunk).nonzero()[0].max(initial=0).item()
+
+    def id_counts(self, chunk: int = 1 << 24) -> np.ndarray:
+        """How often each of the 65536 possible ids occurs, counted in chunks (reads the whole file once)."""
+        counts = np.zeros(1 << 16, dtype=np.int64)
+        for start in range(0, self._length, chunk):
+            counts += np.bincount(self.array[start:start + chunk], minlength=1 << 16)
+        return counts
+
+    def first_at_least(self, threshold: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+        """``(position, id)`` of the first id >= ``threshold``, or None."""
+        if threshold > np.iinfo(self.dtype).max:
+            return None
+        for start in range(0, self._length, chunk):
+            hits = np.flatnonzero(self.array[start:start + chunk] >= threshold)
+            if hits.size:
+                return start + int(hits[0]), int(self.array[start + hits[0]])
+        return None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_array": None}

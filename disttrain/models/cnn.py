@@ -31,7 +31,7 @@ class CNNConfig:
     def validate(self, spec: DataSpec) -> None:
         """Raise ConfigError if this config cannot build a model for data described by ``spec``."""
         if spec.kind != "image":
-            raise ConfigError("model.name", self.name, f"a {spec.kind} model; cnn needs image data")
+            raise ConfigError("model.name", self.name, f"a model for {spec.kind} data; cnn needs image data")
         if not spec.in_channels or not spec.num_classes:
             raise ConfigError("data", spec, "image data that states in_channels and num_classes")
         if not self.widths or any(w <= 0 for w in self.widths):

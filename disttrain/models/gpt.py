@@ -89,7 +89,7 @@ class GPTDims:
 def resolve_gpt_dims(cfg: GPTConfig, spec: DataSpec) -> GPTDims:
     """Combine flavour, explicit sizes and the data's spec into checked sizes; ConfigError if impossible."""
     if spec.kind != "text":
-        raise ConfigError("model.name", cfg.name, f"a {spec.kind} model; gpt needs text data")
+        raise ConfigError("model.name", cfg.name, f"a model for {spec.kind} data; gpt needs text data")
     if cfg.flavour not in FLAVOURS:
         raise ConfigError("model.flavour", cfg.flavour, f"one of {list(FLAVOURS)}")
     for key in _DIMS:

@@ -69,6 +69,13 @@ class ParallelConfig:
     timeout_s: int = 1800
     """Seconds a collective may wait before the run fails."""
 
+    def fewest_ranks(self) -> int:
+        """The smallest world size this preset runs on: its fixed degrees, and 2 for a degree of -1."""
+        fewest = 1
+        for degree in (self.pp, self.dp_replicate, self.dp_shard, self.tp):
+            fewest *= 2 if degree == -1 else max(degree, 1)
+        return fewest
+
     def validate(self) -> None:
         """Checks that need no world size."""
         if self.zero_stage not in (0, 1, 2, 3):

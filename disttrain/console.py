@@ -1,0 +1,71 @@
+"""What the terminal shows besides the run's own lines: Lightning's and torch's noise is filtered where it is
+emitted (one logging filter per logger, one warnings filter per message), and nothing else is hidden."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+# (logger, start of the message) pairs that say nothing about this run
+_BANNER = "-" * 100 + "\ndistributed_backend="
+_NOISE = (  # Lightning routes fabric's rank-zero messages through the pytorch logger once that is imported
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
+    ("lightning.pytorch.utilities.rank_zero", _BANNER),
+    ("lightning.fabric.utilities.rank_zero", _BANNER),
+    ("lightning.fabric.utilities.distributed", "Initializing distributed:"),
+)
+_WARNINGS = (
+    # Lightning's own use of a deprecated torch._pytree name, once per rank
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+    # pipeline stages other than the last hold no loss, yet every rank must join the metric's reduction
+    r"The ``compute`` method of metric \w+ was called before the ``update`` method",
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefixes)
+
+
+def quiet_noise() -> None:
+    """Install the filters (idempotent)."""
+    by_logger: dict[str, tuple[str, ...]] = {}
+    for name, prefix in _NOISE:
+        by_logger[name] = (*by_logger.get(name, ()), prefix)
+    for name, prefixes in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))
+    for message in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
+def run_summary(results: dict[str, Any], results_path: Path) -> str:
+    """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
+    where everything is. Every figure is the one in ``results.json``, rounded for reading."""
+    rate = f", {results['samples_per_sec']:g} samples/s" if results.get("samples_per_sec") else ""
+    if results.get("tokens_per_sec"):
+        rate += f", {results['tokens_per_sec']:g} tokens/s"
+    lines = [f"Run complete: {results['global_steps']} steps on {results['world_size']} rank(s), "
+             f"{results['wall_time_s']:g} s of training{rate}"]
+    best = results.get("best")
+    if best:
+        where = Path(results["best_checkpoint"]).relative_to(results_path.parent) if results["best_checkpoint"] else ""
+        lines.append(f"  best {best['metric']} {best['value']:.4f} ({where})")
+    tests = {k: v for k, v in results["metrics"].items() if k.startswith("test/")}
+    if tests:
+        lines.append("  test: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tests.items())))
+    expect = results.get("expect")
+    if expect:
+        value = "not measured" if expect["value"] is None else f"{expect['value']:.4f}"
+        relation = ">=" if expect["mode"] == "max" else "<="
+        verdict = "met" if expect["met"] else "NOT met"
+        lines.append(f"  expected {expect['metric']} {relation} {expect['bound']:.4f}: {value}, {verdict}")
+    lines.append(f"  run directory {results_path.parent}; results in {results_path.name}")
+    return "\n".join(lines)

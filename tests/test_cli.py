@@ -1,0 +1,129 @@
+"""The command line as a user sees it: the README's commands run as typed (shortened by step counts only),
+every mistake is one ``Error:`` line with a non-zero exit and no run directory, and a run ends with a
+summary whose figures are those of ``results.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from disttrain.run import train
+from tests.conftest import ROOT, compose_config
+
+SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``python train.py ...`` lines of the README's first code block, as argument lists; sweeps (``-m``,
+    ``hparams_search``) and torchrun run in ``test_sweep.py``."""
+    block = (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```", 1)[0]
+    joined = block.replace("\\\n", " ")
+    commands = []
+    for line in joined.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("python train.py") and " -m " not in line and "hparams_search=" not in line:
+            commands.append(shlex.split(line)[2:])
+    return commands
+
+
+def shortened(args: list[str]) -> list[str]:
+    if "--help" in args or "--cfg" in args:
+        return args
+    return [*args, *SHORT, "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
+
+
+@pytest.mark.parametrize("args", readme_commands(), ids=lambda a: " ".join(a) or "(none)")
+def test_readme_command_runs_as_typed(tmp_path, args):
+    proc = run_cli(shortened(args), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if "--help" not in args and "--cfg" not in args:
+        assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_headline_command_starts_the_ranks_it_needs(tmp_path):
+    proc = run_cli(["parallel=zero3", "optim=lamb", *SHORT, "hydra.run.dir=run"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trainer.devices=auto: starting 2 CPU ranks" in proc.stdout
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["world_size"] == 2 and results["parallel"]["dp_shard"] == 2
+
+
+def token_files(directory: Path, stray: int | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, size in (("train", 4096), ("val", 1024)):
+        ids = rng.integers(0, 300, size, dtype=np.uint16)
+        if stray is not None and split == "val":
+            ids[700] = stray
+        ids.tofile(directory / f"{split}.bin")
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["+optim.lrr=1"], "optim.lrr=1 is invalid: not a known key"),
+        (["optim.lr=-1"], "optim.lr=-1.0 is invalid: a positive number"),
+        (["parallel=ddp", "trainer.devices=0"], "trainer.devices=0 is invalid"),
+        (["trainer.precision=16-mixed"], "fp16 autocast needs a gradient scaler"),
+        (["trainer.precision=64-true"], "trainer.precision='64-true' is invalid: one of"),
+        (["model=gpt", "data=tokens"], "data.path='???' is invalid: a value is required"),
+        (["resume=."], "a checkpoint folder (with meta.pt) or a run directory with checkpoints/last.ckpt"),
+        (["model=gpt", "data=tokens", "data.path=tokens", "data.vocab_size=512"],
+         "data.vocab_size=512 is invalid: more than every token id: val.bin holds id 60000 at position 700"),
+        (["model=gpt"], "model.name='gpt' is invalid: a model for image data; gpt needs text data"),
+    ],
+    ids=["unknown-key", "negative-lr", "devices-0", "fp16", "fp64", "no-path", "resume-dir", "stray-id", "gpt-images"],
+)
+def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message):
+    token_files(tmp_path / "tokens", stray=60000)
+    before = set(tmp_path.iterdir())
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"Error: {proc.stderr.strip().removeprefix('Error: ')}"
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+    assert set(tmp_path.iterdir()) == before  # no outputs/ left behind
+
+
+def test_notices_say_what_may_surprise(tmp_path):
+    token_files(tmp_path / "tokens", stray=5000)
+    proc = run_cli(["model=gpt", "model.flavour=micro", "data=tokens", "data.path=tokens", "trainer.max_steps=40",
+                    "trainer.max_epochs=1", "data.samples_per_epoch=320", "batch.global_size=32",
+                    "trainer.run_test=false", "logger=none", "trainer.val_check_interval=50",
+                    "trainer.check_val_every_n_epoch=null"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "data.vocab_size inferred as 5056 from the largest id 5000, but only 301 distinct ids" in proc.stdout
+    assert "trainer.max_steps=40 sets the length: 4 epochs of 10 steps" in proc.stdout
+    assert "trainer.val_check_interval=50 is beyond trainer.max_steps=40: this run never validates" in proc.stdout
+
+
+def test_summary_figures_are_those_of_results(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(compose_config(["trainer.max_epochs=1", "logger=none"], run_dir))
+    printed = capsys.readouterr().out
+    summary = printed[printed.index("Run complete:"):]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["best_checkpoint"] and results["tokens_per_sec"] is None
+    assert f"{results['global_steps']} steps on 1 rank(s), {results['wall_time_s']:g} s" in summary
+    assert f"{results['samples_per_sec']:g} samples/s" in summary
+    assert f"best val/acc {results['best']['value']:.4f} (checkpoints/" in summary
+    for key in ("test/acc", "test/loss"):
+        assert f"{key} {results['metrics'][key]:.4f}" in summary
+    assert str(run_dir) in summary
+    assert not re.search(r"\x1b\[", printed)
