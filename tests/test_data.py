@@ -238,7 +238,7 @@ def test_tokens_config_errors_name_data_path(tmp_path):
     write_tokens(tmp_path, val=10)
     with pytest.raises(ConfigError) as info:
         build_datamodule(TokensConfig(path=str(tmp_path), block_size=64), micro_batch_size=4, seed=0)
-    assert info.value.key == "data.block_size"
+    assert info.value.key == "data.path" and "val.bin holds 10 tokens; each split needs at least" in str(info.value)
 
 
 def test_tokens_path_is_required():
