@@ -46,6 +46,13 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        # before the first validation there is nothing to rank by: no best yet, and no warning at each save point
+        if self.monitor is not None and self.monitor not in monitor_candidates \
+                and not trainer.fit_loop.epoch_loop.val_loop._has_run:
+            return
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)
         if self.save_last:

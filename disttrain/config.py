@@ -209,6 +209,17 @@ def register_schemas() -> None:
 
 
 register_schemas()
+def config_groups_help() -> str:
+    """The groups of ``conf/`` and their options, one line each, for ``--help`` (Hydra's own list would also
+    show the typed schemas that the group files start from)."""
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    groups = sorted(p for p in conf.iterdir() if p.is_dir()) if conf.is_dir() else []
+    return "\n".join(f"{group.name}: {', '.join(sorted(f.stem for f in group.glob('*.yaml')))}" for group in groups)
+
+
+OmegaConf.register_new_resolver("config_groups", config_groups_help, replace=True)
 # wandb logs offline unless an API key is configured, so a run never waits on the network.
 OmegaConf.register_new_resolver("wandb_offline", lambda: "WANDB_API_KEY" not in os.environ, replace=True)
 

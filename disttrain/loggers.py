@@ -1,4 +1,4 @@
-"""A CSV logger whose file keeps a resumed run's history.
+"""Loggers: a CSV logger whose file keeps a resumed run's history, and a quieter wandb logger.
 
 Lightning's CSV writer deletes ``metrics.csv`` when its directory is reused, so a run resumed in its own
 run directory (``resume=auto``) lost every row before the checkpoint. This writer reads the old rows
@@ -13,6 +13,7 @@ import csv
 from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
@@ -48,3 +49,13 @@ class CSVLogger(LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = ContinuingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+class WandbLogger(LightningWandbLogger):
+    """``lightning.pytorch.loggers.WandbLogger`` without the ``anonymous=None`` it always hands to
+    ``wandb.init``, which wandb (0.19 and later) answers with a deprecation warning on every run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)

@@ -93,6 +93,9 @@ def run_rank(run: RunConfig) -> float | None:
             best = checkpoint.best_model_path if checkpoint is not None else ""
             trainer.test(task, datamodule=datamodule, ckpt_path=best or None, verbose=False)
             metrics.update(_scalars(trainer.callback_metrics))
+        for logger in trainer.loggers:  # close runs that would report at interpreter exit, after the summary
+            if trainer.is_global_zero and hasattr(logger.experiment, "finish"):
+                logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
         if trainer.is_global_zero:
             results_path = Path(cfg.run_dir) / RESULTS_FILE
