@@ -14,6 +14,19 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
 
+def train_cli(args: list[str], cwd: Path, timeout: int = 600):
+    """``python train.py *args`` in ``cwd`` as a user runs it (one thread per rank; ``tests`` importable for
+    test-only callbacks); the completed process, whatever its exit status."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def compose_config(overrides: list[str], run_dir: Path | str) -> DictConfig:
     """Compose ``conf/train.yaml`` with ``overrides`` and a fixed run directory."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -5,27 +5,20 @@ summary whose figures are those of ``results.json``."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from disttrain.run import train
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compose_config, train_cli
 
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+run_cli = train_cli
 
 
 def readme_commands() -> list[list[str]]:

@@ -4,17 +4,15 @@ continues the uninterrupted run's curve, its CSV history and its wall time."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from disttrain.checkpoint_io import load_metadata
 from disttrain.run import train
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compose_config, train_cli
 from tests.test_run import GPT_FAST, step_losses
 
 EVERY, STEPS = 4, 16
@@ -25,9 +23,7 @@ CRASH_AT = random.Random(11).choice([s for s in range(EVERY + 1, STEPS) if s % E
 
 
 def run_cli(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return train_cli([*args, f"hydra.run.dir={run_dir}"], ROOT)
 
 
 @pytest.fixture(scope="module")
