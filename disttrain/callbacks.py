@@ -7,8 +7,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 
 class NewestAndBestCheckpoint(ModelCheckpoint):
@@ -123,6 +124,27 @@ class ThroughputMeter(pl.Callback):
     def tokens_per_sec(self) -> float:
         """Global training tokens per second (equal to samples/s for image tasks)."""
         return self.samples_per_sec * self.tokens_per_sample
+
+
+class SummaryWithoutFlops(ModelSummary):
+    """Lightning's model summary without its FLOPs column and total.
+
+    Lightning counts FLOPs only by running an example input through the model on rank 0 alone, which
+    would hang a sharded model waiting for its peers; without one it prints zeros that read as a
+    measurement.
+    """
+
+    @staticmethod
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int,
+                  **summarize_kwargs: Any) -> None:
+        """Print the table of layers and parameter counts, leaving FLOPs out unless they were counted."""
+        columns = [c for c in summary_data if total_flops or c[0] != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+                                      total_flops, *columns)
+        if not total_flops:
+            table = table.rsplit("\n", 1)[0]  # the last line is the "Total Flops" row
+        print(table, flush=True)
 
 
 class PlainProgress(pl.Callback):

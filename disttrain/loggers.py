@@ -4,7 +4,7 @@ Lightning's CSV writer deletes ``metrics.csv`` when its directory is reused, so 
 run directory (``resume=auto``) lost every row before the checkpoint. This writer reads the old rows
 first and keeps those of steps before the first step the new process logs: a resumed run continues
 the file (steps repeated after an interruption are replaced), and a fresh run in an old directory,
-whose first step is 0, starts it anew.
+whose first step is 1, starts it anew.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ class ContinuingWriter(ExperimentWriter):
 
 class CSVLogger(LightningCSVLogger):
     """``lightning.pytorch.loggers.CSVLogger`` that continues a resumed run's ``metrics.csv``."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Lightning's rows, with the epoch written as the whole number it is (logged values are floats)."""
+        if "epoch" in metrics:
+            metrics = {**metrics, "epoch": int(metrics["epoch"])}
+        super().log_metrics(metrics, step)
 
     @property
     @rank_zero_experiment

@@ -58,12 +58,12 @@ class PipelineTask(TrainTask):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = clip_grad_norm(params, self.clip, across=pipeline.pp_group)
             self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
+        self._log_step_row(torch.stack(self._step_loss).mean(), optimizer.optimizer)
+        self._step_loss.clear()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
-        # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
-        self.log("train/loss", torch.stack(self._step_loss).mean(), on_step=True, on_epoch=False, prog_bar=True)
-        self._step_loss.clear()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's loss is already global here (see training_step); nothing to reduce."""

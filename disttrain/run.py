@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
-from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, ThroughputMeter
+from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
 from disttrain.config import RunConfig, validate
 from disttrain.console import quiet_noise, run_summary
 from disttrain.launch import (
@@ -128,6 +128,8 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter, steps_per_e
         meter,
     ]
     interactive = sys.stdout.isatty()
+    if interactive:
+        callbacks.append(SummaryWithoutFlops())
     if not interactive:
         callbacks.append(PlainProgress(t.log_every_n_steps, meter))
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
@@ -228,7 +230,7 @@ def _check_expectation(expect: Any, metrics: dict[str, float]) -> dict[str, Any]
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    return {key: float(value) for key, value in metrics.items() if value.numel() == 1}
+    return {key: float(value) for key, value in metrics.items() if value.numel() == 1 and key not in ("step", "epoch")}
 
 
 def _finite(value: float) -> float | None:

@@ -73,8 +73,23 @@ class TrainTask(pl.LightningModule):
         """Log the optimiser step's loss: the mean over its micro-batches and all ranks (one scalar reduce)."""
         local = torch.stack(self._step_loss).mean()
         self._step_loss.clear()
-        self.log("train/loss", self.trainer.strategy.reduce(local, reduce_op="mean"), on_step=True,
-                 on_epoch=False, prog_bar=True)
+        self._log_step_row(self.trainer.strategy.reduce(local, reduce_op="mean"), optimizer)
+
+    def _log_step_row(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Log an optimiser step's loss and learning rate, called before the step is taken.
+
+        The row is numbered by the step it completes (1 for the first), as the console and the
+        checkpoint names count: Lightning's default, the number of steps done before it, is one behind.
+        """
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/lr", float(optimizer.param_groups[0]["lr"]), on_step=True, on_epoch=False)
+        self._log_position(self.global_step + 1, on_step=True)
+
+    def _log_position(self, step: int, on_step: bool = False) -> None:
+        # a logged "step" numbers the logger row (Lightning then adds no "epoch" of its own)
+        self.log("step", float(step), on_step=on_step, on_epoch=not on_step, sync_dist=False)
+        if not self.trainer.testing:  # after fit the epoch counter is past the last epoch
+            self.log("epoch", float(self.current_epoch), on_step=on_step, on_epoch=not on_step, sync_dist=False)
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         inputs, targets = batch
@@ -104,6 +119,7 @@ class TrainTask(pl.LightningModule):
             self.accuracies[f"{stage}_acc"].reset()
         self.losses[f"{stage}_loss"].reset()
         self.log_dict(metrics, prog_bar=stage == "val", sync_dist=False)
+        self._log_position(self.global_step)  # the steps the evaluated weights have taken
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Accumulate validation loss (and accuracy for images)."""
@@ -124,6 +140,7 @@ class TrainTask(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         """Log the epoch's mean training loss over all ranks."""
         self.log("train/loss_epoch", self.losses["train_loss"].compute())
+        self._log_position(self.global_step)
         self.losses["train_loss"].reset()
 
     def configure_gradient_clipping(
