@@ -162,7 +162,7 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter, steps_per_e
         logger=loggers or False,
         callbacks=callbacks,
         enable_progress_bar=interactive,
-        enable_model_summary=interactive,
+        enable_model_summary=False,  # SummaryWithoutFlops is added instead when interactive
         default_root_dir=cfg.run_dir,
     )
 

@@ -9,11 +9,12 @@ import re
 import shlex
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 
 from disttrain.run import train
-from tests.conftest import ROOT, compose_config, train_cli
+from tests.conftest import ROOT, compose_config, logged_metric, train_cli
 
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
 
@@ -122,3 +123,35 @@ def test_summary_figures_are_those_of_results(tmp_path, capsys):
         assert f"{key} {results['metrics'][key]:.4f}" in summary
     assert str(run_dir) in summary
     assert not re.search(r"\x1b\[", printed)
+
+
+def test_logged_steps_count_as_the_console_and_checkpoints_do(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(compose_config(["trainer.max_steps=4", "trainer.log_every_n_steps=1", "trainer.val_check_interval=2",
+                          "trainer.run_test=false", "logger=csv", "checkpoint.save_top_k=-1"], run_dir))
+    printed = capsys.readouterr().out
+    console = {int(m[1]): float(m[2]) for m in re.finditer(r"^step (\d+)/4 \| .*?loss (\S+)", printed, re.M)}
+    logged = dict(logged_metric(run_dir, "train/loss"))
+    assert sorted(logged) == [1, 2, 3, 4] and sorted(console) == [1, 2, 3, 4]
+    assert all(abs(console[step] - logged[step]) < 1e-4 for step in console)
+    validated = [step for step, _ in logged_metric(run_dir, "val/loss")]
+    assert validated == [2, 4] and [step for step, _ in logged_metric(run_dir, "train/lr")] == [1, 2, 3, 4]
+    saved = sorted(int(p.name[4:-5]) for p in (run_dir / "checkpoints").glob("step*.ckpt"))
+    assert saved == validated
+    assert "validation at step 2:" in printed
+
+
+def test_model_summary_leaves_out_flops_it_did_not_count(capsys):
+    from lightning.pytorch.utilities.model_summary import summarize
+    from torch import nn
+
+    from disttrain.callbacks import SummaryWithoutFlops
+
+    model = pl.LightningModule()
+    model.net = nn.Linear(3, 2)
+    summary = summarize(model)
+    SummaryWithoutFlops.summarize(summary._get_summary_data(), summary.total_parameters,
+                                  summary.trainable_parameters, summary.model_size, summary.total_training_modes,
+                                  summary.total_flops)
+    printed = capsys.readouterr().out
+    assert "Total params" in printed and "8 " in printed and "FLOPs" not in printed and "Flops" not in printed
