@@ -39,7 +39,7 @@ def cnn_runs(tmp_path_factory) -> dict[str, dict]:
         train(compose_config([*CNN, *overrides], run_dir))
         (step, logged), = logged_metric(run_dir, "val/loss")
         runs[name] = {"logged": logged, "exported": exported_val_loss(
-            run_dir, run_dir / "checkpoints" / f"step{step + 1}.ckpt", run_dir / "model.pt")}
+            run_dir, run_dir / "checkpoints" / f"step{step}.ckpt", run_dir / "model.pt")}
     return runs
 
 
