@@ -35,16 +35,19 @@ def measure(rank: int, port: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from disttrain.models.gpt import GPT, GPTDims
-    from disttrain.parallel.pipeline import build_stage_module, gpt_split_points
+    from disttrain.parallel.pipeline import build_stage_module, unit_split_points
+    from disttrain.parallel.plan import pipeline_units_of
     from disttrain.parallel.tp import apply_tp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     whole = local_bytes(GPT(GPTDims(**DIMS), tie_weights=True))
-    tp_model = apply_tp(GPT(GPTDims(**DIMS), tie_weights=True), init_device_mesh("cpu", (2,)))
+    tp_model = GPT(GPTDims(**DIMS), tie_weights=True)
+    apply_tp(tp_model, init_device_mesh("cpu", (2,)), tp_model.tp_plan())
     untied = GPT(GPTDims(**DIMS), tie_weights=False)
     untied_bytes = local_bytes(untied)
-    stage = build_stage_module(untied, rank, 2, gpt_split_points(untied, 2))
+    units = pipeline_units_of(untied)
+    stage = build_stage_module(untied, units, rank, unit_split_points(untied, units, 2))
     out[rank] = {"whole": whole, "tp": local_bytes(tp_model), "untied": untied_bytes, "pp": local_bytes(stage)}
     dist.destroy_process_group()
 

@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from disttrain.errors import ConfigError
+from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 
@@ -331,6 +332,15 @@ def _lookup(node: Any, dotted: str | None) -> Any:
         return None
 
 
+def _model_typed(node: Any, registry: Any) -> Any:
+    """A registered model by ``name``, or a user's model by ``_target_``."""
+    if isinstance(node, DictConfig) and "_target_" in node:
+        if "name" in node:
+            raise ConfigError("model.name", node.name, "absent when model._target_ is set (one or the other)")
+        return TargetModelConfig.from_node(OmegaConf.to_container(node, resolve=True))
+    return _registry_typed("model", node, registry)
+
+
 def _registry_typed(group: str, node: Any, registry: Any) -> Any:
     """Type a polymorphic group by the schema its ``name`` selects in ``registry``."""
     if not isinstance(node, DictConfig) or "name" not in node:
@@ -349,7 +359,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
     top = _typed("", cfg, TrainConfig)
-    model = _registry_typed("model", cfg.model, MODELS)
+    model = _model_typed(cfg.model, MODELS)
     data = _registry_typed("data", cfg.data, DATA)
     optim = _registry_typed("optim", cfg.optim, OPTIMIZERS)
     scheduler = _typed("scheduler", cfg.scheduler, SchedulerConfig)
@@ -374,11 +384,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     p.check_dims(dims)
     batch = resolve_batch(top.batch, dims.dp)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
-    model_dims = model.validate(datamodule.spec)
-    if dims.tp > 1:
-        _check_tensor_parallel(model, model_dims, dims.tp)
-    if dims.pp > 1:
-        _check_pipeline(model, model_dims, dims.pp, p.pipeline, batch.micro_size)
+    if not isinstance(model, TargetModelConfig):
+        model.validate(datamodule.spec)
+    check_model_plan(model.name, model_on_meta(model, datamodule.spec), p, dims, batch.micro_size)
     notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices))
 
@@ -416,26 +424,47 @@ def checkpoint_folder(resume: str) -> str:
     raise ConfigError("resume", resume, f"{allowed}; this is neither")
 
 
-def _check_tensor_parallel(model: Any, model_dims: Any, tp: int) -> None:
-    """Only models with a tensor-parallel plan may use tp, and their widths must split evenly."""
-    from disttrain.parallel.tp import check_tp_divisibility
+def model_on_meta(model: Any, spec: Any) -> Any:
+    """The model built on the meta device (no memory, no init cost), to check its parallel plan."""
+    import torch
 
-    if model.name != "gpt":
-        raise ConfigError("parallel.tp", tp, f"1 for model {model.name!r}: it has no tensor-parallel plan (gpt has)")
-    check_tp_divisibility(model_dims.n_head, model_dims.n_embd, tp)
+    from disttrain.models import build_model
+
+    with torch.device("meta"):
+        return build_model(model, spec)
 
 
-def _check_pipeline(model: Any, model_dims: Any, pp: int, options: Any, micro_size: int) -> None:
-    """Only models with split points may be pipelined; the schedule, stages and micro-batches must fit."""
-    from disttrain.parallel.pipeline import check_pipeline
+def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
+    """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
+    schedule can cut, and shard units that exist (from its methods or from ``parallel``)."""
+    from disttrain.parallel.pipeline import check_pipeline, check_units
+    from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
+    from disttrain.parallel.tp import check_tp_plan
 
-    if model.name == "gpt":
-        units, tied = model_dims.n_layer, model.tie_weights
-    elif model.name == "cnn":  # cut only between the CNN's own stages (where the width changes)
-        units, tied = len(model.widths), False
-    else:
-        raise ConfigError("parallel.pp", pp, f"1 for model {model.name!r}: it has no pipeline split plan")
-    check_pipeline(options.schedule, pp, options.stages_per_rank, options.microbatches, micro_size, units, tied)
+    for key in ("pipeline_units", "shard_units"):
+        for unit in getattr(p, key) or []:
+            _check_submodule(net, f"parallel.{key}", unit)
+    if dims.tp > 1:
+        plan = tp_plan_of(net, p.tp_plan)
+        if not plan:
+            raise ConfigError("parallel.tp", dims.tp, f"1 for model {name}: it declares no tp_plan() and "
+                              "parallel.tp_plan is not set (module-name pattern -> colwise | rowwise)")
+        check_tp_plan(net, plan, dims.tp, p.sequence_parallel, "parallel.tp_plan" if p.tp_plan else "tp_plan()")
+    if dims.pp > 1:
+        units = pipeline_units_of(net, p.pipeline_units)
+        if not units:
+            raise ConfigError("parallel.pp", dims.pp, f"1 for model {name}: it declares no pipeline_units() and "
+                              "parallel.pipeline_units is not set (ordered submodules whose application is forward)")
+        check_units(net, units, "parallel.pipeline_units" if p.pipeline_units else "pipeline_units()")
+        o = p.pipeline
+        check_pipeline(o.schedule, dims.pp, o.stages_per_rank, o.microbatches, micro_size, len(units))
+
+
+def _check_submodule(net: Any, key: str, name: str) -> None:
+    try:
+        net.get_submodule(name)
+    except AttributeError:
+        raise ConfigError(key, name, f"names of submodules of {type(net).__name__}") from None
 
 
 def _uses_gpu(accelerator: str) -> bool:

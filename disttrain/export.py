@@ -2,7 +2,7 @@
 
     python -m disttrain.export RUN_DIR/checkpoints/last.ckpt model.pt
 
-The output holds only the model's tensors (names as in the bare model, e.g. ``wte.weight``) and loads
+The output holds only the model's tensors (names as in the bare model, e.g. ``embed.wte.weight``) and loads
 with ``torch.load(path, weights_only=True)`` into a model built from the run's ``config.yaml``.
 """
 

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from disttrain.models.gpt import GPT, GPTDims
 from disttrain.parallel.clip import clip_grad_norm
 from disttrain.parallel.fsdp import apply_fsdp
-from disttrain.parallel.pipeline import build_stage_module, gpt_split_points
+from disttrain.parallel.pipeline import build_stage_module, unit_split_points
+from disttrain.parallel.plan import pipeline_units_of
 from disttrain.parallel.tp import apply_tp
 from tests.dist_utils import run_on_ranks
 
@@ -60,9 +61,9 @@ def _layouts_worker() -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     out["hsdp"] = _clip(apply_fsdp(_model(), mesh, reshard_after_forward=True))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    out["tp"] = _clip(apply_tp(_model(), mesh["tp"]))
-    out["tp+sp"] = _clip(apply_tp(_model(), mesh["tp"], sequence_parallel=True))
-    model = apply_tp(_model(), mesh["tp"])
+    out["tp"] = _clip(apply_tp(_model(), mesh["tp"], _model().tp_plan()))
+    out["tp+sp"] = _clip(apply_tp(_model(), mesh["tp"], _model().tp_plan(), sequence_parallel=True))
+    model = apply_tp(_model(), mesh["tp"], _model().tp_plan())
     out["fsdp x tp"] = _clip(apply_fsdp(model, mesh["dp_shard"], reshard_after_forward=True))
     # pipeline: each pp rank clips the parameters of its own stage (a slice of the model), across the pp group
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
@@ -70,7 +71,8 @@ def _layouts_worker() -> dict:
         model = _model()
         _backward(model)
         pp_rank = mesh.get_local_rank("pp")
-        stage = build_stage_module(model, pp_rank, 2, gpt_split_points(model, 2))
+        units = pipeline_units_of(model)
+        stage = build_stage_module(model, units, pp_rank, unit_split_points(model, units, 2))
         params = list(stage.parameters())
         if shard:  # shard the stage and hand it the whole-model gradients as sharded DTensors
             grads = [p.grad for p in params]

@@ -10,6 +10,7 @@ from disttrain.errors import ConfigError
 from disttrain.models import FLAVOURS, MODELS, CNNConfig, DataSpec, GPTConfig, build_model, resolve_gpt_dims
 from disttrain.models.cnn import CNN, BasicBlock
 from disttrain.models.gpt import GPT, Block
+from disttrain.parallel.plan import pipeline_units_of
 
 DIGITS = DataSpec(kind="image", num_classes=10, in_channels=1, image_size=8)
 CIFAR = DataSpec(kind="image", num_classes=7, in_channels=3, image_size=32)
@@ -49,19 +50,18 @@ def test_cnn_forward_shape(spec: DataSpec) -> None:
     assert model(x).shape == (4, spec.num_classes)
 
 
-def test_cnn_blocks_and_stages() -> None:
+def test_cnn_blocks_and_pipeline_units() -> None:
     torch.manual_seed(0)
     model = build_model(CNNConfig(widths=[8, 16, 32], blocks_per_stage=2), DIGITS)
     assert isinstance(model, CNN) and isinstance(model.blocks, torch.nn.ModuleList)
     assert len(model.blocks) == 6 and all(isinstance(b, BasicBlock) for b in model.blocks)
-    stages = model.stages
-    assert len(stages) == 3
-    assert stages[0][0] is model.stem and stages[-1][-1] is model.head
+    units = pipeline_units_of(model)
+    assert units == ["stem", *(f"blocks.{i}" for i in range(6)), "head"]
     model.eval()
     x = torch.randn(3, 1, 8, 8)
     out = x
-    for stage in stages:
-        out = stage(out)
+    for name in units:
+        out = model.get_submodule(name)(out)
     torch.testing.assert_close(out, model(x))
 
 
@@ -106,7 +106,7 @@ def test_gpt_forward_shape_and_names() -> None:
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 2
     assert all(isinstance(b, Block) for b in model.blocks)
     names = {n for n, _ in model.named_modules()}
-    for sub in ("wte", "wpe", "ln_f", "lm_head", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v",
+    for sub in ("embed.wte", "embed.wpe", "ln_f", "lm_head", "blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v",
                 "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj"):
         assert sub in names, sub
     with pytest.raises(ValueError, match="block_size"):
@@ -127,7 +127,7 @@ def test_gpt_is_causal() -> None:
 def test_gpt_weight_tying() -> None:
     torch.manual_seed(0)
     tied = build_model(micro(), TEXT)
-    assert tied.tied and tied.lm_head.weight is tied.wte.weight
+    assert tied.tied and tied.lm_head.weight is tied.embed.wte.weight
     untied = build_model(micro(tie_weights=False), TEXT)
     assert not untied.tied
     emb = 65 * 32
@@ -158,7 +158,7 @@ def test_gpt_flavours_resolve(flavour: str) -> None:
 def test_gpt2_flavour_has_124m_params_on_meta() -> None:
     with torch.device("meta"):
         model = build_model(GPTConfig(flavour="gpt2"), DataSpec(kind="text"))
-    assert model.wte.weight.is_meta
+    assert model.embed.wte.weight.is_meta
     assert (model.dims.vocab_size, model.dims.block_size) == (50304, 1024)
     assert abs(model.num_params(non_embedding=False) - 124.48e6) < 0.05e6
     assert abs(model.num_params() - 123.69e6) < 0.05e6

@@ -15,10 +15,12 @@ from disttrain.parallel.pipeline import (
     build_stage_module,
     build_stages,
     check_pipeline,
-    gpt_split_points,
+    check_units,
     split_points,
     stage_indices,
+    unit_split_points,
 )
+from disttrain.parallel.plan import pipeline_units_of
 from tests.dist_utils import run_on_ranks
 
 DIMS = GPTDims(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -106,9 +108,9 @@ def test_split_points_balanced_and_explicit() -> None:
     assert split_points(4, 2) == [0, 2]
     assert split_points(8, 4) == [0, 2, 4, 6]
     assert split_points(5, 1) == [0]
-    # A heavy embedding on the first stage pushes blocks to the later stages.
-    assert split_points(4, 2, [10, 10, 10, 10], embed_params=20) == [0, 1]
-    assert split_points(4, 2, [10, 10, 10, 10], head_params=20) == [0, 3]
+    # A heavy first unit (an embedding) pushes the others to the later stages.
+    assert split_points(5, 2, [20, 10, 10, 10, 10]) == [0, 2]
+    assert split_points(5, 2, [10, 10, 10, 10, 20]) == [0, 3]
     assert split_points(6, 3, [1, 1, 1, 1, 1, 1]) == [0, 2, 4]
     assert split_points(4, 2, explicit=[3]) == [0, 3]
     assert split_points(4, 3, explicit=[0, 1, 2]) == [0, 1, 2]
@@ -119,26 +121,31 @@ def test_split_points_balanced_and_explicit() -> None:
             split_points(4, stages, explicit=bad)
 
 
-def test_gpt_split_points_counts_embedding_and_head() -> None:
+def test_unit_split_points_count_embedding_and_head() -> None:
     model = GPT(GPTDims(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=4096), tie_weights=False)
-    # The embedding (4096 x 32) outweighs a block (about 12.7k parameters) as does the head: stage 0
-    # and the last stage get fewer blocks.
-    assert gpt_split_points(model, 2) == [0, 2]
-    assert gpt_split_points(model, 3) == [0, 1, 3]
+    units = pipeline_units_of(model)
+    assert units == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "lm_head"]
+    # The embedding and the head (4096 x 32 each) outweigh a block (about 12.7k parameters): the first and
+    # the last stage get fewer blocks.
+    assert unit_split_points(model, units, 2) == [0, 3]
+    assert unit_split_points(model, units, 3) == [0, 1, 5]  # embedding | all blocks | norm and head
+    assert unit_split_points(model, units, 2, explicit=[1]) == [0, 1]
 
 
 def test_stage_modules_keep_full_names_and_refuse_tied_weights() -> None:
     model = _model()
     full = dict(model.named_parameters())
-    stages = [build_stage_module(_model(), i, 2, [0, 2]) for i in range(2)]
+    units = pipeline_units_of(model)
+    stages = [build_stage_module(_model(), units, i, [0, 3]) for i in range(2)]
     names = [set(dict(s.named_parameters())) for s in stages]
     assert names[0] | names[1] == set(full) and not names[0] & names[1]
-    assert "wte.weight" in names[0] and "blocks.1.attn.q.weight" in names[0] and "lm_head.weight" in names[1]
+    assert "embed.wte.weight" in names[0] and "blocks.1.attn.q.weight" in names[0] and "lm_head.weight" in names[1]
     assert "blocks.3.mlp.fc.weight" in names[1] and "blocks.2.ln_1.weight" not in names[0]
     x = torch.randint(0, DIMS.vocab_size, (2, DIMS.block_size))
     torch.testing.assert_close(stages[1](stages[0](x)), model(x))
-    with pytest.raises(ConfigError, match="tie_weights"):
-        build_stage_module(GPT(DIMS, tie_weights=True), 0, 2, [0, 2])
+    tied = GPT(DIMS, tie_weights=True)
+    with pytest.raises(ConfigError, match="lm_head.weight is embed.wte.weight.*tie_weights=false"):
+        check_units(tied, pipeline_units_of(tied), "pipeline_units()")
 
 
 def test_stage_indices() -> None:
@@ -168,10 +175,7 @@ def test_check_pipeline_refuses(args: tuple, key: str) -> None:
         check_pipeline(*args)
 
 
-def test_check_pipeline_accepts_and_refuses_tied() -> None:
+def test_check_pipeline_accepts() -> None:
     for name, spr in STAGES_PER_RANK.items():
         check_pipeline(name, 2, spr, 4, 8, 4)
     check_pipeline("gpipe", 4, 1, 2, 8, 4)  # GPipe runs with fewer microbatches than stages
-    check_pipeline("gpipe", 1, 1, 1, 8, 4, tie_weights=True)
-    with pytest.raises(ConfigError, match="tie_weights"):
-        check_pipeline("gpipe", 2, 1, 4, 8, 4, tie_weights=True)

@@ -56,12 +56,14 @@ def test_cnn_stages_chain_to_the_whole_model():
     from disttrain.data.digits import DigitsConfig
     from disttrain.models import build_model
     from disttrain.models.cnn import CNNConfig
-    from disttrain.parallel.pipeline import build_stage_module, cnn_split_points
+    from disttrain.parallel.pipeline import build_stage_module, unit_split_points
+    from disttrain.parallel.plan import pipeline_units_of
 
     model = build_model(CNNConfig(blocks_per_stage=2), build_datamodule(DigitsConfig(), 4, 0).spec).eval()
-    points = cnn_split_points(model, 2)
-    assert points == [0, 2]  # cut where the width changes
-    first, last = (build_stage_module(model, i, 2, points) for i in (0, 1))
+    units = pipeline_units_of(model)
+    points = unit_split_points(model, units, 2)
+    assert points == [0, 4]  # stem and the 32-channel blocks | the 64-channel blocks (3/4 of the weights) and head
+    first, last = (build_stage_module(model, units, i, points) for i in (0, 1))
     images = torch.randn(4, 1, 8, 8)
     torch.testing.assert_close(last(first(images)), model(images), rtol=0, atol=0)
     names = {n for stage in (first, last) for n, _ in stage.named_parameters()}

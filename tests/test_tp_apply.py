@@ -22,7 +22,7 @@ from disttrain.models.cnn import CNN
 from disttrain.models.gpt import GPT, GPTDims
 from disttrain.optim import param_groups
 from disttrain.parallel.fsdp import apply_fsdp
-from disttrain.parallel.tp import apply_tp, check_tp_divisibility, tp_plan_available
+from disttrain.parallel.tp import apply_tp, check_tp_plan
 from tests.dist_utils import run_on_ranks
 
 DIMS = GPTDims(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -70,7 +70,7 @@ def _tp_worker() -> dict:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out = {}
     for sp in (False, True):
-        model = apply_tp(make_gpt(), mesh, sequence_parallel=sp)
+        model = apply_tp(make_gpt(), mesh, make_gpt().tp_plan(), sequence_parallel=sp)
         losses, grads = train(model)
         # numpy arrays pickle by value (tensors would be shared through this process's file descriptors)
         out[sp] = {"losses": losses, "grads": {k: g.numpy() for k, g in grads.items()}, "tied": model.tied,
@@ -82,7 +82,7 @@ def _fsdp_tp_worker() -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     out = {}
     for sp in (False, True):
-        model = apply_tp(make_gpt(), mesh["tp"], sequence_parallel=sp)
+        model = apply_tp(make_gpt(), mesh["tp"], make_gpt().tp_plan(), sequence_parallel=sp)
         apply_fsdp(model, mesh["dp_shard"], reshard_after_forward=True)
         out[sp] = train(model, mesh["dp_shard"].get_local_rank(), 2)[0]
     return out
@@ -130,12 +130,18 @@ def test_fsdp_over_tp_matches_single_process() -> None:
 
 
 def test_plan_and_divisibility_checks() -> None:
-    cnn = CNN(3, 10, [8, 16])
-    assert tp_plan_available(make_gpt()) and not tp_plan_available(cnn)
-    with pytest.raises(ValueError, match="model CNN has no tensor-parallel plan"):
-        apply_tp(cnn, None)
-    check_tp_divisibility(4, 32, 4)
-    with pytest.raises(ConfigError, match="model.n_head"):
-        check_tp_divisibility(2, 32, 4)
-    with pytest.raises(ConfigError, match="model.n_embd"):
-        check_tp_divisibility(8, 1, 8)  # (n_head must divide n_embd, so only for inconsistent sizes)
+    gpt = make_gpt()  # 2 heads of width 16, MLP width 128
+    plan = gpt.tp_plan()
+    check_tp_plan(gpt, plan, 2, True, "tp_plan()")
+    with pytest.raises(ConfigError, match="model.n_head=2 is invalid: divisible by parallel.tp=4"):
+        check_tp_plan(gpt, plan, 4, False, "tp_plan()")
+    with pytest.raises(ConfigError, match="parallel.tp=3 .*a divisor of the 32 output features of blocks.0.attn.q"):
+        check_tp_plan(gpt, plan, 3, False, "tp_plan()")
+    with pytest.raises(ConfigError, match=r"parallel.tp_plan\[blocks.\*.attn.qq\].*matches none"):
+        check_tp_plan(gpt, {"blocks.*.attn.qq": "colwise"}, 2, False, "parallel.tp_plan")
+    with pytest.raises(ConfigError, match="one of"):
+        check_tp_plan(gpt, {"blocks.*.attn.q": "diagonal"}, 2, False, "parallel.tp_plan")
+    with pytest.raises(ConfigError, match="no sequence_split entry"):
+        check_tp_plan(gpt, {"blocks.*.attn.q": "colwise"}, 2, True, "parallel.tp_plan")
+    with pytest.raises(ConfigError, match="only on nn.Linear or nn.Embedding"):
+        check_tp_plan(CNN(3, 10, [8, 16]), {"blocks.0.conv1": "colwise"}, 2, False, "parallel.tp_plan")

@@ -30,7 +30,8 @@ from disttrain.models.gpt import GPT, GPTDims
 from disttrain.optim import Lamb, Lars, param_groups
 from disttrain.parallel.checkpointing import apply_activation_checkpointing, is_checkpointed
 from disttrain.parallel.dims import MESH_DIM_NAMES
-from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync, sharding_units
+from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
+from disttrain.parallel.plan import shard_units_of
 from disttrain.parallel.zero1 import (
     load_zero1_state_dict,
     shard_optimizer_state,
@@ -160,7 +161,8 @@ def _two_rank_worker(ckpt: str) -> dict:
     out["zero3/lamb/shard_local_norms"] = _fsdp_run(shard, "lamb", reshard=True, shard_local_norms=True)
     out["zero3/adamw/checkpointing"] = _fsdp_run(shard, "adamw", reshard=True, checkpointing=True)
     out["zero2/adamw/accumulate"] = _fsdp_run(shard, "adamw", reshard=False, accumulate=2)
-    tower = apply_fsdp(Tower(), shard, reshard_after_forward=True, min_params_per_unit=1000)
+    tower = Tower()
+    apply_fsdp(tower, shard, reshard_after_forward=True, units=shard_units_of(tower, None, 1000))
     out["tower"] = {"losses": train(tower, make_optimizer("adamw", tower)),
                     "units": sorted(n for n, m in tower.named_modules() if isinstance(m, FSDPModule)),
                     "tied": tower.head.weight is tower.embed.weight}
@@ -303,17 +305,20 @@ def test_activation_checkpointing_keeps_names_losses_and_grads():
     assert apply_activation_checkpointing(ckpt) is ckpt  # idempotent
     copied = pickle.loads(pickle.dumps(apply_activation_checkpointing(make_gpt())))
     assert is_checkpointed(copied.blocks[1]) and copied.blocks[1].forward.module is copied.blocks[1]
-    with pytest.raises(ValueError, match="blocks"):
+    with pytest.raises(ValueError, match="no repeated blocks"):
         apply_activation_checkpointing(nn.Linear(2, 2))
 
 
 def test_sharding_units_and_precision_policy():
     cnn = CNN(3, 10, [8, 16], blocks_per_stage=2)
-    assert sharding_units(cnn) == list(cnn.blocks)
+    assert shard_units_of(cnn) == list(cnn.blocks)
     gpt = make_gpt()
-    assert sharding_units(gpt) == list(gpt.blocks)
+    assert shard_units_of(gpt) == list(gpt.blocks)
+    assert shard_units_of(gpt, ["ln_f", "blocks"]) == [gpt.ln_f, *gpt.blocks]  # config wins over the method
     tower = Tower()
-    assert sharding_units(tower, 1000) == [tower.body]  # embed and head are tied, norm is small
+    assert shard_units_of(tower, None, 1000) == [tower.body]  # embed and head are tied, norm is small
+    listed = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]), nn.Linear(2, 2))
+    assert shard_units_of(listed) == list(listed[0])  # no method: the entries of a ModuleList child
     policy = mixed_precision_policy("bf16-mixed", "cuda")
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert mixed_precision_policy("bf16-mixed", "cpu") is None and mixed_precision_policy("32-true", "cuda") is None

@@ -84,8 +84,7 @@ class CNN(nn.Module):
     """ResNet-style classifier: ``stem -> blocks (grouped in stages) -> head``.
 
     ``blocks`` is the flat ``nn.ModuleList`` of residual blocks, the unit of sharding and activation
-    checkpointing. ``stages`` groups the modules into pipeline units (stem + stage 0, ..., last stage +
-    head); it is rebuilt from the current submodules on every access, so it sees wrapped blocks.
+    checkpointing; the pipeline units are the stem, each block and the head (``disttrain.models.protocol``).
     """
 
     def __init__(
@@ -97,8 +96,6 @@ class CNN(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.num_stages = len(widths)
-        self.blocks_per_stage = blocks_per_stage
         self.stem = nn.Sequential(*_conv_bn(in_channels, widths[0], 3, 1), nn.ReLU())
         blocks: list[nn.Module] = []
         c_in = widths[0]
@@ -123,19 +120,13 @@ class CNN(nn.Module):
                 nn.init.normal_(module.weight, std=0.01)
                 nn.init.zeros_(module.bias)
 
-    @property
-    def stages(self) -> list[nn.Sequential]:
-        """Pipeline units in order; running them one after another equals ``forward``."""
-        n, last = self.blocks_per_stage, self.num_stages - 1
-        units = []
-        for s in range(self.num_stages):
-            parts: list[nn.Module] = list(self.blocks[s * n : (s + 1) * n])
-            if s == 0:
-                parts.insert(0, self.stem)
-            if s == last:
-                parts.append(self.head)
-            units.append(nn.Sequential(*parts))
-        return units
+    def pipeline_units(self) -> list[str]:
+        """Stem, each residual block, head: applied in turn they are ``forward``."""
+        return ["stem", "blocks", "head"]
+
+    def shard_units(self) -> list[str]:
+        """One FSDP unit (and activation-checkpointing unit) per residual block."""
+        return ["blocks"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits ``[B, num_classes]`` of images ``[B, C, H, W]``."""

@@ -1,11 +1,14 @@
 """A decoder-only transformer language model in the GPT-2 style (pre-LN, learned positions, tied head).
 
-Submodule names are part of the interface, since parallel plans select modules by name::
+Submodules::
 
-    wte, wpe, drop, blocks.<i>.{ln_1, attn.{q, k, v, proj}, ln_2, mlp.{fc, act, proj}}, ln_f, lm_head
+    embed.{wte, wpe, drop}, blocks.<i>.{ln_1, attn.{q, k, v, proj}, ln_2, mlp.{fc, act, proj}}, ln_f, lm_head
 
-Query, key and value are separate ``nn.Linear`` layers so each can be sharded column-wise on its own;
-attention takes the number of heads from the width of its (possibly sharded) projections.
+The model declares its parallel plan by the methods of ``disttrain.models.protocol``: the Megatron
+tensor-parallel plan over these names, the pipeline units (``embed``, each block, ``ln_f``, ``lm_head``)
+and the blocks as sharding units. Query, key and value are separate ``nn.Linear`` layers so each can be
+sharded column-wise on its own; attention takes the number of heads from the width of its (possibly
+sharded) projections.
 """
 
 from __future__ import annotations
@@ -154,6 +157,24 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+class Embeddings(nn.Module):
+    """Token plus learned position embeddings, then dropout: token ids ``[B, T]`` to ``[B, T, C]``."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Embed token ids ``[B, T]`` (``T <= block_size``)."""
+        t = idx.size(1)
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.block_size}")
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+
+
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
 
@@ -171,7 +192,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, ``blocks`` (the sharding / checkpointing units), final LN, LM head.
+    """Embeddings, ``blocks`` (the sharding / checkpointing units), final LN, LM head.
 
     ``forward`` maps token ids ``[B, T]`` to logits ``[B, T, vocab_size]``; the loss is computed outside.
     """
@@ -181,16 +202,14 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.dims = dims
-        self.wte = nn.Embedding(dims.vocab_size, dims.n_embd)
-        self.wpe = nn.Embedding(dims.block_size, dims.n_embd)
-        self.drop = nn.Dropout(dropout)
+        self.embed = Embeddings(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
         self.blocks = nn.ModuleList(
             Block(dims.n_embd, dims.n_head, dropout, bias) for _ in range(dims.n_layer)
         )
         self.ln_f = nn.LayerNorm(dims.n_embd, bias=bias)
         self.lm_head = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
         if tie_weights:
-            self.lm_head.weight = self.wte.weight
+            self.lm_head.weight = self.embed.wte.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -212,25 +231,48 @@ class GPT(nn.Module):
     @property
     def tied(self) -> bool:
         """Whether the LM head shares its weight with the token embedding."""
-        return self.lm_head.weight is self.wte.weight
+        return self.lm_head.weight is self.embed.wte.weight
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` leaves out the lookup tables: the
         position embedding, and the token embedding too when it is not also the LM head's weight."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.wpe.weight.numel()
+            n -= self.embed.wpe.weight.numel()
             if not self.tied:
-                n -= self.wte.weight.numel()
+                n -= self.embed.wte.weight.numel()
         return n
+
+    def tp_plan(self) -> dict[str, str]:
+        """Megatron plan: q, k, v and the first MLP layer column-wise, the output projections row-wise.
+
+        The embeddings, the final norm and the LM head stay replicated (every tp rank projects the full
+        vocabulary), which keeps the head tied to the token embedding exactly as without tp. With sequence
+        parallelism the residual stream is split along the sequence between the sharded layers.
+        """
+        return {
+            "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+            "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise",
+            "embed": "sequence_split", "blocks.*.ln_1": "sequence_norm", "blocks.*.attn": "sequence_gather",
+            "blocks.*.ln_2": "sequence_norm", "blocks.*.mlp": "sequence_gather", "ln_f": "sequence_norm",
+            "lm_head": "sequence_gather",
+        }
+
+    def tp_sizes(self) -> dict[str, int]:
+        """Each tp rank holds whole attention heads."""
+        return {"model.n_head": self.dims.n_head}
+
+    def pipeline_units(self) -> list[str]:
+        """Embeddings, each block, final norm, head: applied in turn they are ``forward``."""
+        return ["embed", "blocks", "ln_f", "lm_head"]
+
+    def shard_units(self) -> list[str]:
+        """One FSDP unit (and activation-checkpointing unit) per block."""
+        return ["blocks"]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[B, T, vocab_size]`` of token ids ``[B, T]`` (``T <= block_size``)."""
-        t = idx.size(1)
-        if t > self.dims.block_size:
-            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.dims.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -19,6 +19,7 @@ from disttrain.parallel.checkpointing import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
+from disttrain.parallel.plan import shard_units_of, tp_plan_of
 from disttrain.parallel.tp import apply_tp
 
 
@@ -33,9 +34,10 @@ def apply_parallelism(
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper)."""
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], sequence_parallel=parallel.sequence_parallel)
+        apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
+    units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if parallel.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, units)
     if parallel.zero_stage in (2, 3):
         shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         return apply_fsdp(
@@ -44,7 +46,7 @@ def apply_parallelism(
             reshard_after_forward=parallel.zero_stage == 3,
             mp_policy=mixed_precision_policy(precision, device.type),
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
-            min_params_per_unit=parallel.min_params_per_unit,
+            units=units,
         )
     if dims.dp > 1:
         dp_mesh = data_parallel_mesh(mesh)

@@ -1,4 +1,5 @@
-"""Activation checkpointing of ``model.blocks``: keep each block's input, recompute its inside in backward.
+"""Activation checkpointing of a model's shard units (its repeated blocks): keep each block's input, recompute
+its inside in backward.
 
 Each block gets an instance attribute ``forward`` that runs its class's ``forward`` under non-reentrant
 ``torch.utils.checkpoint.checkpoint`` (RNG state preserved, so dropout masks are replayed exactly).
@@ -19,6 +20,8 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from disttrain.parallel.plan import shard_units_of
+
 
 class CheckpointedForward:
     """A block's ``forward`` that recomputes the block's activations in backward."""
@@ -30,12 +33,13 @@ class CheckpointedForward:
         return checkpoint(type(self.module).forward, self.module, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Checkpoint every module of ``model.blocks`` in place (again on an already checkpointed model: no-op)."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `blocks` ModuleList to checkpoint")
-    for block in blocks:
+def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module] | None = None) -> nn.Module:
+    """Checkpoint each of ``units`` (default: the model's shard units) in place; already checkpointed ones
+    are left as they are."""
+    units = shard_units_of(model) if units is None else units
+    if not units:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks to checkpoint (declare shard_units())")
+    for block in units:
         if not is_checkpointed(block):
             block.forward = CheckpointedForward(block)
     return model

@@ -33,7 +33,7 @@ class PipelineOptions:
     stages_per_rank: int = 1
     """Stages each rank holds: 1 for gpipe/1f1b, 2 or more for the interleaved schedules, 2 for zbv."""
     split_points: list[int] | None = None
-    """Block index where each stage after the first starts; null: balanced by parameter count."""
+    """Pipeline-unit index where each stage after the first starts; null: balanced by parameter count."""
 
 
 @dataclass
@@ -59,7 +59,17 @@ class ParallelConfig:
     cpu_offload: bool = False
     """ZeRO-2/3 on GPU: keep parameter shards, gradients and the optimiser step on the CPU."""
     min_params_per_unit: int = 100_000
-    """ZeRO-2/3 of a model without ``blocks``: direct children at least this large become sharding units."""
+    """ZeRO-2/3 of a model with neither shard units nor a ModuleList: direct children at least this large
+    become sharding units."""
+    tp_plan: dict[str, str] | None = None
+    """Tensor-parallel plan for a model that declares none (or to replace its own): module-name pattern ->
+    colwise, rowwise, sequence_norm, sequence_gather or sequence_split (see disttrain.models.protocol)."""
+    pipeline_units: list[str] | None = None
+    """Pipeline units for a model that declares none: ordered submodule names whose application in turn is
+    its forward (a ModuleList stands for its entries)."""
+    shard_units: list[str] | None = None
+    """Submodules that each become an FSDP (and activation-checkpointing) unit; null: the model's
+    shard_units(), else its repeated blocks."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options used when gradients are all-reduced by DDP."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)

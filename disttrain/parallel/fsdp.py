@@ -6,11 +6,11 @@ gathered parameters after its forward and gathers them again in backward (1.5x t
 DDP). FSDP2 always frees them after backward, so between steps both stages hold only shards of the
 parameters, gradients and optimiser state.
 
-The units of sharding are ``model.blocks`` (models of this package expose them), else every direct child
-with at least ``min_params_per_unit`` parameters, and last the root, which takes all remaining parameters,
-e.g. GPT's embeddings, final norm and the LM head, whose weight is tied to the token embedding: both
-names refer to one parameter of the root unit, so it is gathered once and its gradient is the sum of
-both uses.
+The units of sharding are the model's shard units (``disttrain.parallel.plan.shard_units_of``: its
+``shard_units()``, by default its repeated blocks), and last the root, which takes all remaining
+parameters, e.g. GPT's embeddings, final norm and the LM head, whose weight is tied to the token
+embedding: both names refer to one parameter of the root unit, so it is gathered once and its gradient is
+the sum of both uses.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.parallel.plan import shard_units_of
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -29,7 +31,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
-    min_params_per_unit: int = 100_000,
+    units: list[nn.Module] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``dp_mesh`` and return it (now also an ``FSDPModule``).
 
@@ -37,7 +39,8 @@ def apply_fsdp(
     "dp_shard"]``: HSDP, replicated over dim 0 and sharded over dim 1); a 2-D mesh whose dim 0 has size 1
     is reduced to its dim 1. ``mp_policy``: see ``mixed_precision_policy``; None keeps fp32.
     ``offload_policy``: e.g. ``CPUOffloadPolicy()`` to keep shards, gradients and optimiser steps on the
-    CPU of a GPU run; None keeps them on the device. Build the optimiser afterwards, on the sharded
+    CPU of a GPU run; None keeps them on the device. ``units``: submodules that become FSDP units of their
+    own before the root (default ``shard_units_of(model)``). Build the optimiser afterwards, on the sharded
     parameters (DTensors).
     """
     if dp_mesh.ndim == 2 and dp_mesh.size(0) == 1 and dp_mesh.mesh_dim_names:
@@ -46,30 +49,10 @@ def apply_fsdp(
         raise ValueError(f"apply_fsdp needs a 1-D or 2-D data-parallel mesh, got {dp_mesh.ndim}-D")
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
-    for unit in sharding_units(model, min_params_per_unit):
+    for unit in shard_units_of(model) if units is None else units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def sharding_units(model: nn.Module, min_params_per_unit: int = 100_000) -> list[nn.Module]:
-    """Submodules that become FSDP units of their own: ``model.blocks``, else the large direct children.
-
-    A direct child qualifies with at least ``min_params_per_unit`` parameters, unless it shares a
-    parameter with the rest of the model (tied weights must stay in one unit; they go to the root).
-    """
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
-        return list(blocks)
-    children = list(model.children())
-    units = []
-    for child in children:
-        own = {id(p) for p in child.parameters()}
-        others = {id(p) for c in children if c is not child for p in c.parameters()}
-        others |= {id(p) for p in model.parameters(recurse=False)}
-        if sum(p.numel() for p in child.parameters()) >= min_params_per_unit and not own & others:
-            units.append(child)
-    return units
 
 
 def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:

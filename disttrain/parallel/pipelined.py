@@ -18,12 +18,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor.parallel import parallelize_module
 
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-from disttrain.parallel.pipeline import build_schedule, build_stage_module, model_split_points, placement, stage_indices
-from disttrain.parallel.tp import block_plan
+from disttrain.parallel.pipeline import (
+    UnitStage,
+    build_schedule,
+    build_stage_module,
+    placement,
+    stage_indices,
+    unit_split_points,
+)
+from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
+from disttrain.parallel.tp import apply_tp
 
 
 @dataclass
@@ -90,16 +97,17 @@ def build_pipeline(
     names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
     num_stages = dims.pp * options.stages_per_rank
-    points = model_split_points(model, num_stages, options.split_points)
+    units = pipeline_units_of(model, parallel.pipeline_units)
+    points = unit_split_points(model, units, num_stages, options.split_points)
     pp_rank = mesh.get_local_rank("pp")
     indices = stage_indices(pp_rank, dims.pp, options.stages_per_rank, placement(options.schedule))
-    every_stage = [build_stage_module(model, i, num_stages, points).to(device) for i in range(num_stages)]
+    every_stage = [build_stage_module(model, units, i, points).to(device) for i in range(num_stages)]
     examples = stage_examples(every_stage, example_input.to(device))
     modules = [every_stage[i] for i in indices]
-    if dims.tp > 1:  # embeddings and head stay replicated, as in apply_tp; stages exchange whole activations
+    if dims.tp > 1:  # stages exchange whole activations: no sequence parallelism across a stage boundary
+        plan = tp_plan_of(model, parallel.tp_plan)
         for module in modules:
-            for block in module.blocks.values():
-                parallelize_module(block, mesh["tp"], block_plan(sequence_parallel=False))
+            apply_tp(module, mesh["tp"], plan, sequence_parallel=False)
     if parallel.zero_stage in (2, 3):
         for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
             fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=parallel.zero_stage == 3)
@@ -109,7 +117,7 @@ def build_pipeline(
     # Gradients are scaled by the loss function (1 / microbatches / accumulation), not by the schedule,
     # whose scaling would also divide gradients accumulated over earlier batches.
     schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
-    owned = merge_stage_modules(modules)
+    owned = UnitStage(model, [name for m in modules for name in m.unit_names])
     return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group)
 
 
@@ -127,18 +135,3 @@ def stage_examples(stages: list[nn.Module], first_input: torch.Tensor) -> list[t
         stage.train(training)
         examples.append(output.requires_grad_(output.is_floating_point()))
     return examples
-
-
-def merge_stage_modules(modules: list[nn.Module]) -> nn.Module:
-    """One module whose children are the union of the stage modules' children (same names as the full model)."""
-    if len(modules) == 1:
-        return modules[0]
-    merged = nn.Module()
-    merged.blocks = nn.ModuleDict()
-    for module in modules:
-        for name, child in module.named_children():
-            if name == "blocks":
-                merged.blocks.update(child)
-            elif child is not None:
-                setattr(merged, name, child)
-    return merged

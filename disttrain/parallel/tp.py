@@ -1,20 +1,16 @@
-"""Megatron-style tensor parallelism for the GPT (``torch.distributed.tensor.parallel``), optional sequence
-parallelism.
+"""Megatron-style tensor parallelism from a model's plan (``torch.distributed.tensor.parallel``).
 
-Per block, ``attn.{q,k,v}`` and ``mlp.fc`` are column-sharded and ``attn.proj`` and ``mlp.proj`` row-sharded
-over the tp mesh, so each rank holds ``n_head / tp`` heads and ``4 n_embd / tp`` MLP columns; one all-reduce
-per sub-layer (forward and backward) joins the partial outputs. Attention takes its head count from the
-width of the sharded projections.
-
-The embeddings (``wte``, ``wpe``), the final norm and the LM head stay replicated: every tp rank looks up and
-projects the full vocabulary. This keeps the LM head tied to the token embedding (one parameter, exactly as
-without tp) at the cost of not sharding the vocabulary. Their gradients are complete and equal on all tp
+A plan maps module-name patterns to styles (``disttrain.models.protocol``). ``colwise`` layers hold a slice
+of the output features on each tp rank, ``rowwise`` layers a slice of the input features, and their partial
+outputs are summed by one all-reduce per sub-layer (forward and backward). For a transformer block: q, k, v
+and the first MLP layer column-wise, the output projections row-wise, so each rank holds ``n_head / tp``
+heads. Modules the plan does not name stay replicated; their gradients are complete and equal on all tp
 ranks, because the sharded layers all-reduce the gradient flowing back into the replicated activations.
 
 With ``sequence_parallel`` the residual stream between the sharded layers is split along the sequence
-(dim 1): LayerNorms run on the local tokens (``SequenceParallel``), attention and MLP all-gather their input
-and the row-sharded projections reduce-scatter their output; the embedding output is split after dropout
-and the final norm's output gathered before the LM head.
+(dim 1): ``sequence_norm`` modules run on the local tokens, ``sequence_gather`` modules all-gather their
+input, row-wise layers reduce-scatter their output, and the ``sequence_split`` module's output is split.
+Without it those three styles do nothing.
 
 All tp ranks must see the same batch. Dropout masks are drawn per rank; for exact replication keep
 dropout at 0 or seed the tp ranks alike.
@@ -27,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -35,61 +32,78 @@ from torch.distributed.tensor.parallel import (
 )
 
 from disttrain.errors import ConfigError
+from disttrain.models.protocol import TP_STYLES
+from disttrain.parallel.plan import matching_modules
 
-_TOP = ("wte", "wpe", "drop", "blocks", "ln_f", "lm_head")
-_BLOCK = ("ln_1", "attn.q", "attn.k", "attn.v", "attn.proj", "ln_2", "mlp.fc", "mlp.proj")
-
-
-def tp_plan_available(model: nn.Module) -> bool:
-    """Whether ``model`` has the GPT layout that ``apply_tp`` shards (``wte, ..., blocks.<i>.attn.q, ...``)."""
-    if not all(hasattr(model, name) for name in _TOP) or not isinstance(model.blocks, nn.ModuleList):
-        return False
-    names = {name for name, _ in model.named_modules()}
-    return len(model.blocks) > 0 and all(f"blocks.{i}.{sub}" in names
-                                         for i in range(len(model.blocks)) for sub in _BLOCK)
+SEQUENCE_STYLES = ("sequence_norm", "sequence_gather", "sequence_split")
+"""Styles that apply only with sequence parallelism."""
 
 
-def check_tp_divisibility(n_head: int, n_embd: int, tp: int) -> None:
-    """ConfigError unless ``tp`` divides the attention heads and the MLP width ``4 n_embd``."""
-    if n_head % tp:
-        raise ConfigError("model.n_head", n_head, f"divisible by parallel.tp={tp}")
-    if 4 * n_embd % tp:
-        raise ConfigError("model.n_embd", n_embd, f"an MLP width 4*n_embd={4 * n_embd} divisible by parallel.tp={tp}")
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool = False
+             ) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` by ``plan`` and return it; build the optimiser after.
 
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` (a GPT) in place over the 1-D ``tp_mesh`` and return it; build the optimiser after."""
-    if not tp_plan_available(model):
-        raise ValueError(f"model {type(model).__name__} has no tensor-parallel plan; tp needs a model with "
-                         "wte, wpe, drop, blocks.<i>.{ln_1, attn.{q,k,v,proj}, ln_2, mlp.{fc,proj}}, ln_f and "
-                         "lm_head (gpt)")
-    seq = Shard(1)
-    plan = block_plan(sequence_parallel)
-    if sequence_parallel:
-        parallelize_module(model, tp_mesh, {
-            "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq),
-            "ln_f": SequenceParallel(),
-            "lm_head": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True),
-        })
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan)
+    Patterns that match no module are skipped, so the plan of a whole model also applies to a pipeline
+    stage that holds part of it (under the same names).
+    """
+    styles = {name: style_of(style, type(module), sequence_parallel)
+              for pattern, style in plan.items() for name in matching_modules(model, pattern)
+              for module in (model.get_submodule(name),)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in styles.items() if style is not None})
     return model
 
 
-def block_plan(sequence_parallel: bool = False) -> dict:
-    """The tensor-parallel plan of one transformer block (also used on the blocks of a pipeline stage)."""
+def style_of(style: str, module_type: type, sequence_parallel: bool) -> ParallelStyle | None:
+    """The DTensor parallel style of a plan entry (None: nothing to do without sequence parallelism)."""
     seq = Shard(1)
-    out = seq if sequence_parallel else Replicate()
-    plan = {
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=out),
-        "mlp.fc": ColwiseParallel(),
-        "mlp.proj": RowwiseParallel(output_layouts=out),
-    }
-    if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
-        plan |= {"ln_1": SequenceParallel(), "attn": gather, "ln_2": SequenceParallel(), "mlp": gather}
-    return plan
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        # an embedding split by rows (the vocabulary) takes whole token ids as its input
+        inputs = Replicate() if issubclass(module_type, nn.Embedding) else Shard(-1)
+        return RowwiseParallel(input_layouts=inputs, output_layouts=seq if sequence_parallel else Replicate())
+    if style not in SEQUENCE_STYLES:
+        raise ValueError(f"unknown tensor-parallel style {style!r}: one of {list(TP_STYLES)}")
+    if not sequence_parallel:
+        return None
+    if style == "sequence_norm":
+        return SequenceParallel()
+    if style == "sequence_gather":
+        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
+
+
+def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, sequence_parallel: bool, source: str) -> None:
+    """ConfigError unless ``plan`` names modules of ``model`` with known styles that split ``tp`` ways.
+
+    ``source`` says where the plan came from (the model's ``tp_plan()`` or ``parallel.tp_plan``), for messages.
+    """
+    for pattern, style in plan.items():
+        if style not in TP_STYLES:
+            raise ConfigError(f"{source}[{pattern}]", style, f"one of {list(TP_STYLES)}")
+        names = matching_modules(model, pattern)
+        if not names:
+            raise ConfigError(f"{source}[{pattern}]", style, f"a pattern that matches modules of "
+                              f"{type(model).__name__} (it matches none)")
+        if style in ("colwise", "rowwise"):
+            for name in names:
+                _check_split(model.get_submodule(name), name, style, tp)
+    if sequence_parallel and "sequence_split" not in plan.values():
+        raise ConfigError("parallel.sequence_parallel", True, f"false: {source} has no sequence_split entry (the "
+                          "module whose output the sequence is split after), so it has no sequence-parallel plan")
+    sizes = getattr(model, "tp_sizes", None)
+    for key, size in (sizes() if callable(sizes) else {}).items():
+        if size % tp:
+            raise ConfigError(key, size, f"divisible by parallel.tp={tp}")
+
+
+def _check_split(module: nn.Module, name: str, style: str, tp: int) -> None:
+    if isinstance(module, nn.Linear):
+        features, what = (module.out_features, "output") if style == "colwise" else (module.in_features, "input")
+    elif isinstance(module, nn.Embedding):
+        features, what = (module.embedding_dim, "embedding") if style == "colwise" else (module.num_embeddings, "row")
+    else:
+        raise ConfigError("parallel.tp_plan", f"{name}: {style}", f"{style} only on nn.Linear or nn.Embedding "
+                          f"modules; {name} is a {type(module).__name__}")
+    if features % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the {features} {what} features of {name} ({style})")

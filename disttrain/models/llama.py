@@ -1,0 +1,336 @@
+"""A decoder-only transformer language model in the Llama style.
+
+Pre-norm blocks with RMSNorm, rotary position embeddings on queries and keys, grouped-query attention
+(fewer key/value heads than query heads), a SwiGLU feed-forward network and an untied output layer.
+
+Submodules::
+
+    embed.{tok, drop},
+    layers.<i>.{attention_norm, attention.{q, k, v, o}, ffn_norm, feed_forward.{w1, w2, w3}},
+    norm, output
+
+The model declares its parallel plan by the methods of ``disttrain.models.protocol``: the Megatron
+tensor-parallel plan over these names, the pipeline units (``embed``, each layer, ``norm``, ``output``)
+and the layers as sharding units. The rotary angles are computed in ``forward`` from the sequence length
+rather than kept in buffers, so the model builds on the meta device and a pipeline stage needs nothing
+beyond its own modules. Attention takes its query and key/value head counts from the widths of its
+(possibly column-sharded) projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.errors import ConfigError
+from disttrain.models import MODELS
+from disttrain.models.spec import DataSpec
+
+FLAVOURS: dict[str, dict[str, int]] = {
+    "micro": {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32},
+    "nano": {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 128, "block_size": 64},
+    "small": {"n_layer": 12, "n_head": 12, "n_kv_head": 4, "n_embd": 768, "block_size": 1024},
+}
+"""Size presets: ``micro`` for tests, ``nano`` the CPU-sized model, ``small`` a GPT-2-small-sized model with
+three query heads per key/value head. None sets a vocabulary: it comes from the data (or ``vocab_size``)."""
+
+_DIMS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size")
+
+
+@dataclass
+class LlamaConfig:
+    """Schema of ``model: llama``. A ``flavour`` presets the sizes; any size set here overrides it."""
+
+    name: str = "llama"
+    """Registry key of this model."""
+    flavour: str = "nano"
+    """Size preset, one of micro, nano, small (see ``FLAVOURS``)."""
+    n_layer: int | None = None
+    """Transformer blocks. None: from the flavour."""
+    n_head: int | None = None
+    """Query heads per block; must divide n_embd into an even head width. None: from the flavour."""
+    n_kv_head: int | None = None
+    """Key/value heads per block, each shared by n_head / n_kv_head query heads; must divide n_head.
+    Equal to n_head: plain multi-head attention. None: from the flavour."""
+    n_embd: int | None = None
+    """Model width (embedding size). None: from the flavour."""
+    block_size: int | None = None
+    """Longest sequence the model accepts. None: the data's block size, else the flavour's."""
+    vocab_size: int | None = None
+    """Token embedding rows (and output columns); at least the data's vocabulary. None: the data's."""
+    mlp_hidden: int | None = None
+    """Hidden width of the SwiGLU feed-forward network. None: 8/3 * n_embd rounded up to a multiple of
+    multiple_of (the same parameter count as a 4x GELU MLP, since SwiGLU has three matrices)."""
+    multiple_of: int = 32
+    """The default mlp_hidden is rounded up to a multiple of this (friendlier shapes for matmul kernels)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding's frequencies; larger bases rotate more slowly."""
+    norm_eps: float = 1e-5
+    """Epsilon added to the mean square in every RMSNorm."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention weights and residual branches."""
+
+    def validate(self, spec: DataSpec) -> LlamaDims:
+        """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("model.dropout", self.dropout, "a probability in [0, 1)")
+        if self.multiple_of <= 0:
+            raise ConfigError("model.multiple_of", self.multiple_of, "a positive integer")
+        if self.mlp_hidden is not None and self.mlp_hidden <= 0:
+            raise ConfigError("model.mlp_hidden", self.mlp_hidden, "a positive integer, or null for the default")
+        if not self.rope_theta > 0:
+            raise ConfigError("model.rope_theta", self.rope_theta, "a positive number")
+        if not self.norm_eps > 0:
+            raise ConfigError("model.norm_eps", self.norm_eps, "a positive number")
+        return resolve_llama_dims(self, spec)
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The sizes of a Llama after flavour, config and data have been combined."""
+
+    n_layer: int
+    """Transformer blocks."""
+    n_head: int
+    """Query heads per block."""
+    n_kv_head: int
+    """Key/value heads per block."""
+    n_embd: int
+    """Model width."""
+    block_size: int
+    """Longest sequence the model accepts."""
+    vocab_size: int
+    """Rows of the token embedding (columns of the logits)."""
+    mlp_hidden: int
+    """Hidden width of the feed-forward network."""
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (query, key and value alike)."""
+        return self.n_embd // self.n_head
+
+
+def default_mlp_hidden(n_embd: int, multiple_of: int) -> int:
+    """SwiGLU's hidden width: ``8/3 * n_embd`` rounded up to a multiple of ``multiple_of``."""
+    # exact integer ceiling of 8 n / (3 m), so no float rounding can move the result by a multiple
+    return -(-8 * n_embd // (3 * multiple_of)) * multiple_of
+
+
+def resolve_llama_dims(cfg: LlamaConfig, spec: DataSpec) -> LlamaDims:
+    """Combine flavour, explicit sizes and the data's spec into checked sizes; ConfigError if impossible."""
+    if spec.kind != "text":
+        raise ConfigError("model.name", cfg.name, f"a model for {spec.kind} data; llama needs text data")
+    if cfg.flavour not in FLAVOURS:
+        raise ConfigError("model.flavour", cfg.flavour, f"one of {list(FLAVOURS)}")
+    for key in _DIMS:
+        value = getattr(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"model.{key}", value, "a positive integer, or null for the default")
+    preset = FLAVOURS[cfg.flavour]
+    dims = {key: getattr(cfg, key) if getattr(cfg, key) is not None else preset.get(key) for key in _DIMS}
+    if cfg.block_size is None and spec.block_size is not None:
+        dims["block_size"] = spec.block_size
+    if cfg.vocab_size is None and spec.vocab_size is not None:
+        dims["vocab_size"] = spec.vocab_size
+    if dims["vocab_size"] is None:
+        raise ConfigError("model.vocab_size", None,
+                          f"a vocabulary size: the data has none and flavour {cfg.flavour!r} no default")
+    n_embd, n_head, n_kv_head = dims["n_embd"], dims["n_head"], dims["n_kv_head"]
+    if n_embd % n_head:
+        raise ConfigError("model.n_head", n_head, f"a divisor of model.n_embd={n_embd}")
+    if (n_embd // n_head) % 2:
+        raise ConfigError("model.n_head", n_head, f"a divisor of model.n_embd={n_embd} that leaves an even head "
+                          f"width (rotary embeddings rotate pairs of features); {n_embd}/{n_head} is odd")
+    if n_head % n_kv_head:
+        raise ConfigError("model.n_kv_head", n_kv_head, f"a divisor of model.n_head={n_head}")
+    if spec.block_size is not None and dims["block_size"] < spec.block_size:
+        raise ConfigError("model.block_size", dims["block_size"],
+                          f"at least the data's block size {spec.block_size}, or null to use the data's")
+    if spec.vocab_size is not None and dims["vocab_size"] < spec.vocab_size:
+        raise ConfigError("model.vocab_size", dims["vocab_size"],
+                          f"at least the data's vocabulary {spec.vocab_size}, or null to use the data's")
+    hidden = cfg.mlp_hidden if cfg.mlp_hidden is not None else default_mlp_hidden(n_embd, cfg.multiple_of)
+    return LlamaDims(**dims, mlp_hidden=hidden)
+
+
+def apply_rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate each pair of features ``(2i, 2i+1)`` of ``x`` ``[B, H, T, D]`` by the angle ``t * theta**(-2i/D)``
+    of its position ``t`` (rotary position embedding).
+
+    The dot product of a rotated query at position ``s`` and a rotated key at position ``t`` then depends on
+    the positions only through ``s - t``.
+    """
+    t, d = x.shape[-2], x.shape[-1]
+    # float32 angles and products: in bf16 the angles of late positions lose most of their precision
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)  # [T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions and bias-free q, k, v, o projections."""
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, dropout: float, rope_theta: float) -> None:
+        super().__init__()
+        self.head_dim = n_embd // n_head
+        self.rope_theta = rope_theta
+        self.q = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
+        self.k = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.v = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
+        self.o = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
+        self.dropout = dropout
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over earlier positions: ``[B, T, C] -> [B, T, C]``."""
+        b, t, _ = x.shape
+        # Head counts follow from the projection widths, so column-sharded q, k and v carry a subset of the
+        # query heads and the matching subset of the key/value heads.
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k = apply_rotary(q, self.rope_theta), apply_rotary(k, self.rope_theta)
+        group = q.size(1) // k.size(1)
+        if group > 1:
+            # query head h reads key/value head h // group (consecutive query heads share one)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward network: ``w2(silu(w1 x) * w3 x)``, bias-free."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(n_embd, hidden, bias=False)
+        self.w3 = nn.Linear(n_embd, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, n_embd, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C] -> [B, T, C]``."""
+        return self.drop(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding then dropout: token ids ``[B, T]`` to ``[B, T, C]`` (positions enter in attention)."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Embed token ids ``[B, T]`` (``T <= block_size``)."""
+        t = idx.size(1)
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.block_size}")
+        return self.drop(self.tok(idx))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attention(attention_norm(x))`` then ``x + feed_forward(ffn_norm(x))``."""
+
+    def __init__(self, dims: LlamaDims, dropout: float, rope_theta: float, norm_eps: float) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
+        self.attention = Attention(dims.n_embd, dims.n_head, dims.n_kv_head, dropout, rope_theta)
+        self.ffn_norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
+        self.feed_forward = FeedForward(dims.n_embd, dims.mlp_hidden, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C] -> [B, T, C]``."""
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token embedding, ``layers`` (the sharding / checkpointing units), final RMSNorm, output layer.
+
+    ``forward`` maps token ids ``[B, T]`` to logits ``[B, T, vocab_size]``; the loss is computed outside.
+    """
+
+    def __init__(self, dims: LlamaDims, dropout: float = 0.0, rope_theta: float = 10000.0,
+                 norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed = TokenEmbedding(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
+        self.layers = nn.ModuleList(
+            TransformerBlock(dims, dropout, rope_theta, norm_eps) for _ in range(dims.n_layer)
+        )
+        self.norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
+        self.output = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) weights, unit norm gains, residual projections (``o``, ``w2``) scaled by 1/sqrt(2 n_layer)
+        so the residual stream's variance does not grow with depth. Draws from torch's global generator."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        residual_std = 0.02 / math.sqrt(2 * self.dims.n_layer)
+        for layer in self.layers:
+            nn.init.normal_(layer.attention.o.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count. ``non_embedding`` leaves out the token embedding (a lookup table, no compute);
+        the output layer is untied and always counted."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.tok.weight.numel()
+        return n
+
+    def tp_plan(self) -> dict[str, str]:
+        """Megatron plan: q, k, v, w1 and w3 column-wise, the output projections o and w2 row-wise.
+
+        Each tp rank then holds ``n_head / tp`` query heads and the ``n_kv_head / tp`` key/value heads they
+        read. The embedding, the final norm and the output layer stay replicated. With sequence parallelism
+        the residual stream is split along the sequence between the sharded layers.
+        """
+        return {
+            "layers.*.attention.q": "colwise", "layers.*.attention.k": "colwise",
+            "layers.*.attention.v": "colwise", "layers.*.attention.o": "rowwise",
+            "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+            "layers.*.feed_forward.w2": "rowwise",
+            "embed": "sequence_split", "layers.*.attention_norm": "sequence_norm",
+            "layers.*.attention": "sequence_gather", "layers.*.ffn_norm": "sequence_norm",
+            "layers.*.feed_forward": "sequence_gather", "norm": "sequence_norm", "output": "sequence_gather",
+        }
+
+    def tp_sizes(self) -> dict[str, int]:
+        """Each tp rank holds whole query heads and whole key/value heads."""
+        return {"model.n_head": self.dims.n_head, "model.n_kv_head": self.dims.n_kv_head}
+
+    def pipeline_units(self) -> list[str]:
+        """Embedding, each layer, final norm, output: applied in turn they are ``forward``."""
+        return ["embed", "layers", "norm", "output"]
+
+    def shard_units(self) -> list[str]:
+        """One FSDP unit (and activation-checkpointing unit) per layer."""
+        return ["layers"]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, T, vocab_size]`` of token ids ``[B, T]`` (``T <= block_size``)."""
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+@MODELS.register("llama", LlamaConfig)
+def build_llama(cfg: LlamaConfig, spec: DataSpec) -> Llama:
+    """Build the Llama that ``cfg`` describes for the text of ``spec``."""
+    dims = cfg.validate(spec)
+    return Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps)

@@ -1,0 +1,65 @@
+"""What the parallel code may ask of a model: optional methods with fixed names, and nothing else.
+
+A model is any ``nn.Module`` whose ``forward`` maps a batch of inputs to logits. It qualifies for a
+``parallel`` preset by declaring what that preset needs (or the user declares it in config, under
+``parallel.tp_plan``, ``parallel.pipeline_units`` and ``parallel.shard_units``, for a model they cannot edit):
+
+``tp_plan(self) -> dict[str, str]``
+    Module-name pattern (``fnmatch`` per dotted part, e.g. ``blocks.*.attn.q``) -> style, the Megatron plan
+    over DTensor. Styles: ``colwise`` (output features split over the tp ranks), ``rowwise`` (input features
+    split, partial outputs summed), and for sequence parallelism, applied only when it is on:
+    ``sequence_norm`` (a norm that runs on the local part of the sequence), ``sequence_gather`` (a module whose
+    input arrives split along the sequence and must be whole: attention, MLP, the head) and
+    ``sequence_split`` (a module whose whole output is split along the sequence: the embedding). A module
+    such as attention must take its head count from the width of its (sharded) projections.
+
+``tp_sizes(self) -> dict[str, int]`` (optional)
+    Config key -> size that the tp degree must divide, beyond the projection widths (e.g.
+    ``{"model.n_head": 12, "model.n_kv_head": 4}``).
+
+``pipeline_units(self) -> list[str]``
+    Ordered names of submodules whose application in turn is the model's forward; each takes and returns
+    one tensor. A name that is an ``nn.ModuleList`` stands for its entries. Stages are cut between units.
+
+``shard_units(self) -> list[str]``
+    Names of the modules that each become an FSDP unit (and the unit of activation checkpointing);
+    a ``ModuleList`` stands for its entries. Default: the entries of the model's ``ModuleList`` children,
+    else its large children.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+TP_STYLES = ("colwise", "rowwise", "sequence_norm", "sequence_gather", "sequence_split")
+"""The styles a ``tp_plan`` may use (see the module docstring)."""
+
+
+@runtime_checkable
+class TensorParallelModel(Protocol):
+    """A model that can be sharded over a tensor-parallel mesh."""
+
+    def tp_plan(self) -> dict[str, str]:
+        """Module-name pattern -> one of ``TP_STYLES``."""
+
+
+@runtime_checkable
+class PipelineModel(Protocol):
+    """A model that can be cut into pipeline stages."""
+
+    def pipeline_units(self) -> list[str]:
+        """Ordered submodule names whose application in turn is ``forward``."""
+
+
+def expand_units(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` with every ``nn.ModuleList`` replaced by its entries (``blocks`` -> ``blocks.0``, ...)."""
+    expanded = []
+    for name in names:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.ModuleList):
+            expanded += [f"{name}.{i}" for i in range(len(module))]
+        else:
+            expanded.append(name)
+    return expanded

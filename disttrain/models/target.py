@@ -1,0 +1,111 @@
+"""Users' own models: any importable callable named by ``_target_`` that returns an ``nn.Module``.
+
+``python train.py model=custom model._target_=mypkg.nets.Net +model.width=256`` builds
+``mypkg.nets.Net(width=256)`` with Hydra's ``instantiate``. Arguments the callable takes by the names of the
+data's spec (``num_classes``, ``in_channels``, ``image_size``, ``vocab_size``, ``block_size``) and that the
+config leaves out are filled from the data, so one model config fits several data sets.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from torch import nn
+
+from disttrain.errors import ConfigError
+from disttrain.models.spec import DataSpec
+
+SPEC_ARGUMENTS = ("num_classes", "in_channels", "image_size", "vocab_size", "block_size")
+"""Argument names filled from the data's spec when the callable takes them and the config does not set them."""
+
+
+@dataclass
+class TargetModelConfig:
+    """A model given by ``_target_`` (no registry name): the callable and its keyword arguments."""
+
+    target: str
+    """Dotted path of the callable (a class or a function) that returns the model."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Its keyword arguments: every other key of the model node."""
+
+    @property
+    def name(self) -> str:
+        """How messages name the model: its dotted path."""
+        return self.target
+
+    @classmethod
+    def from_node(cls, node: dict[str, Any]) -> TargetModelConfig:
+        """Split a model node into ``_target_`` and arguments."""
+        target = node.get("_target_")
+        if not isinstance(target, str) or not target:
+            raise ConfigError("model._target_", target, "the dotted path of a callable that returns an nn.Module")
+        return cls(target, {k: v for k, v in node.items() if k != "_target_"})
+
+
+def build_target_model(cfg: TargetModelConfig, spec: DataSpec) -> nn.Module:
+    """Call ``cfg.target`` with its arguments (and the spec's, where it takes them); ConfigError naming
+    ``model._target_`` if it cannot be imported, fails, or returns no ``nn.Module``."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    target = locate(cfg.target, "model._target_")
+    kwargs = {**_spec_arguments(target, spec, cfg.kwargs), **cfg.kwargs}
+    try:
+        model = instantiate({"_target_": cfg.target, **kwargs}, _convert_="all")
+    except InstantiationException as err:
+        raise ConfigError("model._target_", cfg.target, f"a callable that builds the model; {_reason(err)}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model._target_", cfg.target, f"a callable that returns an nn.Module, not a "
+                          f"{type(model).__name__}")
+    return model
+
+
+def locate(path: str, key: str) -> Any:
+    """The object at dotted ``path``; ConfigError naming ``key`` and what is missing.
+
+    Hydra's ``get_object`` would do, but it logs an error of its own before raising, and a user should see
+    one line.
+    """
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and module_name.startswith(err.name):
+                continue  # not a module: try a shorter prefix
+            raise ConfigError(key, path, f"an importable callable; importing {module_name} failed: {_reason(err)}") \
+                from None
+        except Exception as err:  # noqa: BLE001  (the user's module failed while importing; say how)
+            raise ConfigError(key, path, f"an importable callable; importing {module_name} failed: {_reason(err)}") \
+                from None
+        for depth, attribute in enumerate(parts[cut:], start=cut):
+            if not hasattr(obj, attribute):
+                raise ConfigError(key, path, f"an importable callable; {'.'.join(parts[:depth])} has no "
+                                  f"attribute {attribute!r}")
+            obj = getattr(obj, attribute)
+        if not callable(obj):
+            raise ConfigError(key, path, f"a callable, not a {type(obj).__name__}")
+        return obj
+    raise ConfigError(key, path, f"an importable callable; there is no module {parts[0]!r}")
+
+
+def _spec_arguments(target: Any, spec: DataSpec, given: dict[str, Any]) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        return {}
+    values = {f.name: getattr(spec, f.name) for f in fields(spec)}
+    return {name: values[name] for name in SPEC_ARGUMENTS
+            if name in parameters and name not in given and values.get(name) is not None}
+
+
+def _reason(err: BaseException) -> str:
+    """The innermost cause's type and first line, which is what a user needs to fix."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
