@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from disttrain.checkpoint_io import load_metadata
 from disttrain.export import consolidated_weights
@@ -46,9 +47,13 @@ LAYOUTS = {
 LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL, VAL_RTOL = 1e-6, 1e-6, 5e-7, 5e-7
 
 
-def run_summary(run_dir: Path, overrides: list[str]) -> dict:
-    """Train ``overrides`` into ``run_dir``; the loss curve, pre-clip norms, final weights and checks."""
-    train(compose_config(overrides, run_dir))
+def run_summary(run_dir: Path, overrides: list[str], updates: dict | None = None) -> dict:
+    """Train ``overrides`` (then ``updates``: key -> value set on the composed config) into ``run_dir``; the
+    loss curve, pre-clip norms, final weights and checks."""
+    cfg = compose_config(overrides, run_dir)
+    for key, value in (updates or {}).items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    train(cfg)
     last = run_dir / "checkpoints" / "last.ckpt"
     return {
         "losses": step_losses(run_dir),
