@@ -35,7 +35,7 @@ def measure(rank: int, port: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from disttrain.models.gpt import GPT, GPTDims
-    from disttrain.parallel.pipeline import build_stage_module, unit_split_points
+    from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
     from disttrain.parallel.plan import pipeline_units_of
     from disttrain.parallel.tp import apply_tp
 

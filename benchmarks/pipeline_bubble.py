@@ -48,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disttrain.parallel.pipeline import build_schedule, placement, stage_indices  # noqa: E402
+from disttrain.parallel.pipeline.split import build_schedule, placement, stage_indices  # noqa: E402
 from tests.dist_utils import run_on_ranks  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -437,25 +437,25 @@ def model_on_meta(model: Any, spec: Any) -> Any:
 def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
     """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
     schedule can cut, and shard units that exist (from its methods or from ``parallel``)."""
-    from disttrain.parallel.pipeline import check_pipeline, check_units
+    from disttrain.parallel.pipeline.split import check_pipeline, check_units
     from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
     from disttrain.parallel.tp import check_tp_plan
 
     for key in ("pipeline_units", "shard_units"):
         for unit in getattr(p, key) or []:
             _check_submodule(net, f"parallel.{key}", unit)
-    if dims.tp > 1:
+    if dims.tp_enabled:
         plan = tp_plan_of(net, p.tp_plan)
         if not plan:
             raise ConfigError("parallel.tp", dims.tp, f"1 for model {name}: it declares no tp_plan() and "
                               "parallel.tp_plan is not set (module-name pattern -> colwise | rowwise)")
         check_tp_plan(net, plan, dims.tp, p.sequence_parallel, "parallel.tp_plan" if p.tp_plan else "tp_plan()")
-    if dims.pp > 1:
+    if dims.pp_enabled:
         units = pipeline_units_of(net, p.pipeline_units)
         if not units:
             raise ConfigError("parallel.pp", dims.pp, f"1 for model {name}: it declares no pipeline_units() and "
                               "parallel.pipeline_units is not set (ordered submodules whose application is forward)")
-        check_units(net, units, "parallel.pipeline_units" if p.pipeline_units else "pipeline_units()")
+        check_units(net, units, dims.pp, name)
         o = p.pipeline
         check_pipeline(o.schedule, dims.pp, o.stages_per_rank, o.microbatches, micro_size, len(units))
 

@@ -72,11 +72,11 @@ def run_rank(run: RunConfig) -> float | None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
         datamodule.accumulation = run.batch.accumulation
-        datamodule.full_eval_batches = run.dims.pp > 1
+        datamodule.full_eval_batches = run.dims.pp_enabled
         spec = datamodule.spec
         net = build_model(run.model, spec)
         task_args = (net, spec, run.optim, run.scheduler)
-        if run.dims.pp > 1:
+        if run.dims.pp_enabled:
             task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule),
                                 accumulation=run.batch.accumulation, microbatches=cfg.parallel.pipeline.microbatches,
                                 micro_batch_size=run.batch.micro_size,
@@ -137,7 +137,7 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter, steps_per_e
     # a learning-rate monitor writes to loggers and refuses to run without one (logger=none)
     callbacks += [c for c in extra if loggers or not isinstance(c, LearningRateMonitor)]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
-    pipelined = run.dims.pp > 1
+    pipelined = run.dims.pp_enabled
     return pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
         devices=devices,

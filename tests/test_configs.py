@@ -41,8 +41,10 @@ def test_config_composes_validates_and_builds(make_config, tmp_path, group, opti
         overrides += PARALLEL_NEEDS.get(option, ["trainer.devices=2"])
     if group == "data" and option in TEXT_DATA:
         overrides.append("model=gpt")
-    if group == "model" and option == "gpt":
+    if group == "model" and option in ("gpt", "llama", "custom"):
         overrides.append("data=pydocs")
+    if group == "model" and option == "custom":
+        overrides.append("model._target_=tests.user_models.Decoder")
     run = validate(make_config(overrides), world_size=None)
     datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=run.train.seed)
     model = build_model(run.model, datamodule.spec)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from disttrain.errors import ConfigError
 from disttrain.models.gpt import GPT, GPTDims
-from disttrain.parallel.pipeline import (
+from disttrain.parallel.pipeline.split import (
     SCHEDULES,
     build_schedule,
     build_stage_module,
@@ -145,7 +145,7 @@ def test_stage_modules_keep_full_names_and_refuse_tied_weights() -> None:
     torch.testing.assert_close(stages[1](stages[0](x)), model(x))
     tied = GPT(DIMS, tie_weights=True)
     with pytest.raises(ConfigError, match="lm_head.weight is embed.wte.weight.*tie_weights=false"):
-        check_units(tied, pipeline_units_of(tied), "pipeline_units()")
+        check_units(tied, pipeline_units_of(tied), 2, "gpt")
 
 
 def test_stage_indices() -> None:

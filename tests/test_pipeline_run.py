@@ -56,7 +56,7 @@ def test_cnn_stages_chain_to_the_whole_model():
     from disttrain.data.digits import DigitsConfig
     from disttrain.models import build_model
     from disttrain.models.cnn import CNNConfig
-    from disttrain.parallel.pipeline import build_stage_module, unit_split_points
+    from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
     from disttrain.parallel.plan import pipeline_units_of
 
     model = build_model(CNNConfig(blocks_per_stage=2), build_datamodule(DigitsConfig(), 4, 0).spec).eval()

@@ -135,8 +135,8 @@ def test_plan_and_divisibility_checks() -> None:
     check_tp_plan(gpt, plan, 2, True, "tp_plan()")
     with pytest.raises(ConfigError, match="model.n_head=2 is invalid: divisible by parallel.tp=4"):
         check_tp_plan(gpt, plan, 4, False, "tp_plan()")
-    with pytest.raises(ConfigError, match="parallel.tp=3 .*a divisor of the 32 output features of blocks.0.attn.q"):
-        check_tp_plan(gpt, plan, 3, False, "tp_plan()")
+    with pytest.raises(ConfigError, match="parallel.tp=4 .*a divisor of the 6 output features of 0 .colwise"):
+        check_tp_plan(nn.Sequential(nn.Linear(4, 6)), {"0": "colwise"}, 4, False, "parallel.tp_plan")
     with pytest.raises(ConfigError, match=r"parallel.tp_plan\[blocks.\*.attn.qq\].*matches none"):
         check_tp_plan(gpt, {"blocks.*.attn.qq": "colwise"}, 2, False, "parallel.tp_plan")
     with pytest.raises(ConfigError, match="one of"):

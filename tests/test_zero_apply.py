@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.models.cnn import CNN
 from disttrain.models.gpt import GPT, GPTDims
 from disttrain.optim import Lamb, Lars, param_groups
-from disttrain.parallel.checkpointing import apply_activation_checkpointing, is_checkpointed
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed
 from disttrain.parallel.dims import MESH_DIM_NAMES
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
 from disttrain.parallel.plan import shard_units_of

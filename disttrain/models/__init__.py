@@ -43,5 +43,6 @@ __all__ = [
     "build_model",
     "cnn",
     "gpt",
+    "llama",
     "resolve_gpt_dims",
 ]

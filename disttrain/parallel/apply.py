@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.parallel.checkpointing import apply_activation_checkpointing
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
@@ -33,32 +33,26 @@ def apply_parallelism(
     sync_batchnorm: bool = False,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper)."""
-    if dims.tp > 1:
+    if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model, units)
     if parallel.zero_stage in (2, 3):
-        shard_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         return apply_fsdp(
             model,
-            shard_mesh,
+            dims.shard_mesh(mesh),
             reshard_after_forward=parallel.zero_stage == 3,
             mp_policy=mixed_precision_policy(precision, device.type),
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
         )
-    if dims.dp > 1:
-        dp_mesh = data_parallel_mesh(mesh)
+    if dims.dp_enabled:
+        dp_mesh = dims.dp_mesh(mesh)
         if sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
         return apply_ddp(model, dp_mesh, parallel.ddp, device)
     return model
-
-
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh of all data-parallel ranks (replicate x shard flattened into one dimension "dp")."""
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")  # cached by torch: later calls return the same mesh
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device: torch.device) -> nn.Module:

@@ -101,19 +101,19 @@ class ParallelConfig:
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
-        if dims.pp > 1 and (dims.dp_replicate > 1 or self.zero_stage == 1):
+        if dims.pp_enabled and (dims.dp_replicate_enabled or self.zero_stage == 1):
             raise ConfigError("parallel.pp", dims.pp,
                               "pp > 1 combines with tp and with dp_shard (zero_stage 2 or 3); dp_replicate and "
                               "zero_stage=1 with pipelining are not available yet")
-        if dims.pp > 1 and self.sequence_parallel:
+        if dims.pp_enabled and self.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "false with pp > 1 (not available yet)")
-        if dims.pp > 1 and self.activation_checkpointing:
+        if dims.pp_enabled and self.activation_checkpointing:
             raise ConfigError("parallel.activation_checkpointing", True, "false with pp > 1 (not available yet)")
-        if dims.tp > 1 and dims.dp_replicate > 1 and self.zero_stage in (0, 1):
+        if dims.tp_enabled and dims.dp_replicate_enabled and self.zero_stage in (0, 1):
             raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
                               "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "
                               "parameters; shard them with dp_shard, or use hybrid sharding)")
-        if self.sequence_parallel and dims.tp == 1:
+        if self.sequence_parallel and not dims.tp_enabled:
             raise ConfigError("parallel.sequence_parallel", True, "false unless parallel.tp > 1")
         if dims.dp_shard > 1 and self.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from disttrain.errors import ConfigError
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -27,6 +29,35 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel size: how many different micro-batches are processed at once."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def pp_enabled(self) -> bool:
+        """Whether the model is cut into pipeline stages."""
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """Whether layers are split over tensor-parallel ranks."""
+        return self.tp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        """Whether several ranks process different micro-batches."""
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        """Whether whole copies of the (sharded) model state exist on several ranks."""
+        return self.dp_replicate > 1
+
+    def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh of all data-parallel ranks (replicate x shard joined into one dimension "dp")."""
+        # torch's way of joining mesh dimensions (no public API yet); cached: later calls return the same mesh
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards over: ``dp_shard``, or ``dp_replicate x dp_shard`` for hybrid sharding."""
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

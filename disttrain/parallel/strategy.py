@@ -26,11 +26,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.checkpoint_io import load_metadata, load_sharded
-from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled, data_parallel_mesh
+from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
-from disttrain.parallel.pipelined import Pipeline, build_pipeline
+from disttrain.parallel.pipeline.runtime import Pipeline, build_pipeline
 from disttrain.parallel.zero1 import (
     load_zero1_named_state_dict,
     shard_optimizer_state,
@@ -81,7 +81,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not getattr(task, "_parallel_applied", False):
-            if self.dims.pp > 1:
+            if self.dims.pp_enabled:
                 task.net, self.pipeline = build_pipeline(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, task.pipeline_loss,
                     task.example_microbatch(),
@@ -118,8 +118,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         return super().lightning_module_state_dict()
 
     def _broadcast_buffers(self) -> None:
-        if self.dims.dp > 1:
-            broadcast_buffers(self.lightning_module.net, data_parallel_mesh(self.device_mesh).get_group())
+        if self.dims.dp_enabled:
+            broadcast_buffers(self.lightning_module.net, self.dims.dp_mesh(self.device_mesh).get_group())
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

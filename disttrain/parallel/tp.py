@@ -78,6 +78,10 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
 
     ``source`` says where the plan came from (the model's ``tp_plan()`` or ``parallel.tp_plan``), for messages.
     """
+    sizes = getattr(model, "tp_sizes", None)
+    for key, size in (sizes() if callable(sizes) else {}).items():
+        if size % tp:
+            raise ConfigError(key, size, f"divisible by parallel.tp={tp}")
     for pattern, style in plan.items():
         if style not in TP_STYLES:
             raise ConfigError(f"{source}[{pattern}]", style, f"one of {list(TP_STYLES)}")
@@ -91,10 +95,6 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
     if sequence_parallel and "sequence_split" not in plan.values():
         raise ConfigError("parallel.sequence_parallel", True, f"false: {source} has no sequence_split entry (the "
                           "module whose output the sequence is split after), so it has no sequence-parallel plan")
-    sizes = getattr(model, "tp_sizes", None)
-    for key, size in (sizes() if callable(sizes) else {}).items():
-        if size % tp:
-            raise ConfigError(key, size, f"divisible by parallel.tp={tp}")
 
 
 def _check_split(module: nn.Module, name: str, style: str, tp: int) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-from disttrain.parallel.pipeline import (
+from disttrain.parallel.pipeline.split import (
     UnitStage,
     build_schedule,
     build_stage_module,
@@ -104,7 +104,7 @@ def build_pipeline(
     every_stage = [build_stage_module(model, units, i, points).to(device) for i in range(num_stages)]
     examples = stage_examples(every_stage, example_input.to(device))
     modules = [every_stage[i] for i in indices]
-    if dims.tp > 1:  # stages exchange whole activations: no sequence parallelism across a stage boundary
+    if dims.tp_enabled:  # stages exchange whole activations: no sequence parallelism across a stage boundary
         plan = tp_plan_of(model, parallel.tp_plan)
         for module in modules:
             apply_tp(module, mesh["tp"], plan, sequence_parallel=False)

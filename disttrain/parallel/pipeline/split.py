@@ -117,16 +117,16 @@ def unit_split_points(model: nn.Module, units: Sequence[str], num_stages: int,
     return split_points(len(units), num_stages, costs, explicit)
 
 
-def check_units(model: nn.Module, units: Sequence[str], source: str) -> None:
+def check_units(model: nn.Module, units: Sequence[str], pp: int, model_name: str) -> None:
     """ConfigError when two pipeline units share a parameter (they may land on different stages)."""
     owner: dict[int, tuple[str, str]] = {}
     for unit in units:
         for pname, param in model.get_submodule(unit).named_parameters():
             first = owner.setdefault(id(param), (unit, pname))
             if first[0] != unit:
-                raise ConfigError(source, list(units), f"units that share no parameter: {unit}.{pname} is "
-                                  f"{first[0]}.{first[1]}, and stages cannot share one (untie them, e.g. "
-                                  "model.tie_weights=false)")
+                raise ConfigError("parallel.pp", pp, f"1 for model {model_name}: its pipeline units share a "
+                                  f"parameter ({unit}.{pname} is {first[0]}.{first[1]}) and stages cannot share "
+                                  "one; untie it (e.g. model.tie_weights=false)")
 
 
 def stage_indices(rank: int, pp: int, stages_per_rank: int, style: str = "loop") -> list[int]:

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: cutting a model into stages (``split``) and running a schedule over them (``runtime``)."""
