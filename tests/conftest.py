@@ -14,14 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
 
-def train_cli(args: list[str], cwd: Path, timeout: int = 600):
+def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[Path, ...] = ()):
     """``python train.py *args`` in ``cwd`` as a user runs it (one thread per rank; ``tests`` importable for
-    test-only callbacks); the completed process, whatever its exit status."""
+    test-only callbacks, and ``pythonpath`` for a user's modules); the completed process, whatever its exit
+    status."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, (ROOT, *pythonpath)))}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)

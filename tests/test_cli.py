@@ -52,6 +52,19 @@ def test_readme_command_runs_as_typed(tmp_path, args):
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 
 
+def test_readme_own_model_example_trains_as_typed(tmp_path):
+    section = (ROOT / "README.md").read_text().split("## Your own model", 1)[1]
+    module = section.split("```python", 1)[1].split("```", 1)[0]
+    name = re.search(r"# (\w+)\.py", module)[1]
+    (tmp_path / f"{name}.py").write_text(module)
+    lines = section.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("PYTHONPATH=. python train.py") for line in lines)
+    for line in lines:
+        proc = run_cli(shortened(shlex.split(line)[3:]), tmp_path, pythonpath=(tmp_path,))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "Run complete: 2 steps on 2 rank(s)" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_the_headline_command_starts_the_ranks_it_needs(tmp_path):
     proc = run_cli(["parallel=zero3", "optim=lamb", *SHORT, "hydra.run.dir=run"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
