@@ -226,6 +226,42 @@ OmegaConf.register_new_resolver("wandb_offline", lambda: "WANDB_API_KEY" not in 
 
 
 @dataclass(frozen=True)
+class ExecutionPlan:
+    """How a run executes, decided once during validation (the runner and the strategy only read it)."""
+
+    pipelined: bool
+    """Pipeline stages run a schedule per step: the task optimises manually (accumulates and clips itself)."""
+    trainer_accumulation: int
+    """Lightning's ``accumulate_grad_batches`` (1 when the task accumulates itself)."""
+    trainer_clip: float | None
+    """Lightning's ``gradient_clip_val`` (None when the task clips itself)."""
+    inference_mode: bool
+    """Evaluate under ``torch.inference_mode`` (not for pipeline stages, whose activations autograd tracks)."""
+    full_eval_batches: bool
+    """Pad evaluation to whole batches on every rank (pipeline stages need one batch shape throughout)."""
+    microbatch_shape: tuple[int, ...] = ()
+    """Shape of one pipeline microbatch's input (pipelined runs)."""
+    microbatch_dtype: str = "float32"
+    """Its dtype: int64 for token ids, float32 for images."""
+    loss_divisor: int = 1
+    """Microbatches x accumulation: a pipelined microbatch loss is divided by it."""
+    loss_ranks: int = 1
+    """Ranks that hold the last stage's losses (data-parallel x tensor-parallel)."""
+
+
+def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerConfig, parallel: ParallelConfig,
+                   spec: Any) -> ExecutionPlan:
+    """The plan for a run of these degrees, batch and data."""
+    if not dims.pp_enabled:
+        return ExecutionPlan(False, batch.accumulation, trainer.gradient_clip_val, True, False)
+    size = batch.micro_size // parallel.pipeline.microbatches
+    text = spec.kind == "text"
+    shape = (size, spec.block_size) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
+    return ExecutionPlan(True, 1, None, False, True, shape, "int64" if text else "float32",
+                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.tp)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A validated run: typed objects for every group plus the resolved numbers derived from them."""
 
@@ -240,6 +276,10 @@ class RunConfig:
     """The resolved config as YAML (what workers receive and what is written to the run directory)."""
     notices: tuple[str, ...] = ()
     """Lines to show the user before ranks start (e.g. how many ranks ``trainer.devices=auto`` chose)."""
+    plan: ExecutionPlan | None = None
+    """How the run executes."""
+    datamodule: Any = field(default=None, compare=False, repr=False)
+    """The data module validation built (its datasets load on first use): a rank builds no other."""
 
     @property
     def config_hash(self) -> str:
@@ -348,6 +388,12 @@ def _registry_typed(group: str, node: Any, registry: Any) -> Any:
     return _typed(group, node, registry.get(node.name).schema)
 
 
+def parallel_options(cfg: DictConfig) -> ParallelConfig:
+    """The typed ``parallel`` node alone (its backend and timeout join a launcher's process group before the
+    run directory is agreed and the whole config validated)."""
+    return _typed("parallel", cfg.parallel, ParallelConfig)
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input."""
     from disttrain.data import DATA, build_datamodule
@@ -388,7 +434,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         model.validate(datamodule.spec)
     check_model_plan(model.name, model_on_meta(model, datamodule.spec), p, dims, batch.micro_size)
     notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
-    return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices))
+    plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
+    return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices), plan,
+                     datamodule)
 
 
 def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:

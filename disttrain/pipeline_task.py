@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from disttrain.data.base import IGNORE_INDEX
 from disttrain.parallel.clip import clip_grad_norm
+from disttrain.parallel.pipeline.runtime import PipelineSlot
 from disttrain.task import TrainTask
 
 
@@ -20,23 +19,14 @@ class PipelineTask(TrainTask):
     last-stage ranks (data-parallel x tensor-parallel size) to log the global mean.
     """
 
-    def __init__(self, *args: Any, accumulation: int, microbatches: int, micro_batch_size: int, clip: float | None,
-                 loss_ranks: int,
+    def __init__(self, *args: Any, pipeline: PipelineSlot, accumulation: int, clip: float | None, loss_ranks: int,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
+        self.pipeline = pipeline
         self.accumulation = accumulation
-        self.microbatches = microbatches
-        self.micro_batch_size = micro_batch_size
         self.clip = clip
         self.loss_ranks = loss_ranks
-
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Microbatch cross-entropy summed over its targets / its target count, scaled so the summed gradients
-        are those of the step's mean (evaluation padding, ``IGNORE_INDEX``, adds nothing to the sum)."""
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
-        return loss / (targets.numel() * self.microbatches * self.accumulation)
 
     def _global_mean(self, local_sum: torch.Tensor | None) -> torch.Tensor:
         value = local_sum.detach().clone() if local_sum is not None else torch.zeros((), device=self.device)
@@ -45,8 +35,7 @@ class PipelineTask(TrainTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""
-        pipeline = self.trainer.strategy.pipeline
-        result = pipeline.run(batch[0], batch[1], train=True)
+        result = self.pipeline.run(batch[0], batch[1], train=True)
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
         batch_loss = self._global_mean(result[0] if result else None) * self.accumulation
         self._step_loss.append(batch_loss)
@@ -56,7 +45,7 @@ class PipelineTask(TrainTask):
         optimizer = self.optimizers()
         if self.clip:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = clip_grad_norm(params, self.clip, across=pipeline.pp_group)
+            norm = clip_grad_norm(params, self.clip, across=self.pipeline.pipeline.pp_group)
             self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
         self._log_step_row(torch.stack(self._step_loss).mean(), optimizer.optimizer)
@@ -69,15 +58,8 @@ class PipelineTask(TrainTask):
         """The step's loss is already global here (see training_step); nothing to reduce."""
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        result = self.trainer.strategy.pipeline.run(batch[0], batch[1], train=False)
+        result = self.pipeline.run(batch[0], batch[1], train=False)
         if result is not None:  # last stage: undo the training-time scaling of the loss function
             scaled, logits = result
             loss_sum = scaled.detach() * self.accumulation * batch[1].numel()
             self._update_eval_metrics(stage, loss_sum, logits.detach(), batch[1])
-
-    def example_microbatch(self) -> torch.Tensor:
-        """A zero-valued input of one microbatch's shape (token ids or images), for the stages' set-up."""
-        size = self.micro_batch_size // self.microbatches
-        if self.is_text:
-            return torch.zeros(size, self.spec.block_size, dtype=torch.long)
-        return torch.zeros(size, self.spec.in_channels, self.spec.image_size, self.spec.image_size)

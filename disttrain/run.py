@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
-from disttrain.config import RunConfig, validate
+from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
 from disttrain.console import quiet_noise, run_summary
 from disttrain.launch import (
     external_environment,
@@ -34,16 +34,17 @@ def train(cfg: DictConfig) -> float | None:
 
     Called by ``train.py`` in the Hydra job process. Every check happens here, before any worker starts.
     """
-    run = validate(cfg)
-    run_dir = Path(run.train.run_dir)
     env = external_environment()
     if env is not None:  # torchrun / SLURM started every rank, and each of them composed the config
-        init_process_group(env, run.train.parallel.backend, run.train.parallel.timeout_s)
-        run_dir = _agree_on_run_dir(run_dir)
-        run = _with_run_dir(cfg, run, run_dir)
+        parallel = parallel_options(cfg)
+        init_process_group(env, parallel.backend, parallel.timeout_s)
+        _adopt_run_dir(cfg, _agree_on_run_dir(Path(cfg.run_dir)))  # before the one validation
+        run = validate(cfg)
         if env.global_rank() == 0:
-            (run_dir / CONFIG_FILE).write_text(run.yaml)
+            (Path(run.train.run_dir) / CONFIG_FILE).write_text(run.yaml)
         return run_rank(run)
+    run = validate(cfg)
+    run_dir = Path(run.train.run_dir)
     for notice in run.notices:
         print(notice, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +62,6 @@ def run_worker(config_path: Path) -> None:
 
 def run_rank(run: RunConfig) -> float | None:
     """Train on this rank (the process group may already exist); rank 0 writes ``results.json``."""
-    from disttrain.data import build_datamodule
     from disttrain.models import build_model
     from disttrain.pipeline_task import PipelineTask
     from disttrain.task import TrainTask
@@ -70,21 +70,21 @@ def run_rank(run: RunConfig) -> float | None:
     quiet_noise()
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
-        datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=cfg.seed)
+        plan, datamodule = run.plan, run.datamodule
         datamodule.accumulation = run.batch.accumulation
-        datamodule.full_eval_batches = run.dims.pp_enabled
+        datamodule.full_eval_batches = plan.full_eval_batches
         spec = datamodule.spec
         net = build_model(run.model, spec)
         task_args = (net, spec, run.optim, run.scheduler)
-        if run.dims.pp_enabled:
-            task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule),
-                                accumulation=run.batch.accumulation, microbatches=cfg.parallel.pipeline.microbatches,
-                                micro_batch_size=run.batch.micro_size,
-                                clip=cfg.trainer.gradient_clip_val, loss_ranks=run.dims.dp * run.dims.tp)
+        slot = pipeline_slot(plan)
+        if slot is not None:
+            task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule), pipeline=slot,
+                                accumulation=run.batch.accumulation, clip=cfg.trainer.gradient_clip_val,
+                                loss_ranks=plan.loss_ranks)
         else:
             task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule))
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
-        trainer = build_trainer(run, task, meter, datamodule.num_train_samples // run.batch.global_size)
+        trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume_path(cfg.resume, Path(cfg.run_dir)))
         fit_seconds = meter.wall_time_s
         metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
@@ -106,12 +106,26 @@ def run_rank(run: RunConfig) -> float | None:
         shutdown_process_group()
 
 
-def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter, steps_per_epoch: int) -> pl.Trainer:
+def pipeline_slot(plan: ExecutionPlan) -> Any:
+    """What the strategy and the pipelined task share (None for a run without pipeline stages)."""
+    from functools import partial
+
+    from disttrain.parallel.pipeline.runtime import PipelineSlot, scaled_cross_entropy
+
+    if not plan.pipelined:
+        return None
+    example = torch.zeros(plan.microbatch_shape, dtype=getattr(torch, plan.microbatch_dtype))
+    return PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
+
+
+def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMeter, steps_per_epoch: int
+                  ) -> pl.Trainer:
     """The Lightning Trainer of a validated run: strategy, loggers, checkpoints, progress and callbacks."""
     from disttrain.parallel.strategy import DistTrainStrategy
 
     cfg = run.train
     t = cfg.trainer
+    plan = run.plan
     monitor, mode = (cfg.checkpoint.monitor, _mode_of(cfg.checkpoint.monitor)) if cfg.checkpoint.monitor \
         else task.monitor
     callbacks: list[pl.Callback] = [
@@ -137,20 +151,19 @@ def build_trainer(run: RunConfig, task: Any, meter: ThroughputMeter, steps_per_e
     # a learning-rate monitor writes to loggers and refuses to run without one (logger=none)
     callbacks += [c for c in extra if loggers or not isinstance(c, LearningRateMonitor)]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
-    pipelined = run.dims.pp_enabled
     return pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
         devices=devices,
         num_nodes=num_nodes,
-        strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False)),
+        strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False),
+                                   pipeline),
         max_steps=t.max_steps,
         # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
         max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),
         precision=t.precision,
-        # a pipelined task steps its optimiser itself (manual optimisation), clipping and accumulating
-        gradient_clip_val=None if pipelined else t.gradient_clip_val,
-        accumulate_grad_batches=1 if pipelined else run.batch.accumulation,
-        inference_mode=not pipelined,  # pipeline stages exchange activations that autograd may not track
+        gradient_clip_val=plan.trainer_clip,
+        accumulate_grad_batches=plan.trainer_accumulation,
+        inference_mode=plan.inference_mode,
         val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=t.check_val_every_n_epoch,
         limit_val_batches=t.limit_val_batches,
@@ -254,11 +267,6 @@ def _agree_on_run_dir(own: Path) -> Path:
     return agreed
 
 
-def _with_run_dir(cfg: DictConfig, run: RunConfig, run_dir: Path) -> RunConfig:
-    if Path(run.train.run_dir) == run_dir:
-        return run
+def _adopt_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    # loggers' save_dir interpolate ${run_dir}, so they follow when the config is resolved in validation
     OmegaConf.update(cfg, "run_dir", str(run_dir))
-    for node in cfg.logger.values():
-        if node and "save_dir" in node:
-            node.save_dir = str(run_dir)
-    return validate(cfg)

@@ -30,7 +30,7 @@ from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
-from disttrain.parallel.pipeline.runtime import Pipeline, build_pipeline
+from disttrain.parallel.pipeline.runtime import PipelineSlot, build_pipeline
 from disttrain.parallel.zero1 import (
     load_zero1_named_state_dict,
     shard_optimizer_state,
@@ -47,7 +47,8 @@ class DistTrainStrategy(ModelParallelStrategy):
     """Builds the mesh of ``dims`` and applies ``parallel`` to the task's ``net`` before optimisers exist."""
 
     def __init__(
-        self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False
+        self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False,
+        pipeline: PipelineSlot | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=dims.dp,
@@ -60,7 +61,9 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.dims = dims
         self.precision = precision
         self.sync_batchnorm = sync_batchnorm
-        self.pipeline: Pipeline | None = None
+        self.pipeline = pipeline
+        """Where a pipelined run's stages and schedule go (shared with the task); None: not pipelined."""
+        self._parallelised = False
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
@@ -80,18 +83,18 @@ class DistTrainStrategy(ModelParallelStrategy):
         task = self.lightning_module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if not getattr(task, "_parallel_applied", False):
-            if self.dims.pp_enabled:
-                task.net, self.pipeline = build_pipeline(
-                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, task.pipeline_loss,
-                    task.example_microbatch(),
+        if not self._parallelised:  # once per Trainer: fit, then test on the same model
+            if self.pipeline is not None:
+                task.net, self.pipeline.pipeline = build_pipeline(
+                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.pipeline.loss_fn,
+                    self.pipeline.example_input,
                 )
             else:
                 task.net = apply_parallelism(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
                     self.sync_batchnorm,
                 )
-            task._parallel_applied = True
+            self._parallelised = True
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -7,18 +7,20 @@ optimisation and does accumulation, global-norm clipping and the optimiser step 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
+from disttrain.data.base import IGNORE_INDEX
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.pipeline.split import (
@@ -55,6 +57,34 @@ class Pipeline:
             with forward_only(self.schedule):
                 outputs = self.schedule.eval(*args, **kwargs)
         return (torch.stack(self.losses).sum(), outputs) if self.has_last else None
+
+
+@dataclass
+class PipelineSlot:
+    """What a pipelined run shares between the strategy, which builds the stages and the schedule into it
+    at set-up, and the task, which runs it each step: neither reaches into the other."""
+
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """Loss of one microbatch on the last stage (see ``scaled_cross_entropy``)."""
+    example_input: torch.Tensor
+    """A zero-valued input of one microbatch's shape, for the stages' set-up."""
+    pipeline: Pipeline | None = None
+    """This rank's part, once the strategy has built it."""
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[torch.Tensor, Any] | None:
+        """``Pipeline.run`` of the built pipeline."""
+        if self.pipeline is None:
+            raise RuntimeError("the pipeline is built by the strategy's setup, which has not run")
+        return self.pipeline.run(inputs, targets, train)
+
+
+def scaled_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: int) -> torch.Tensor:
+    """Microbatch cross-entropy summed over its targets / (their count x ``divisor``): with ``divisor`` =
+    microbatches x accumulation the summed gradients are those of the step's mean (evaluation padding,
+    ``IGNORE_INDEX``, adds nothing to the sum)."""
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+    return loss / (targets.numel() * divisor)
 
 
 BACKWARD_ACTIONS = frozenset({"B", "I", "W", "OVERLAP_F_B", "SEND_B", "RECV_B", "REDUCE_GRAD"})
