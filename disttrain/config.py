@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
@@ -542,19 +543,4 @@ def _validate_trainer(t: TrainerConfig) -> None:
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
     for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):
-        _check_count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")
-
-
-def _check_count_or_fraction(key: str, value: Any, allow_zero: bool) -> None:
-    """Lightning's convention: an int counts batches, a float is a fraction of them (1.0: all)."""
-    if value is None:
-        return
-    least = 0 if allow_zero else 1
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < least:
-            raise ConfigError(key, value, f"a count of batches >= {least} (an int), or a fraction in (0, 1] (a float)")
-    elif isinstance(value, float):
-        if not (0.0 < value <= 1.0 or (allow_zero and value == 0.0)):
-            raise ConfigError(key, value, "a fraction in (0, 1] (a float), or a count of batches (an int)")
-    else:
-        raise ConfigError(key, value, "a count of batches (an int), a fraction in (0, 1] (a float), or null")
+        checks.count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")

@@ -207,23 +207,3 @@ class DataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """In order, sharded like validation."""
         return self._loader(self.datasets["test"], train=False)
-
-
-def check_positive(key: str, value: int | float | None, optional: bool = False) -> None:
-    """ConfigError unless ``value`` > 0 (or None when ``optional``)."""
-    if value is None and optional:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(key, value, "a positive number" + (", or null" if optional else ""))
-
-
-def check_non_negative(key: str, value: int) -> None:
-    """ConfigError unless ``value`` >= 0."""
-    if value < 0:
-        raise ConfigError(key, value, "zero or a positive number")
-
-
-def check_fraction(key: str, value: float) -> None:
-    """ConfigError unless 0 < ``value`` < 1."""
-    if not 0.0 < value < 1.0:
-        raise ConfigError(key, value, "a fraction strictly between 0 and 1")

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from disttrain import checks
 from disttrain.data import DATA
-from disttrain.data.base import DataModule, check_fraction, check_non_negative, counter_random
+from disttrain.data.base import DataModule, counter_random
 from disttrain.errors import ConfigError
 from disttrain.models.spec import DataSpec
 
@@ -39,12 +40,12 @@ class DigitsConfig:
 
     def validate(self) -> None:
         """Fractions in (0, 1) that leave training images."""
-        check_fraction("data.val_fraction", self.val_fraction)
-        check_fraction("data.test_fraction", self.test_fraction)
+        checks.fraction("data.val_fraction", self.val_fraction)
+        checks.fraction("data.test_fraction", self.test_fraction)
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ConfigError("data.test_fraction", self.test_fraction,
                               f"val_fraction + test_fraction below 0.9 (val_fraction is {self.val_fraction})")
-        check_non_negative("data.num_workers", self.num_workers)
+        checks.non_negative("data.num_workers", self.num_workers)
 
 
 def digits_split(cfg: DigitsConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

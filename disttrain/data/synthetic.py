@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from disttrain import checks
 from disttrain.data import DATA
-from disttrain.data.base import DataModule, check_non_negative, check_positive
+from disttrain.data.base import DataModule
 from disttrain.models.spec import DataSpec
 
 
@@ -34,8 +35,8 @@ class SyntheticImagesConfig:
     def validate(self) -> None:
         """Positive sizes."""
         for key in ("num_samples", "val_samples", "image_size", "channels", "num_classes"):
-            check_positive(f"data.{key}", getattr(self, key))
-        check_non_negative("data.num_workers", self.num_workers)
+            checks.positive(f"data.{key}", getattr(self, key))
+        checks.non_negative("data.num_workers", self.num_workers)
 
 
 @DATA.register("synthetic_images", SyntheticImagesConfig)
@@ -90,8 +91,8 @@ class SyntheticTokensConfig:
     def validate(self) -> None:
         """Positive sizes."""
         for key in ("num_samples", "val_samples", "vocab_size", "block_size"):
-            check_positive(f"data.{key}", getattr(self, key))
-        check_non_negative("data.num_workers", self.num_workers)
+            checks.positive(f"data.{key}", getattr(self, key))
+        checks.non_negative("data.num_workers", self.num_workers)
 
 
 @DATA.register("synthetic_tokens", SyntheticTokensConfig)

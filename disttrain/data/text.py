@@ -10,8 +10,9 @@ import numpy as np
 from omegaconf import MISSING
 from torch.utils.data import Dataset
 
+from disttrain import checks
 from disttrain.data import DATA
-from disttrain.data.base import DataModule, check_fraction, check_non_negative, check_positive
+from disttrain.data.base import DataModule
 from disttrain.data.windows import MemmapTokens, TokenWindows
 from disttrain.errors import ConfigError
 from disttrain.models.spec import DataSpec
@@ -55,11 +56,11 @@ class PyDocsConfig:
 
     def validate(self) -> None:
         """Reject sizes that cannot make a window."""
-        check_positive("data.block_size", self.block_size)
-        check_fraction("data.val_fraction", self.val_fraction)
-        check_positive("data.samples_per_epoch", self.samples_per_epoch, optional=True)
-        check_positive("data.val_windows", self.val_windows, optional=True)
-        check_non_negative("data.num_workers", self.num_workers)
+        checks.positive("data.block_size", self.block_size)
+        checks.fraction("data.val_fraction", self.val_fraction)
+        checks.positive("data.samples_per_epoch", self.samples_per_epoch, optional=True)
+        checks.positive("data.val_windows", self.val_windows, optional=True)
+        checks.non_negative("data.num_workers", self.num_workers)
         size = len(pydocs_bytes())
         val = int(size * self.val_fraction)
         if min(val, size - val) < self.block_size + 1:
@@ -123,11 +124,11 @@ class TokensConfig:
     def validate(self) -> list[str]:
         """The directory and both files exist, hold whole uint16 ids, at least one window each, and ids below
         ``vocab_size``; returns a notice when an inferred vocabulary looks inflated."""
-        check_positive("data.block_size", self.block_size)
-        check_positive("data.vocab_size", self.vocab_size, optional=True)
-        check_positive("data.samples_per_epoch", self.samples_per_epoch, optional=True)
-        check_positive("data.val_windows", self.val_windows, optional=True)
-        check_non_negative("data.num_workers", self.num_workers)
+        checks.positive("data.block_size", self.block_size)
+        checks.positive("data.vocab_size", self.vocab_size, optional=True)
+        checks.positive("data.samples_per_epoch", self.samples_per_epoch, optional=True)
+        checks.positive("data.val_windows", self.val_windows, optional=True)
+        checks.non_negative("data.num_workers", self.num_workers)
         if not os.path.isdir(os.path.expanduser(self.path)):
             raise ConfigError("data.path", self.path, f"no such directory; {TOKEN_FILES}")
         for split in ("train", "val"):

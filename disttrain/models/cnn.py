@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
 from disttrain.models.spec import DataSpec
@@ -38,8 +39,7 @@ class CNNConfig:
             raise ConfigError("model.widths", self.widths, "a non-empty list of positive channel counts")
         if self.blocks_per_stage < 1:
             raise ConfigError("model.blocks_per_stage", self.blocks_per_stage, "a positive number of blocks")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("model.dropout", self.dropout, "a probability in [0, 1)")
+        checks.probability("model.dropout", self.dropout)
 
 
 def _conv_bn(c_in: int, c_out: int, kernel: int, stride: int) -> list[nn.Module]:

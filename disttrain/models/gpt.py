@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
 from disttrain.models.spec import DataSpec
@@ -63,8 +64,7 @@ class GPTConfig:
 
     def validate(self, spec: DataSpec) -> GPTDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("model.dropout", self.dropout, "a probability in [0, 1)")
+        checks.probability("model.dropout", self.dropout)
         return resolve_gpt_dims(self, spec)
 
 

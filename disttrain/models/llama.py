@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
 from disttrain.models.spec import DataSpec
@@ -76,8 +77,7 @@ class LlamaConfig:
 
     def validate(self, spec: DataSpec) -> LlamaDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError("model.dropout", self.dropout, "a probability in [0, 1)")
+        checks.probability("model.dropout", self.dropout)
         if self.multiple_of <= 0:
             raise ConfigError("model.multiple_of", self.multiple_of, "a positive integer")
         if self.mlp_hidden is not None and self.mlp_hidden <= 0:

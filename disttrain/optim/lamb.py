@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim import OPTIMIZERS, checks
+from disttrain.optim import OPTIMIZERS
 from disttrain.optim.groups import param_groups
 from disttrain.optim.norms import local, local_grad, pair_norms
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim import OPTIMIZERS, checks
+from disttrain.optim import OPTIMIZERS
 from disttrain.optim.groups import param_groups
 
 
