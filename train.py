@@ -3,8 +3,10 @@
 import hydra
 from omegaconf import DictConfig
 
-import disttrain.config  # noqa: F401  (registers the typed schema with Hydra's ConfigStore)
 from disttrain.cli import train_from_cli
+from disttrain.config import register
+
+register()  # the typed schema and resolvers, before Hydra composes
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

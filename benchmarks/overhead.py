@@ -41,8 +41,10 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
     """Steps/s of ``train()`` as reported in its results.json (clock starts after step 1)."""
     from hydra import compose, initialize_config_dir
 
-    import disttrain.config  # noqa: F401
+    from disttrain.config import register
     from disttrain.run import train
+
+    register()
 
     with tempfile.TemporaryDirectory() as run_dir:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

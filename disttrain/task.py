@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from disttrain.data.base import IGNORE_INDEX
-from disttrain.models.spec import DataSpec
+from disttrain.data.spec import DataSpec
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm
 

@@ -8,8 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import disttrain.config  # noqa: F401  (registers the schema)
+from disttrain.config import register
 
+register()
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 

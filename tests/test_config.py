@@ -82,7 +82,7 @@ def test_unknown_key_in_a_config_file_is_named(tmp_path):
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"name": "adamw", "lrr": 0.1})
-    from disttrain.config import _registry_typed
+    from disttrain.config.validation import _registry_typed
     from disttrain.optim import OPTIMIZERS
 
     with pytest.raises(ConfigError, match=r"optim.lrr=.*optim keys are \[.*'lr'"):

@@ -22,9 +22,9 @@ from disttrain.data import (
     build_datamodule,
 )
 from disttrain.data.base import IGNORE_INDEX
+from disttrain.data.spec import DataSpec
 from disttrain.data.text import pydocs_bytes
 from disttrain.errors import ConfigError
-from disttrain.models.spec import DataSpec
 
 
 def attach(datamodule, num_replicas: int, rank: int):

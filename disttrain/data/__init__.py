@@ -19,6 +19,7 @@ DATA: Registry[DataModule] = Registry("data")
 
 # The data modules register themselves in DATA, so they are imported after it exists.
 from disttrain.data.digits import DigitsConfig, DigitsDataModule  # noqa: E402
+from disttrain.data.spec import DataSpec  # noqa: E402
 from disttrain.data.synthetic import (  # noqa: E402
     SyntheticImagesConfig,
     SyntheticImagesDataModule,
@@ -27,7 +28,6 @@ from disttrain.data.synthetic import (  # noqa: E402
 )
 from disttrain.data.text import PyDocsConfig, PyDocsDataModule, TokensConfig, TokensDataModule  # noqa: E402
 from disttrain.data.windows import MemmapTokens, TokenWindows  # noqa: E402
-from disttrain.models.spec import DataSpec  # noqa: E402
 
 
 def build_datamodule(cfg: Any, micro_batch_size: int, seed: int) -> DataModule:

@@ -20,8 +20,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models.spec import DataSpec
 
 _MASK64 = (1 << 64) - 1
 IGNORE_INDEX = -100

@@ -12,8 +12,8 @@ from torch.utils.data import Dataset
 from disttrain import checks
 from disttrain.data import DATA
 from disttrain.data.base import DataModule, counter_random
+from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models.spec import DataSpec
 
 IMAGE_SIZE = 8
 

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset, TensorDataset
 from disttrain import checks
 from disttrain.data import DATA
 from disttrain.data.base import DataModule
-from disttrain.models.spec import DataSpec
+from disttrain.data.spec import DataSpec
 
 
 @dataclass

@@ -13,9 +13,9 @@ from torch.utils.data import Dataset
 from disttrain import checks
 from disttrain.data import DATA
 from disttrain.data.base import DataModule
+from disttrain.data.spec import DataSpec
 from disttrain.data.windows import MemmapTokens, TokenWindows
 from disttrain.errors import ConfigError
-from disttrain.models.spec import DataSpec
 
 
 def pydocs_bytes() -> np.ndarray:

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from disttrain.models.spec import DataSpec
+from disttrain.data.spec import DataSpec
 from disttrain.models.target import TargetModelConfig, build_target_model
 from disttrain.registry import Registry
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from disttrain import checks
+from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
-from disttrain.models.spec import DataSpec
 
 
 @dataclass

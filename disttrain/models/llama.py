@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain import checks
+from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
-from disttrain.models.spec import DataSpec
 
 FLAVOURS: dict[str, dict[str, int]] = {
     "micro": {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32},

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models.spec import DataSpec
 
 SPEC_ARGUMENTS = ("num_classes", "in_channels", "image_size", "vocab_size", "block_size")
 """Argument names filled from the data's spec when the callable takes them and the config does not set them."""

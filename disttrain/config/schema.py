@@ -1,0 +1,180 @@
+"""Typed schema of a run, registered with Hydra's ConfigStore by ``register()``.
+
+The top-level schema (``train_schema``) makes Hydra itself reject a misspelled key or a wrongly typed value
+while composing. The ``model``, ``data`` and ``optim`` groups are polymorphic: their schema is chosen by
+their ``name`` through the component registries (``schema/<group>/<name>``), and validation merges each
+into its schema (``disttrain.config.validation``). Nothing is registered at import: ``train.py``, the
+tests and the benchmarks call ``register()``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+
+from disttrain.parallel.config import ParallelConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+"""The config groups shipped beside the package."""
+
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
+"""The precisions the strategy runs (Lightning's ModelParallelStrategy plugins)."""
+
+
+@dataclass
+class BatchConfig:
+    """Batch sizes, kept in one place: set two of the three, the third follows."""
+
+    global_size: int | None = 64
+    """Samples per optimiser step, summed over all data-parallel ranks and accumulation steps."""
+    micro_size: int | None = None
+    """Samples per forward/backward on one rank. None: follows from the other two."""
+    accumulation: int | None = None
+    """Micro-batches accumulated per optimiser step on each rank. None: follows (1 if undetermined)."""
+
+
+
+@dataclass
+class TrainerConfig:
+    """Options handed to Lightning's ``Trainer`` (batch sizes live in ``batch``, parallelism in ``parallel``)."""
+
+    accelerator: str = "auto"
+    """Device type: auto, cpu or gpu."""
+    devices: Any = "auto"
+    """Ranks per node that the runner starts (ignored under torchrun/SLURM, which start their own): a number,
+    or auto: every GPU of the machine, or on a CPU the fewest ranks the ``parallel`` preset runs on (one for
+    single, two where a degree is "the rest of the world", e.g. zero3; four for hsdp and hybrid)."""
+    num_nodes: int = 1
+    """Number of machines (needs torchrun or SLURM when > 1)."""
+    max_steps: int = -1
+    """Optimiser steps to train for; -1: bounded by max_epochs."""
+    max_epochs: int | None = None
+    """Epochs to train for when max_steps is -1."""
+    precision: str = "32-true"
+    """Lightning precision: 32-true, bf16-mixed (bf16 autocast), bf16-true or 16-true (parameters in that type)."""
+    gradient_clip_val: float | None = 1.0
+    """Clip gradients to this global norm; null disables clipping."""
+    val_check_interval: Any = None
+    """Validate every this many training batches (an int, e.g. 50) or fraction of an epoch (a float in (0, 1],
+    e.g. 0.5); null: each epoch. As in Lightning, 1 means one batch and 1.0 the whole epoch."""
+    check_val_every_n_epoch: int | None = 1
+    """Validate every n epochs (null with an integer val_check_interval to validate by steps only)."""
+    limit_val_batches: Any = None
+    """Validation batches per rank: a count (an int, e.g. 1) or a fraction (a float in (0, 1]); null: all."""
+    limit_test_batches: Any = None
+    """Test batches per rank: a count (an int) or a fraction (a float in (0, 1]); null: all."""
+    log_every_n_steps: int = 10
+    """How often training metrics are logged."""
+    num_sanity_val_steps: int = 0
+    """Validation batches run before training as a smoke check."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower on GPU; CPU fp32 runs are reproducible anyway)."""
+    run_test: bool = True
+    """Evaluate the best checkpoint on the test split after fitting."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Which checkpoints are kept (written as sharded, atomically replaced folders)."""
+
+    save_last: bool = True
+    """Keep ``last.ckpt``, the newest state, for ``resume=auto``."""
+    save_top_k: int = 1
+    """How many best-by-monitor checkpoints to keep (0: none, -1: all)."""
+    monitor: str | None = None
+    """Metric that ranks checkpoints; null: the task's validation metric (val/acc or val/loss)."""
+    every_n_train_steps: int | None = None
+    """Also save every n optimiser steps; null: at each validation."""
+
+
+@dataclass
+class ExpectConfig:
+    """What a recipe must reproduce: the metric, its bound and the hardware it was measured on."""
+
+    metric: str = MISSING
+    """Metric name in results.json (e.g. test/acc)."""
+    value: float = MISSING
+    """Value reached on the stated hardware."""
+    tolerance: float = 0.0
+    """Allowed shortfall from ``value``."""
+    mode: str = "max"
+    """max: higher is better (metric >= value - tolerance); min: lower is better."""
+    hardware: str = ""
+    """Machine the value and wall time were measured on."""
+    wall_time_s: float | None = None
+    """Measured wall time of the full recipe on that hardware."""
+    command: str = ""
+    """Command that reproduces the recipe."""
+
+
+@dataclass
+class TrainConfig:
+    """Schema of a whole run. ``model``, ``data`` and ``optim`` are checked against their registry schema."""
+
+    model: Any = MISSING
+    """Model group: a registry name plus its options."""
+    data: Any = MISSING
+    """Data group: a registry name plus its options."""
+    optim: Any = MISSING
+    """Optimiser group: a registry name plus its options."""
+    scheduler: Any = MISSING
+    """Learning-rate schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the run is spread over ranks."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Lightning Trainer options."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Global batch, micro-batch and accumulation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints kept."""
+    logger: dict[str, Any] = field(default_factory=dict)
+    """Loggers to instantiate (each a ``_target_`` node)."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Extra Lightning callbacks to instantiate (each a ``_target_`` node)."""
+    seed: int = 0
+    """Seed of model init, data order and dropout."""
+    resume: str | None = None
+    """null: fresh start; auto: newest checkpoint in the run directory if any; or a checkpoint path."""
+    run_dir: str = MISSING
+    """The run directory (Hydra's output dir); every rank writes here."""
+    optimized_metric: str | None = None
+    """Metric that ``train()`` returns for a sweeper; null: the checkpoint monitor."""
+    expect: ExpectConfig | None = None
+    """Set by recipes: what the run must reproduce."""
+    recipe_name: str | None = None
+    """Set by recipes: the recipe's name."""
+
+
+def register() -> None:
+    """Store the run schema and every component schema (as ``schema/<group>/<name>``) in Hydra's ConfigStore,
+    and the resolvers the group files use (idempotent).
+
+    Each file in ``conf/<group>/`` starts from its schema, so Hydra rejects a misspelled key or a wrong
+    type while composing, and any field can be overridden on the command line.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    from disttrain.data import DATA
+    from disttrain.models import MODELS
+    from disttrain.optim import OPTIMIZERS, SchedulerConfig
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, registry in (("model", MODELS), ("data", DATA), ("optim", OPTIMIZERS)):
+        for name in registry.names():
+            store.store(group=f"schema/{group}", name=name, node=registry.get(name).schema)
+    store.store(group="schema/scheduler", name="cosine", node=SchedulerConfig)
+    OmegaConf.register_new_resolver("config_groups", config_groups_help, replace=True)
+    # wandb logs offline unless an API key is configured, so a run never waits on the network.
+    OmegaConf.register_new_resolver("wandb_offline", lambda: "WANDB_API_KEY" not in os.environ, replace=True)
+
+
+def config_groups_help() -> str:
+    """The groups of ``conf/`` and their options, one line each, for ``--help`` (Hydra's own list would also
+    show the typed schemas that the group files start from)."""
+    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir()) if CONF_DIR.is_dir() else []
+    return "\n".join(f"{group.name}: {', '.join(sorted(f.stem for f in group.glob('*.yaml')))}" for group in groups)
