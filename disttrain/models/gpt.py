@@ -157,6 +157,14 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+def sequence_length(idx: torch.Tensor, block_size: int) -> int:
+    """The length ``T`` of token ids ``[B, T]``; ValueError when it exceeds ``block_size``."""
+    t = idx.size(1)
+    if t > block_size:
+        raise ValueError(f"sequence length {t} exceeds the model's block_size {block_size}")
+    return t
+
+
 class Embeddings(nn.Module):
     """Token plus learned position embeddings, then dropout: token ids ``[B, T]`` to ``[B, T, C]``."""
 
@@ -169,9 +177,7 @@ class Embeddings(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Embed token ids ``[B, T]`` (``T <= block_size``)."""
-        t = idx.size(1)
-        if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.block_size}")
+        t = sequence_length(idx, self.block_size)
         return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
 
 

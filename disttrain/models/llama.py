@@ -30,6 +30,7 @@ from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
+from disttrain.models.gpt import sequence_length
 
 FLAVOURS: dict[str, dict[str, int]] = {
     "micro": {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32},
@@ -231,9 +232,7 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Embed token ids ``[B, T]`` (``T <= block_size``)."""
-        t = idx.size(1)
-        if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.block_size}")
+        sequence_length(idx, self.block_size)
         return self.drop(self.tok(idx))
 
 
