@@ -37,6 +37,12 @@ def test_config_composes_validates_and_builds(make_config, tmp_path, group, opti
     overrides = [f"{group}={option}"]
     if group == "data" and option == "tokens":
         overrides.append(f"data.path={token_dir(tmp_path)}")
+    if group == "data" and option == "custom":
+        overrides.append("data._target_=tests.user_models.digit_splits")
+    if group == "data" and option == "image_folder":
+        from tests.test_user_data import write_classes
+
+        overrides += [f"data.path={write_classes(tmp_path / 'images')}", "batch.global_size=8"]
     if group == "parallel" and option != "single":
         overrides += PARALLEL_NEEDS.get(option, ["trainer.devices=2"])
     if group == "data" and option in TEXT_DATA:

@@ -1,8 +1,10 @@
-"""Models as a user writes them, outside the package: built by ``model._target_`` in the tests.
+"""Models and data as a user writes them, outside the package: built by ``model._target_`` and
+``data._target_`` in the tests.
 
 ``PlainDecoder`` is a small transformer language model under its own names that declares nothing;
 ``Decoder`` is the same model declaring its parallel plan by the protocol's methods. ``small_resnet``
 stands for a third-party model factory (a function taking ``**kwargs``, as torchvision's are).
+``digit_splits`` is a user's data function over scikit-learn's digits.
 """
 
 from __future__ import annotations
@@ -111,3 +113,16 @@ def small_resnet(*, num_classes: int = 1000, **kwargs: object) -> nn.Module:
         nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes),
     )
+
+
+def digit_splits(train_size: int = 1400, seed: int = 0) -> dict:
+    """scikit-learn's 8x8 digits as plain ``TensorDataset`` splits, scaled to [0, 1]; no test split."""
+    from sklearn.datasets import load_digits
+    from torch.utils.data import TensorDataset
+
+    pixels, labels = load_digits(return_X_y=True)
+    images = torch.tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) / 16
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    train, val = order[:train_size], order[train_size:]
+    targets = torch.tensor(labels)
+    return {"train": TensorDataset(images[train], targets[train]), "val": TensorDataset(images[val], targets[val])}

@@ -222,6 +222,17 @@ def _model_typed(node: Any, registry: Any) -> Any:
     return _registry_typed("model", node, registry)
 
 
+def _data_typed(node: Any, registry: Any) -> Any:
+    """A registered data set by ``name``, or a user's data by ``_target_``."""
+    from disttrain.data import UserDataConfig
+
+    if isinstance(node, DictConfig) and "_target_" in node:
+        if "name" in node:
+            raise ConfigError("data.name", node.name, "absent when data._target_ is set (one or the other)")
+        return UserDataConfig(OmegaConf.to_container(node, resolve=True))
+    return _registry_typed("data", node, registry)
+
+
 def _registry_typed(group: str, node: Any, registry: Any) -> Any:
     """Type a polymorphic group by the schema its ``name`` selects in ``registry``."""
     if not isinstance(node, DictConfig) or "name" not in node:
@@ -247,7 +258,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
     top = _typed("", cfg, TrainConfig)
     model = _model_typed(cfg.model, MODELS)
-    data = _registry_typed("data", cfg.data, DATA)
+    data = _data_typed(cfg.data, DATA)
     optim = _registry_typed("optim", cfg.optim, OPTIMIZERS)
     scheduler = _typed("scheduler", cfg.scheduler, SchedulerConfig)
     notices = [notice for part in (data, optim, scheduler) for notice in (part.validate() or [])]
@@ -271,6 +282,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     p.check_dims(dims)
     batch = resolve_batch(top.batch, dims.dp)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
+    notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
     check_model_plan(model.name, model_on_meta(model, datamodule.spec), p, dims, batch.micro_size)

@@ -19,6 +19,7 @@ DATA: Registry[DataModule] = Registry("data")
 
 # The data modules register themselves in DATA, so they are imported after it exists.
 from disttrain.data.digits import DigitsConfig, DigitsDataModule  # noqa: E402
+from disttrain.data.folder import ImageFolderConfig, ImageFolderDataModule  # noqa: E402
 from disttrain.data.spec import DataSpec  # noqa: E402
 from disttrain.data.synthetic import (  # noqa: E402
     SyntheticImagesConfig,
@@ -27,6 +28,7 @@ from disttrain.data.synthetic import (  # noqa: E402
     SyntheticTokensDataModule,
 )
 from disttrain.data.text import PyDocsConfig, PyDocsDataModule, TokensConfig, TokensDataModule  # noqa: E402
+from disttrain.data.user import UserDataConfig, build_user_datamodule  # noqa: E402
 from disttrain.data.windows import MemmapTokens, TokenWindows  # noqa: E402
 
 
@@ -36,6 +38,8 @@ def build_datamodule(cfg: Any, micro_batch_size: int, seed: int) -> DataModule:
     ``cfg`` is the typed schema object (as ``disttrain.config.validate`` produces), or a dict/DictConfig
     with a ``name``, which is merged into the registered schema first.
     """
+    if isinstance(cfg, UserDataConfig):
+        return build_user_datamodule(cfg.node, micro_batch_size, seed)
     if isinstance(cfg, (dict, DictConfig)):
         schema = DATA.get(cfg.get("name")).schema
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
@@ -50,6 +54,8 @@ __all__ = [
     "DigitsConfig",
     "DigitsDataModule",
     "EpochDistributedSampler",
+    "ImageFolderConfig",
+    "ImageFolderDataModule",
     "MemmapTokens",
     "PyDocsConfig",
     "PyDocsDataModule",
@@ -60,6 +66,8 @@ __all__ = [
     "TokenWindows",
     "TokensConfig",
     "TokensDataModule",
+    "UserDataConfig",
     "build_datamodule",
+    "build_user_datamodule",
     "counter_random",
 ]

@@ -8,7 +8,6 @@ config leaves out are filled from the data, so one model config fits several dat
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -17,6 +16,7 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
+from disttrain.targets import call, locate
 
 SPEC_ARGUMENTS = ("num_classes", "in_channels", "image_size", "vocab_size", "block_size")
 """Argument names filled from the data's spec when the callable takes them and the config does not set them."""
@@ -48,49 +48,13 @@ class TargetModelConfig:
 def build_target_model(cfg: TargetModelConfig, spec: DataSpec) -> nn.Module:
     """Call ``cfg.target`` with its arguments (and the spec's, where it takes them); ConfigError naming
     ``model._target_`` if it cannot be imported, fails, or returns no ``nn.Module``."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     target = locate(cfg.target, "model._target_")
     kwargs = {**_spec_arguments(target, spec, cfg.kwargs), **cfg.kwargs}
-    try:
-        model = instantiate({"_target_": cfg.target, **kwargs}, _convert_="all")
-    except InstantiationException as err:
-        raise ConfigError("model._target_", cfg.target, f"a callable that builds the model; {_reason(err)}") from None
+    model = call(cfg.target, kwargs, "model._target_", "a callable that builds the model")
     if not isinstance(model, nn.Module):
         raise ConfigError("model._target_", cfg.target, f"a callable that returns an nn.Module, not a "
                           f"{type(model).__name__}")
     return model
-
-
-def locate(path: str, key: str) -> Any:
-    """The object at dotted ``path``; ConfigError naming ``key`` and what is missing.
-
-    Hydra's ``get_object`` would do, but it logs an error of its own before raising, and a user should see
-    one line.
-    """
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and module_name.startswith(err.name):
-                continue  # not a module: try a shorter prefix
-            raise ConfigError(key, path, f"an importable callable; importing {module_name} failed: {_reason(err)}") \
-                from None
-        except Exception as err:  # noqa: BLE001  (the user's module failed while importing; say how)
-            raise ConfigError(key, path, f"an importable callable; importing {module_name} failed: {_reason(err)}") \
-                from None
-        for depth, attribute in enumerate(parts[cut:], start=cut):
-            if not hasattr(obj, attribute):
-                raise ConfigError(key, path, f"an importable callable; {'.'.join(parts[:depth])} has no "
-                                  f"attribute {attribute!r}")
-            obj = getattr(obj, attribute)
-        if not callable(obj):
-            raise ConfigError(key, path, f"a callable, not a {type(obj).__name__}")
-        return obj
-    raise ConfigError(key, path, f"an importable callable; there is no module {parts[0]!r}")
 
 
 def _spec_arguments(target: Any, spec: DataSpec, given: dict[str, Any]) -> dict[str, Any]:
@@ -101,11 +65,3 @@ def _spec_arguments(target: Any, spec: DataSpec, given: dict[str, Any]) -> dict[
     values = {f.name: getattr(spec, f.name) for f in fields(spec)}
     return {name: values[name] for name in SPEC_ARGUMENTS
             if name in parameters and name not in given and values.get(name) is not None}
-
-
-def _reason(err: BaseException) -> str:
-    """The innermost cause's type and first line, which is what a user needs to fix."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {first}" if first else type(err).__name__

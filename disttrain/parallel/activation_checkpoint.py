@@ -6,7 +6,7 @@ Each block gets an instance attribute ``forward`` that runs its class's ``forwar
 No wrapper module is inserted, unlike ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``,
 which moves every parameter under ``_checkpoint_wrapped_module.`` (its state-dict hooks hide that from
 ``state_dict()``, but ``named_parameters()``, param-group names and optimiser state keys still change).
-Here the blocks stay the same objects of the same class, ``model.blocks[i]`` stays indexable and every
+Here the blocks stay the same objects of the same class, a ``ModuleList`` of them stays indexable and every
 FQN and state-dict key is unchanged.
 
 Order: apply this before FSDP or DDP. Hooks that FSDP2 registers on a block run around the checkpointed
