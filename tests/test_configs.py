@@ -32,9 +32,9 @@ def token_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
-def test_config_composes_validates_and_builds(make_config, tmp_path, group, option):
-    overrides = [f"{group}={option}"]
+def needs(group: str, option: str, tmp_path: Path) -> list[str]:
+    """What an option needs beside it to compose and build: files, the other kind of model or data, ranks."""
+    overrides = []
     if group == "data" and option == "tokens":
         overrides.append(f"data.path={token_dir(tmp_path)}")
     if group == "data" and option == "custom":
@@ -51,7 +51,12 @@ def test_config_composes_validates_and_builds(make_config, tmp_path, group, opti
         overrides.append("data=pydocs")
     if group == "model" and option == "custom":
         overrides.append("model._target_=tests.user_models.Decoder")
-    run = validate(make_config(overrides), world_size=None)
+    return overrides
+
+
+@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_config_composes_validates_and_builds(make_config, tmp_path, group, option):
+    run = validate(make_config([f"{group}={option}", *needs(group, option, tmp_path)]), world_size=None)
     datamodule = build_datamodule(run.data, micro_batch_size=run.batch.micro_size, seed=run.train.seed)
     model = build_model(run.model, datamodule.spec)
     assert sum(p.numel() for p in model.parameters()) > 0

@@ -10,7 +10,7 @@ import pytest
 
 from disttrain.run import train
 from tests.conftest import compose_config
-from tests.test_configs import CASES, TEXT_DATA, token_dir
+from tests.test_configs import CASES, needs
 
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
          "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
@@ -21,13 +21,11 @@ OPTIONS = [(group, option) for group, option in CASES if group not in ("parallel
 def test_option_trains(tmp_path, monkeypatch, group, option):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    overrides = [f"{group}={option}", *SHORT]
-    if group == "data" and option == "tokens":
-        overrides.append(f"data.path={token_dir(tmp_path)}")
+    overrides = [f"{group}={option}", *SHORT, *needs(group, option, tmp_path)]
     if group == "data" and option == "synthetic_tokens":  # GPT-2's vocabulary and context: shrunk for speed
         overrides += ["data.vocab_size=256", "data.block_size=32"]
-    if (group == "data" and option in TEXT_DATA) or (group == "model" and option == "gpt"):
-        overrides += ["model=gpt", "model.flavour=micro"] + ([] if group == "data" else ["data=pydocs"])
+    if "model=gpt" in overrides or (group == "model" and option in ("gpt", "llama")):
+        overrides.append("model.flavour=micro")
     run_dir = tmp_path / "run"
     train(compose_config(overrides, run_dir))
     results = json.loads((run_dir / "results.json").read_text())
