@@ -93,3 +93,9 @@ def test_a_preset_the_model_does_not_qualify_for_is_one_line(tmp_path, overrides
     with pytest.raises(ConfigError) as caught:
         validate(compose_config(overrides, tmp_path / "run"))
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_checked_on_the_cpu(tmp_path):
+    run = validate(compose_config(["model=custom", "model._target_=tests.user_models.ReadsItsWeights",
+                                   "parallel=ddp", "trainer.devices=2"], tmp_path / "run"))
+    assert run.model.target == "tests.user_models.ReadsItsWeights"

@@ -326,13 +326,20 @@ def checkpoint_folder(resume: str) -> str:
 
 
 def model_on_meta(model: Any, spec: Any) -> Any:
-    """The model built on the meta device (no memory, no init cost), to check its parallel plan."""
+    """The model built on the meta device (no memory, no init cost), to check its parallel plan; a user's
+    model that cannot be built there is built on the CPU (and its error, if any, comes from there)."""
     import torch
 
     from disttrain.models import build_model
 
-    with torch.device("meta"):
-        return build_model(model, spec)
+    try:
+        with torch.device("meta"):
+            return build_model(model, spec)
+    except ConfigError:
+        if not isinstance(model, TargetModelConfig):
+            raise
+    # a user's constructor may need real tensors (it reads values while building): build it on the CPU
+    return build_model(model, spec)
 
 
 def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
