@@ -339,7 +339,7 @@ def test_workers_load_the_same_batches(tmp_path):
 
 
 def test_registry_names_schemas_and_unknown_name():
-    assert DATA.names() == ["digits", "pydocs", "synthetic_images", "synthetic_tokens", "tokens"]
+    assert DATA.names() == ["digits", "image_folder", "pydocs", "synthetic_images", "synthetic_tokens", "tokens"]
     for name in DATA.names():
         schema = DATA.get(name).schema
         assert schema().name == name if name != "tokens" else schema.name == "tokens"
