@@ -25,6 +25,9 @@ from tests.dist_utils import run_on_ranks
 
 DIMS = GPTDims(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 STEPS, BATCH, MICROBATCHES, LR = 5, 8, 4, 3e-3
+# measured (fp32, gloo, every schedule): losses within 1.2e-7 relative, first-step gradients within 1.9e-8
+# absolute; the gradients are compared because AdamW hides a gradient scale from the losses
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-7
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
 
 
@@ -94,13 +97,13 @@ def test_every_schedule_matches_one_process() -> None:
     for name in SCHEDULES:
         losses = [results[r][name][0] for r in range(2)]
         assert losses[0] == losses[1], name
-        torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=1e-4, atol=0,
+        torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")
         grads = {k: torch.from_numpy(v) for r in range(2) for k, v in results[r][name][1].items()}
         assert set(grads) == set(ref_grads), name
         assert len(results[0][name][1]) + len(results[1][name][1]) == len(ref_grads), name  # disjoint stages
         for key, ref in ref_grads.items():
-            torch.testing.assert_close(grads[key], ref, rtol=1e-5, atol=4e-5,
+            torch.testing.assert_close(grads[key], ref, rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                        msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
 
 
