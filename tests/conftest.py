@@ -29,6 +29,14 @@ def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[
                           text=True, timeout=timeout)
 
 
+def attach(datamodule, num_replicas: int, rank: int):
+    """Pretend a trainer with ``num_replicas`` data-parallel ranks is attached, as this ``rank``."""
+    from types import SimpleNamespace
+
+    datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": num_replicas, "rank": rank})
+    return datamodule
+
+
 def compose_config(overrides: list[str], run_dir: Path | str) -> DictConfig:
     """Compose ``conf/train.yaml`` with ``overrides`` and a fixed run directory."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

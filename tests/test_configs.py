@@ -40,7 +40,7 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
     if group == "data" and option == "custom":
         overrides.append("data._target_=tests.user_models.digit_splits")
     if group == "data" and option == "image_folder":
-        from tests.test_user_data import write_classes
+        from tests.test_image_folder import write_classes
 
         overrides += [f"data.path={write_classes(tmp_path / 'images')}", "batch.global_size=8"]
     if group == "parallel" and option != "single":
