@@ -82,11 +82,11 @@ def test_unknown_key_in_a_config_file_is_named(tmp_path):
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"name": "adamw", "lrr": 0.1})
-    from disttrain.config.validation import _registry_typed
+    from disttrain.config.typed import registry_typed
     from disttrain.optim import OPTIMIZERS
 
     with pytest.raises(ConfigError, match=r"optim.lrr=.*optim keys are \[.*'lr'"):
-        _registry_typed("optim", cfg, OPTIMIZERS)
+        registry_typed("optim", cfg, OPTIMIZERS)
 
 
 def test_bad_input_fails_before_any_worker_starts(make_config, tmp_path):

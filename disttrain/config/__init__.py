@@ -1,5 +1,7 @@
 """A run's configuration: the typed schema (``schema``) and the one validation pass (``validation``)."""
 
+from disttrain.config.batch import ResolvedBatch, resolve_batch
+from disttrain.config.plan import ExecutionPlan
 from disttrain.config.schema import (
     PRECISIONS,
     BatchConfig,
@@ -9,15 +11,8 @@ from disttrain.config.schema import (
     TrainerConfig,
     register,
 )
-from disttrain.config.validation import (
-    ExecutionPlan,
-    ResolvedBatch,
-    RunConfig,
-    checkpoint_folder,
-    parallel_options,
-    resolve_batch,
-    validate,
-)
+from disttrain.config.typed import parallel_options
+from disttrain.config.validation import RunConfig, checkpoint_folder, validate
 
 __all__ = [
     "PRECISIONS",

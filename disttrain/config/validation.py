@@ -1,7 +1,8 @@
 """The one validation pass: a composed config in, typed objects, resolved numbers and the execution plan out.
 
 Everything is checked here, before any worker rank starts; every mistake is one ``ConfigError`` naming the
-key, the value and what is allowed.
+key, the value and what is allowed. The pieces live beside it: ``typed`` (nodes into schemas), ``batch``
+(the batch numbers) and ``plan`` (the execution plan and the model's parallel plan).
 """
 
 from __future__ import annotations
@@ -12,98 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from disttrain import checks
-from disttrain.config.schema import PRECISIONS, BatchConfig, TrainConfig, TrainerConfig
+from disttrain.config.batch import ResolvedBatch, resolve_batch
+from disttrain.config.plan import ExecutionPlan, check_model_plan, execution_plan, model_on_meta
+from disttrain.config.schema import PRECISIONS, TrainConfig, TrainerConfig
+from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-
-
-@dataclass(frozen=True)
-class ResolvedBatch:
-    """The three batch numbers after resolution; ``global_size == micro_size * accumulation * dp``."""
-
-    global_size: int
-    micro_size: int
-    accumulation: int
-
-
-def resolve_batch(batch: BatchConfig, dp: int) -> ResolvedBatch:
-    """Derive the missing batch number from the two given ones and check all three agree."""
-    for key in ("global_size", "micro_size", "accumulation"):
-        value = getattr(batch, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"batch.{key}", value, "a positive integer, or null to derive it")
-    g, m, a = batch.global_size, batch.micro_size, batch.accumulation
-    if g is None:
-        if m is None:
-            raise ConfigError("batch.global_size", None, "set at least one of batch.global_size, batch.micro_size")
-        a = a or 1
-        return ResolvedBatch(m * a * dp, m, a)
-    if m is None:
-        a = a or 1
-        if g % (dp * a):
-            raise ConfigError(
-                "batch.global_size", g,
-                f"a multiple of data-parallel size x accumulation = {dp} x {a} = {dp * a}",
-            )
-        return ResolvedBatch(g, g // (dp * a), a)
-    if a is None:
-        if g % (dp * m):
-            raise ConfigError(
-                "batch.global_size", g,
-                f"a multiple of data-parallel size x batch.micro_size = {dp} x {m} = {dp * m}",
-            )
-        return ResolvedBatch(g, m, g // (dp * m))
-    if g != m * a * dp:
-        raise ConfigError(
-            "batch.global_size", g,
-            f"must equal micro_size x accumulation x data-parallel size = {m} x {a} x {dp} = {m * a * dp}"
-            " (set only two of the three)",
-        )
-    return ResolvedBatch(g, m, a)
-
-
-
-
-
-@dataclass(frozen=True)
-class ExecutionPlan:
-    """How a run executes, decided once during validation (the runner and the strategy only read it)."""
-
-    pipelined: bool
-    """Pipeline stages run a schedule per step: the task optimises manually (accumulates and clips itself)."""
-    trainer_accumulation: int
-    """Lightning's ``accumulate_grad_batches`` (1 when the task accumulates itself)."""
-    trainer_clip: float | None
-    """Lightning's ``gradient_clip_val`` (None when the task clips itself)."""
-    inference_mode: bool
-    """Evaluate under ``torch.inference_mode`` (not for pipeline stages, whose activations autograd tracks)."""
-    full_eval_batches: bool
-    """Pad evaluation to whole batches on every rank (pipeline stages need one batch shape throughout)."""
-    microbatch_shape: tuple[int, ...] = ()
-    """Shape of one pipeline microbatch's input (pipelined runs)."""
-    microbatch_dtype: str = "float32"
-    """Its dtype: int64 for token ids, float32 for images."""
-    loss_divisor: int = 1
-    """Microbatches x accumulation: a pipelined microbatch loss is divided by it."""
-    loss_ranks: int = 1
-    """Ranks that hold the last stage's losses (data-parallel x tensor-parallel)."""
-
-
-def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerConfig, parallel: ParallelConfig,
-                   spec: Any) -> ExecutionPlan:
-    """The plan for a run of these degrees, batch and data."""
-    if not dims.pp_enabled:
-        return ExecutionPlan(False, batch.accumulation, trainer.gradient_clip_val, True, False)
-    size = batch.micro_size // parallel.pipeline.microbatches
-    text = spec.kind == "text"
-    shape = (size, spec.block_size) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
-    return ExecutionPlan(True, 1, None, False, True, shape, "int64" if text else "float32",
-                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.tp)
 
 
 @dataclass(frozen=True)
@@ -157,95 +77,6 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
                     "on (trainer.devices=N for another number)")
 
 
-def _typed(group: str, node: Any, schema: type) -> Any:
-    """Merge a config node into its dataclass schema; rephrase OmegaConf's errors as one line."""
-    _reject_unknown_keys(group, node, schema)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        key = ".".join(part for part in (group, getattr(err, "full_key", None)) if part) or "config"
-        if isinstance(err, MissingMandatoryValue) or "Missing mandatory value" in str(err):
-            missing = key if key.count(".") or not group else f"{group}.{_missing_field(err)}"
-            raise ConfigError(missing, "???", f"a value is required (set {missing}=...)") from None
-        value = getattr(err, "value", None) or _lookup(node, err.full_key)
-        raise ConfigError(key, value, f"expected {_field_type(schema, err.full_key)}") from None
-    return obj
-
-
-def _missing_field(err: OmegaConfBaseException) -> str:
-    """The field a structured config's "has missing mandatory value: <field>" message names."""
-    return str(err).split("missing mandatory value:")[-1].split()[0] if "missing mandatory value:" in str(err) \
-        else "?"
-
-
-def _reject_unknown_keys(prefix: str, node: Any, schema: type) -> None:
-    """Keys forced in with ``+key=...`` or left in a typed node survive a merge silently; name them here."""
-    fields = getattr(schema, "__dataclass_fields__", None)
-    if fields is None or not isinstance(node, (DictConfig, dict)):
-        return
-    for key in node:
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            raise ConfigError(path, node[key], f"not a known key; {prefix or 'top-level'} keys are {list(fields)}")
-        factory = fields[key].default_factory
-        if hasattr(factory, "__dataclass_fields__"):
-            _reject_unknown_keys(path, node[key], factory)
-
-
-def _field_type(schema: type, dotted: str | None) -> str:
-    """Readable type of a (possibly nested) dataclass field."""
-    fields = getattr(schema, "__dataclass_fields__", {})
-    head, _, rest = (dotted or "").partition(".")
-    if head not in fields:
-        return "a value of the schema's type"
-    ftype = fields[head].type
-    if rest and hasattr(fields[head].default_factory, "__dataclass_fields__"):
-        return _field_type(fields[head].default_factory, rest)
-    return f"type {ftype}"
-
-
-def _lookup(node: Any, dotted: str | None) -> Any:
-    """Value at a dotted path of a config node, or None."""
-    try:
-        return OmegaConf.select(node, dotted) if dotted else None
-    except OmegaConfBaseException:
-        return None
-
-
-def _model_typed(node: Any, registry: Any) -> Any:
-    """A registered model by ``name``, or a user's model by ``_target_``."""
-    if isinstance(node, DictConfig) and "_target_" in node:
-        if "name" in node:
-            raise ConfigError("model.name", node.name, "absent when model._target_ is set (one or the other)")
-        return TargetModelConfig.from_node(OmegaConf.to_container(node, resolve=True))
-    return _registry_typed("model", node, registry)
-
-
-def _data_typed(node: Any, registry: Any) -> Any:
-    """A registered data set by ``name``, or a user's data by ``_target_``."""
-    from disttrain.data import UserDataConfig
-
-    if isinstance(node, DictConfig) and "_target_" in node:
-        if "name" in node:
-            raise ConfigError("data.name", node.name, "absent when data._target_ is set (one or the other)")
-        return UserDataConfig(OmegaConf.to_container(node, resolve=True))
-    return _registry_typed("data", node, registry)
-
-
-def _registry_typed(group: str, node: Any, registry: Any) -> Any:
-    """Type a polymorphic group by the schema its ``name`` selects in ``registry``."""
-    if not isinstance(node, DictConfig) or "name" not in node:
-        raise ConfigError(f"{group}.name", None, f"a {group} config needs a name, one of {registry.names()}")
-    return _typed(group, node, registry.get(node.name).schema)
-
-
-def parallel_options(cfg: DictConfig) -> ParallelConfig:
-    """The typed ``parallel`` node alone (its backend and timeout join a launcher's process group before the
-    run directory is agreed and the whole config validated)."""
-    return _typed("parallel", cfg.parallel, ParallelConfig)
-
-
 def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input."""
     from disttrain.data import DATA, build_datamodule
@@ -256,11 +87,11 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
-    top = _typed("", cfg, TrainConfig)
-    model = _model_typed(cfg.model, MODELS)
-    data = _data_typed(cfg.data, DATA)
-    optim = _registry_typed("optim", cfg.optim, OPTIMIZERS)
-    scheduler = _typed("scheduler", cfg.scheduler, SchedulerConfig)
+    top = typed("", cfg, TrainConfig)
+    model = model_typed(cfg.model, MODELS)
+    data = data_typed(cfg.data, DATA)
+    optim = registry_typed("optim", cfg.optim, OPTIMIZERS)
+    scheduler = typed("scheduler", cfg.scheduler, SchedulerConfig)
     notices = [notice for part in (data, optim, scheduler) for notice in (part.validate() or [])]
     top.parallel.validate()
     if top.parallel.cpu_offload and not _uses_gpu(top.trainer.accelerator):
@@ -323,56 +154,6 @@ def checkpoint_folder(resume: str) -> str:
     if os.path.isdir(last):
         return last
     raise ConfigError("resume", resume, f"{allowed}; this is neither")
-
-
-def model_on_meta(model: Any, spec: Any) -> Any:
-    """The model built on the meta device (no memory, no init cost), to check its parallel plan; a user's
-    model that cannot be built there is built on the CPU (and its error, if any, comes from there)."""
-    import torch
-
-    from disttrain.models import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(model, spec)
-    except ConfigError:
-        if not isinstance(model, TargetModelConfig):
-            raise
-    # a user's constructor may need real tensors (it reads values while building): build it on the CPU
-    return build_model(model, spec)
-
-
-def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
-    """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
-    schedule can cut, and shard units that exist (from its methods or from ``parallel``)."""
-    from disttrain.parallel.pipeline.split import check_pipeline, check_units
-    from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
-    from disttrain.parallel.tp import check_tp_plan
-
-    for key in ("pipeline_units", "shard_units"):
-        for unit in getattr(p, key) or []:
-            _check_submodule(net, f"parallel.{key}", unit)
-    if dims.tp_enabled:
-        plan = tp_plan_of(net, p.tp_plan)
-        if not plan:
-            raise ConfigError("parallel.tp", dims.tp, f"1 for model {name}: it declares no tp_plan() and "
-                              "parallel.tp_plan is not set (module-name pattern -> colwise | rowwise)")
-        check_tp_plan(net, plan, dims.tp, p.sequence_parallel, "parallel.tp_plan" if p.tp_plan else "tp_plan()")
-    if dims.pp_enabled:
-        units = pipeline_units_of(net, p.pipeline_units)
-        if not units:
-            raise ConfigError("parallel.pp", dims.pp, f"1 for model {name}: it declares no pipeline_units() and "
-                              "parallel.pipeline_units is not set (ordered submodules whose application is forward)")
-        check_units(net, units, dims.pp, name)
-        o = p.pipeline
-        check_pipeline(o.schedule, dims.pp, o.stages_per_rank, o.microbatches, micro_size, len(units))
-
-
-def _check_submodule(net: Any, key: str, name: str) -> None:
-    try:
-        net.get_submodule(name)
-    except AttributeError:
-        raise ConfigError(key, name, f"names of submodules of {type(net).__name__}") from None
 
 
 def _uses_gpu(accelerator: str) -> bool:
