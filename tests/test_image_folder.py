@@ -90,16 +90,15 @@ def test_image_folder_given_splits_are_used_as_given(tmp_path):
     root = tmp_path / "given"
     write_classes(root / "train", per_class=3, classes=("b", "a"))
     write_classes(root / "val", per_class=2, classes=("a", "b"))
-    cfg = ImageFolderConfig(path=str(root))
-    assert any("test/" in notice for notice in cfg.validate())
     datamodule = folder(root, image_size=6)
+    assert "has no test/ folder: testing uses the validation split" in datamodule.notice
     files = datamodule.layout.files
     assert {split: len(f) for split, f in files.items()} == {"train": 6, "val": 4, "test": 4}
     assert all(Path(path).parts[-3] == "val" for path, _ in files["val"])
     assert datamodule.datasets["test"] is datamodule.datasets["val"]
     write_classes(root / "test", per_class=1, classes=("a",))
-    assert ImageFolderConfig(path=str(root)).validate() == []
-    assert len(folder(root).layout.files["test"]) == 1
+    with_test = folder(root)
+    assert with_test.notice is None and len(with_test.layout.files["test"]) == 1
 
 
 @pytest.mark.parametrize(("case", "key", "fragment"), [
@@ -141,7 +140,7 @@ def test_image_folder_refusals(tmp_path, case, key, fragment):
             name, value = case.split("=")
             fields = {name: float(value) if "fraction" in name else int(value)}
     with pytest.raises(ConfigError) as caught:
-        ImageFolderConfig(path=str(root), **fields).validate()
+        folder(root, **fields)
     message = str(caught.value)
     assert message.startswith(f"{key}="), message
     assert fragment in message, message

@@ -59,9 +59,8 @@ class ImageFolderConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank (they decode the images)."""
 
-    def validate(self) -> list[str]:
-        """Sizes and fractions in range, and a folder of at least 2 classes of images that leaves images in
-        every split; returns a notice when the given splits have no test/ (testing uses val/)."""
+    def validate(self) -> None:
+        """Sizes and fractions in range (the folder itself is checked when the data module lists it, once)."""
         if not self.image_size >= 1:
             raise ConfigError("data.image_size", self.image_size, "a side length of at least 1 pixel")
         if self.channels not in (1, 3):
@@ -72,8 +71,6 @@ class ImageFolderConfig:
             raise ConfigError("data.test_fraction", self.test_fraction,
                               f"val_fraction + test_fraction below 1 (val_fraction is {self.val_fraction})")
         checks.non_negative("data.num_workers", self.num_workers)
-        layout = scan_folder(self)
-        return [layout.notice] if layout.notice else []
 
 
 @dataclass(frozen=True)
@@ -254,7 +251,9 @@ class ImageFolderDataModule(DataModule):
     def __init__(self, cfg: ImageFolderConfig, micro_batch_size: int, seed: int) -> None:
         super().__init__(micro_batch_size, seed, cfg.num_workers)
         self.cfg = cfg
-        self.layout = scan_folder(cfg)
+        self.layout = scan_folder(cfg)  # a ConfigError for an unusable folder, before any rank starts
+        self.notice = self.layout.notice
+        """A line for the runner to print about a default taken (no test/ folder), else None."""
         self.classes: tuple[str, ...] = self.layout.classes
         """Class names (the folder names), in label order."""
         self._spec = DataSpec(kind="image", num_classes=len(self.classes), in_channels=cfg.channels,
