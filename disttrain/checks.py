@@ -39,6 +39,16 @@ def fraction(key: str, value: float) -> None:
         raise ConfigError(key, value, "a fraction strictly between 0 and 1")
 
 
+def held_out_fractions(val_fraction: float, test_fraction: float, below: float) -> None:
+    """``data.val_fraction`` and ``data.test_fraction`` each in (0, 1), together below ``below`` (so that
+    training data remains)."""
+    fraction("data.val_fraction", val_fraction)
+    fraction("data.test_fraction", test_fraction)
+    if val_fraction + test_fraction >= below:
+        raise ConfigError("data.test_fraction", test_fraction,
+                          f"val_fraction + test_fraction below {below:g} (val_fraction is {val_fraction})")
+
+
 def betas(key: str, value: list[float]) -> None:
     """Two Adam-style averaging coefficients, each in [0, 1)."""
     if len(value) != 2 or not all(0 <= b < 1 for b in value):

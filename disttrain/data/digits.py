@@ -13,7 +13,6 @@ from disttrain import checks
 from disttrain.data import DATA
 from disttrain.data.base import DataModule, counter_random
 from disttrain.data.spec import DataSpec
-from disttrain.errors import ConfigError
 
 IMAGE_SIZE = 8
 
@@ -40,11 +39,7 @@ class DigitsConfig:
 
     def validate(self) -> None:
         """Fractions in (0, 1) that leave training images."""
-        checks.fraction("data.val_fraction", self.val_fraction)
-        checks.fraction("data.test_fraction", self.test_fraction)
-        if self.val_fraction + self.test_fraction >= 0.9:
-            raise ConfigError("data.test_fraction", self.test_fraction,
-                              f"val_fraction + test_fraction below 0.9 (val_fraction is {self.val_fraction})")
+        checks.held_out_fractions(self.val_fraction, self.test_fraction, below=0.9)
         checks.non_negative("data.num_workers", self.num_workers)
 
 

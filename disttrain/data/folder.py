@@ -65,11 +65,7 @@ class ImageFolderConfig:
             raise ConfigError("data.image_size", self.image_size, "a side length of at least 1 pixel")
         if self.channels not in (1, 3):
             raise ConfigError("data.channels", self.channels, "1 (grayscale) or 3 (RGB)")
-        checks.fraction("data.val_fraction", self.val_fraction)
-        checks.fraction("data.test_fraction", self.test_fraction)
-        if self.val_fraction + self.test_fraction >= 1:
-            raise ConfigError("data.test_fraction", self.test_fraction,
-                              f"val_fraction + test_fraction below 1 (val_fraction is {self.val_fraction})")
+        checks.held_out_fractions(self.val_fraction, self.test_fraction, below=1.0)
         checks.non_negative("data.num_workers", self.num_workers)
 
 
