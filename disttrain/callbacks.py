@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,10 +20,22 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
     whose validation metric stops improving keeps an old ``last.ckpt`` and ``resume=auto`` repeats work.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keep_last: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.keep_last = keep_last
+        """Save points kept: ``last.ckpt`` and up to ``keep_last - 1`` earlier ones (``last-step<N>.ckpt``)."""
         self.last_step_written = -1
         """The global step of the newest ``last.ckpt`` this run wrote (-1: none yet)."""
+
+    def save_newest(self, trainer: pl.Trainer) -> None:
+        """Write ``last.ckpt`` now (a preemption's save point), also when ``save_last`` is off."""
+        if self.last_step_written == trainer.global_step:
+            return
+        saved, self.save_last = self.save_last, True
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        finally:
+            self.save_last = saved
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Top-k as Lightning does, then ``last.ckpt`` if this validation was a save point."""
@@ -55,6 +68,10 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         super()._save_topk_checkpoint(trainer, monitor_candidates)
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        if self.save_last and trainer.is_global_zero and self.dirpath is not None:
+            from disttrain.fault.checkpoints import retire_and_prune
+
+            retire_and_prune(Path(self.dirpath), self.keep_last)
         super()._save_last_checkpoint(trainer, monitor_candidates)
         if self.save_last:
             self.last_step_written = trainer.global_step

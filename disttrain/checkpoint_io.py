@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA_FILE = "meta.pt"
+INDEX_FILE = ".metadata"
 _INDEX_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -92,6 +93,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def load_metadata(checkpoint: Path) -> dict[str, Any]:
     """Lightning's ``meta.pt`` of a checkpoint folder (plain data and tensors only)."""
     return torch.load(Path(checkpoint) / METADATA_FILE, weights_only=True)
+
+
+def load_index(checkpoint: Path) -> Any:
+    """torch.distributed.checkpoint's index (``.metadata``) of a folder, unpickled through the allow-list."""
+    return _IndexUnpickler(io.BytesIO((Path(checkpoint) / INDEX_FILE).read_bytes())).load()
 
 
 def load_sharded(state: dict[str, Any], checkpoint: Path) -> None:

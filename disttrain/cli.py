@@ -19,6 +19,8 @@ def train_from_cli(cfg: DictConfig) -> float | None:
     """``disttrain.run.train(cfg)``; on a ConfigError print ``Error: <message>``, remove the job directory
     Hydra made for it (when it holds nothing else), and exit with status 2. ``HYDRA_FULL_ERROR=1`` raises
     instead, for the whole traceback."""
+    from disttrain.fault.steps import NonFiniteStep, Preempted
+    from disttrain.fault.supervisor import RanksStopped
     from disttrain.run import train
 
     try:
@@ -29,6 +31,15 @@ def train_from_cli(cfg: DictConfig) -> float | None:
         discard_job_dir()
         print(f"Error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (RanksStopped, NonFiniteStep) as err:  # the ranks' own output above says the rest
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"Error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
+    except Preempted as stop:
+        print(f"Preempted at step {stop.step}: a checkpoint was saved; run the same command with resume=auto "
+              "to continue", file=sys.stderr, flush=True)
+        sys.exit(stop.code)
 
 
 def discard_job_dir() -> None:

@@ -1,4 +1,4 @@
-"""Starting ranks: the job process owns the run and starts plain-Python workers that never re-run Hydra.
+"""Starting ranks: the job process owns the run and supervises plain-Python workers that never re-run Hydra.
 
 Lightning's own subprocess launcher re-executes the command line in every rank, which re-expands a Hydra
 sweep inside each worker; this launcher hands workers the resolved config file instead. Under torchrun or
@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,12 +22,7 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
-T = TypeVar("T")
 RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
-
-
-class WorkerError(RuntimeError):
-    """A worker rank failed; the message carries the end of its log."""
 
 
 def external_environment() -> ClusterEnvironment | None:
@@ -103,74 +94,20 @@ def rank_environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def spawn_and_run(world_size: int, config_path: Path, log_dir: Path, rank0: Callable[[], T]) -> T:
-    """Start ranks 1..N-1 as workers reading ``config_path``, run rank 0 here, and reap the workers.
+def single_rank_environment() -> dict[str, str]:
+    """Rank variables of a one-process run (the process group still needs an address)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "NODE_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
 
-    A failing worker surfaces here as a WorkerError with the end of its log; a failing rank 0 stops the
-    workers instead of leaving them waiting in a collective.
+
+def spawn_and_run(world_size: int, config_path: Path, log_dir: Path, max_restarts: int = 0) -> int:
+    """Start every rank as a worker reading ``config_path`` and supervise them until all finish.
+
+    The job process hosts the rendezvous store (so a stopped rank never takes it down), shows rank 0's
+    output as its own and writes the others' to ``log_dir/rank<N>.log``. When a rank fails, the others
+    are stopped and, while restarts remain, all ranks start again and resume from the newest complete
+    checkpoint. Returns the number of restarts; raises ``RanksStopped`` when the job cannot finish.
     """
-    port = str(free_port())
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0",
-            "LOCAL_WORLD_SIZE": str(world_size)}
-    log_dir.mkdir(parents=True, exist_ok=True)
-    workers: list[tuple[int, subprocess.Popen, Path]] = []
-    for rank in range(1, world_size):
-        log_path = log_dir / f"rank{rank}.log"
-        env = {**os.environ, **base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "disttrain.worker", str(config_path)],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            )
-        workers.append((rank, proc, log_path))
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(workers, stop), daemon=True)
-    watcher.start()
-    try:
-        with rank_environment({**base, "RANK": "0", "LOCAL_RANK": "0"}):
-            result = rank0()
-    except BaseException as err:
-        stop.set()
-        _stop(workers)
-        failure = _first_failure(workers)
-        if failure is not None:
-            raise failure from err
-        raise
-    stop.set()
-    for rank, proc, log_path in workers:
-        if proc.wait() != 0:
-            raise _worker_error(rank, proc.returncode, log_path)
-    return result
+    from disttrain.fault.supervisor import Supervisor
 
-
-def _watch(workers: list[tuple[int, subprocess.Popen, Path]], stop: threading.Event) -> None:
-    """Poll the workers; when one dies with an error, interrupt rank 0 rather than letting it hang."""
-    import _thread
-
-    while not stop.wait(0.5):
-        if any(proc.poll() not in (None, 0) for _, proc, _ in workers):
-            _thread.interrupt_main()
-            return
-
-
-def _stop(workers: list[tuple[int, subprocess.Popen, Path]]) -> None:
-    for _, proc, _ in workers:
-        if proc.poll() is None:
-            proc.terminate()
-    for _, proc, _ in workers:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _first_failure(workers: list[tuple[int, subprocess.Popen, Path]]) -> WorkerError | None:
-    for rank, proc, log_path in workers:
-        if proc.returncode not in (None, 0, -15):
-            return _worker_error(rank, proc.returncode, log_path)
-    return None
-
-
-def _worker_error(rank: int, code: int, log_path: Path) -> WorkerError:
-    tail = log_path.read_text(errors="replace").strip().splitlines()[-15:] if log_path.exists() else []
-    return WorkerError(f"rank {rank} exited with code {code}; end of {log_path}:\n" + "\n".join(tail))
+    return Supervisor(world_size, config_path, log_dir, max_restarts).run()

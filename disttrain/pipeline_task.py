@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from disttrain.fault.steps import SkippedStep
 from disttrain.parallel.clip import clip_grad_norm
 from disttrain.parallel.pipeline.runtime import PipelineSlot
 from disttrain.task import TrainTask
@@ -30,8 +30,7 @@ class PipelineTask(TrainTask):
 
     def _global_mean(self, local_sum: torch.Tensor | None) -> torch.Tensor:
         value = local_sum.detach().clone() if local_sum is not None else torch.zeros((), device=self.device)
-        dist.all_reduce(value)
-        return value / self.loss_ranks
+        return self.agreement.reduce_loss(value, self.loss_ranks)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""
@@ -43,14 +42,24 @@ class PipelineTask(TrainTask):
         if (batch_idx + 1) % self.accumulation:
             return
         optimizer = self.optimizers()
-        if self.clip:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = clip_grad_norm(params, self.clip, across=self.pipeline.pipeline.pp_group)
-            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-        # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
-        self._log_step_row(torch.stack(self._step_loss).mean(), optimizer.optimizer)
+        step_loss = torch.stack(self._step_loss).mean()
         self._step_loss.clear()
-        optimizer.step()
+        try:
+            if self.clip:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                norm = clip_grad_norm(params, self.clip, across=self.pipeline.pipeline.pp_group)
+                self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+            # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
+            self._log_step_row(step_loss, optimizer.optimizer)
+            self.agreement.check_finite("the training loss", step_loss, self.global_step + 1)
+            if self.clip:
+                self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
+            optimizer.step()
+        except SkippedStep:
+            # without gradients the optimiser leaves every parameter and its state alone, and Lightning still
+            # counts the step, as it does under automatic optimisation
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
 

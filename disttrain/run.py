@@ -17,11 +17,16 @@ from omegaconf import DictConfig, OmegaConf
 from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
 from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
 from disttrain.console import quiet_noise, run_summary
+from disttrain.fault.rng import RandomStates
+from disttrain.fault.steps import StepAgreement, StepDecisions
+from disttrain.fault.watchdog import RankWatchdog
 from disttrain.launch import (
     external_environment,
     init_process_group,
+    rank_environment,
     rank_layout,
     shutdown_process_group,
+    single_rank_environment,
     spawn_and_run,
 )
 
@@ -50,7 +55,12 @@ def train(cfg: DictConfig) -> float | None:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / CONFIG_FILE
     config_path.write_text(run.yaml)
-    return spawn_and_run(run.dims.world_size, config_path, run_dir / "logs", lambda: run_rank(run))
+    restarts = run.train.fault_tolerance.max_restarts
+    if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
+        with rank_environment(single_rank_environment()):
+            return run_rank(run)
+    spawn_and_run(run.dims.world_size, config_path, run_dir / "logs", restarts)
+    return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
 
 
 def run_worker(config_path: Path) -> None:
@@ -68,6 +78,9 @@ def run_rank(run: RunConfig) -> float | None:
 
     cfg = run.train
     quiet_noise()
+    ft = cfg.fault_tolerance
+    agreement = StepAgreement(ft.nan_policy)
+    watchdog = RankWatchdog(ft.hang_timeout_s)
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         plan, datamodule = run.plan, run.datamodule
@@ -78,14 +91,17 @@ def run_rank(run: RunConfig) -> float | None:
         task_args = (net, spec, run.optim, run.scheduler)
         slot = pipeline_slot(plan)
         if slot is not None:
-            task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule), pipeline=slot,
-                                accumulation=run.batch.accumulation, clip=cfg.trainer.gradient_clip_val,
-                                loss_ranks=plan.loss_ranks)
+            task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement,
+                                pipeline=slot, accumulation=run.batch.accumulation,
+                                clip=cfg.trainer.gradient_clip_val, loss_ranks=plan.loss_ranks)
         else:
-            task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule))
+            task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
-        trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size)
-        trainer.fit(task, datamodule=datamodule, ckpt_path=resume_path(cfg.resume, Path(cfg.run_dir)))
+        trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size,
+                                [watchdog, RandomStates(), StepDecisions(agreement)])
+        restart = restart_count()
+        resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
+        trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
         fit_seconds = meter.wall_time_s
         metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
         checkpoint = trainer.checkpoint_callback
@@ -97,12 +113,15 @@ def run_rank(run: RunConfig) -> float | None:
             if trainer.is_global_zero and hasattr(logger.experiment, "finish"):
                 logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
+        results["fault_tolerance"] = {"restarts": restart, "restart_causes": _restart_causes(Path(cfg.run_dir)),
+                                      "skipped_steps": agreement.skipped_steps}
         if trainer.is_global_zero:
             results_path = Path(cfg.run_dir) / RESULTS_FILE
             results_path.write_text(json.dumps(results, indent=2) + "\n")
             print(run_summary(results, results_path), flush=True)
         return results["objective"]
     finally:
+        watchdog.stop()
         shutdown_process_group()
 
 
@@ -118,8 +137,8 @@ def pipeline_slot(plan: ExecutionPlan) -> Any:
     return PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
 
 
-def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMeter, steps_per_epoch: int
-                  ) -> pl.Trainer:
+def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMeter, steps_per_epoch: int,
+                  fault_callbacks: list[pl.Callback] = ()) -> pl.Trainer:
     """The Lightning Trainer of a validated run: strategy, loggers, checkpoints, progress and callbacks."""
     from disttrain.parallel.strategy import DistTrainStrategy
 
@@ -138,8 +157,10 @@ def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMet
             save_top_k=cfg.checkpoint.save_top_k,
             save_last=cfg.checkpoint.save_last,
             every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+            keep_last=cfg.checkpoint.keep_last,
         ),
         meter,
+        *fault_callbacks,
     ]
     interactive = sys.stdout.isatty()
     if interactive:
@@ -180,14 +201,35 @@ def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMet
     )
 
 
-def resume_path(resume: str | None, run_dir: Path) -> str | None:
-    """The checkpoint to continue from: none, the run directory's ``last.ckpt`` (auto), or a given path."""
+def resume_path(resume: str | None, run_dir: Path, announce: bool = True) -> str | None:
+    """The checkpoint to continue from: none, the run directory's newest complete one (auto), or a given path.
+    ``announce``: print which damaged checkpoints were skipped."""
+    from disttrain.fault.checkpoints import newest_complete
+
     if resume is None:
         return None
     if resume == "auto":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
+        newest, skipped = newest_complete(run_dir / "checkpoints")
+        if announce:
+            for warning in skipped:
+                print(f"disttrain: {warning}", file=sys.stderr, flush=True)
+        return str(newest) if newest is not None else None
     return resume
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this run's ranks (torchrun's and disttrain's variable, or a
+    SLURM requeue's); a restarted rank resumes from the newest complete checkpoint."""
+    import os
+
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def _restart_causes(run_dir: Path) -> list[dict[str, Any]]:
+    from disttrain.fault.supervisor import RESTARTS_FILE
+
+    path = run_dir / "logs" / RESTARTS_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
 
 
 def _mode_of(metric: str) -> str:

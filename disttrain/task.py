@@ -15,6 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
+from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm
 
@@ -30,8 +31,11 @@ class TrainTask(pl.LightningModule):
     so ``configure_optimizers`` always sees the parameters that are actually trained.
     """
 
-    def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int):
+    def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int,
+                 agreement: StepAgreement | None = None):
         super().__init__()
+        self.agreement = agreement or StepAgreement()
+        """Per-step agreement of all ranks: preemption requests and non-finite numbers."""
         self.net = net
         self.spec = spec
         self.optim_cfg = optim_cfg
@@ -70,10 +74,21 @@ class TrainTask(pl.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Log the optimiser step's loss: the mean over its micro-batches and all ranks (one scalar reduce)."""
+        """Log the optimiser step's loss: the mean over its micro-batches and all ranks (one small reduce that
+        also carries the preemption flag); a non-finite loss stops or skips the step on every rank."""
         local = torch.stack(self._step_loss).mean()
         self._step_loss.clear()
-        self._log_step_row(self.trainer.strategy.reduce(local, reduce_op="mean"), optimizer)
+        loss = self.agreement.reduce_loss(local, self.trainer.world_size)
+        self._log_step_row(loss, optimizer)
+        self.agreement.check_finite("the training loss", loss, self.global_step + 1)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's step, except that a step whose closure found non-finite numbers (``nan_policy=skip``)
+        leaves parameters and optimiser state as they were."""
+        try:
+            optimizer.step(closure=optimizer_closure)
+        except SkippedStep:
+            pass
 
     def _log_step_row(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Log an optimiser step's loss and learning rate, called before the step is taken.
@@ -151,7 +166,9 @@ class TrainTask(pl.LightningModule):
         norm before clipping as ``train/grad_norm``."""
         if gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.log("train/grad_norm", clip_grad_norm(params, gradient_clip_val), on_step=True, on_epoch=False)
+            norm = clip_grad_norm(params, gradient_clip_val)
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+            self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""

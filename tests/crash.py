@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
+import signal
+import threading
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,3 +20,42 @@ class CrashAtStep(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         if trainer.global_step >= self.step:
             os._exit(1)
+
+
+def restart_count() -> int:
+    """The launcher's restart counter of this process's attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class SignalAtStep(pl.Callback):
+    """Send ``signum`` to this process on ``rank`` once ``step`` optimiser steps are done, in the first attempt."""
+
+    def __init__(self, step: int, rank: int, signum: int) -> None:
+        self.step, self.rank, self.signum = step, rank, signum
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and restart_count() == 0:
+            os.kill(os.getpid(), self.signum)
+
+
+class SignalAtRandomMoments(pl.Callback):
+    """In each of the first ``trials`` attempts, SIGTERM to one rank drawn at random, after a random delay
+    (seeded by the attempt), wherever that rank happens to be: in a step, a collective or a checkpoint."""
+
+    def __init__(self, trials: int, seed: int, max_delay_s: float) -> None:
+        self.trials, self.seed, self.max_delay_s = trials, seed, max_delay_s
+        self.timer: threading.Timer | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        attempt = restart_count()
+        if attempt >= self.trials:
+            return
+        draw = random.Random(self.seed * 1000 + attempt)
+        rank, delay = draw.randrange(trainer.world_size), draw.uniform(0.0, self.max_delay_s)
+        if trainer.global_rank == rank:
+            self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
+            self.timer.start()
+
+    def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if self.timer is not None:
+            self.timer.cancel()

@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
+from disttrain.fault.config import FaultToleranceConfig
 from disttrain.parallel.config import ParallelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
@@ -89,6 +90,11 @@ class CheckpointConfig:
     """Metric that ranks checkpoints; null: the task's validation metric (val/acc or val/loss)."""
     every_n_train_steps: int | None = None
     """Also save every n optimiser steps; null: at each validation."""
+    keep_last: int = 1
+    """How many of the newest save points to keep (``last.ckpt`` and ``last-step<N>.ckpt`` before it);
+    resuming skips a damaged newest one for the one before."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save, one save in flight)."""
 
 
 @dataclass
@@ -131,6 +137,8 @@ class TrainConfig:
     """Global batch, micro-batch and accumulation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints kept."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Restarts, hang detection, preemption and non-finite steps."""
     logger: dict[str, Any] = field(default_factory=dict)
     """Loggers to instantiate (each a ``_target_`` node)."""
     callbacks: dict[str, Any] = field(default_factory=dict)

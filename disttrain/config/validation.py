@@ -98,6 +98,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         raise ConfigError("parallel.cpu_offload", True,
                           "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
     _validate_trainer(top.trainer)
+    top.fault_tolerance.validate(top.parallel.timeout_s)
+    if top.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
     notices += [devices_notice] if devices_notice else []
     OmegaConf.update(cfg, "trainer.devices", top.trainer.devices)  # workers read the number, not auto

@@ -194,6 +194,9 @@ class DataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            # a loader of its own generator draws nothing from the global one that dropout uses, so a run
+            # resumed mid-epoch continues the same dropout masks as the uninterrupted run
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -1,0 +1,79 @@
+"""Which checkpoint a resumed or restarted run continues from: the newest one that is complete.
+
+A checkpoint folder is written as ``<name>.partial`` and renamed when every rank's shards and the index
+are on disk, so a folder without the suffix was complete once; a file truncated or lost since (a full
+disk, a copy cut short) is caught here by comparing each shard's size with the extents the index
+records, and such a folder is skipped, with a warning, for the one before it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from disttrain.checkpoint_io import INDEX_FILE, METADATA_FILE, load_index, load_metadata
+
+RETIRED = re.compile(r"^last-step(\d+)\.ckpt$")
+"""Earlier save points kept by ``checkpoint.keep_last``."""
+
+
+def damage(folder: Path) -> str | None:
+    """Why ``folder`` cannot be resumed from (a missing or short file, an unreadable index), or None."""
+    for name in (METADATA_FILE, INDEX_FILE):
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+    try:
+        load_metadata(folder)
+        index = load_index(folder)
+    except Exception as err:  # noqa: BLE001 - any unreadable index or metadata disqualifies the folder
+        return f"cannot be read ({type(err).__name__}: {err})"
+    needed: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        path = folder / name
+        if not path.is_file():
+            return f"shard {name} is missing"
+        if path.stat().st_size < size:
+            return f"shard {name} holds {path.stat().st_size} bytes, its index needs {size}"
+    return None
+
+
+def saved_step(folder: Path) -> int:
+    """The global step a checkpoint folder holds (-1 when its metadata cannot be read)."""
+    try:
+        return int(load_metadata(folder).get("global_step", -1))
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def newest_complete(checkpoints: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint in ``checkpoints`` (``last.ckpt``, the earlier save points kept, and a
+    ``last.ckpt.old`` left by a crash mid-swap), and one warning per newer folder that was skipped."""
+    if not checkpoints.is_dir():
+        return None, []
+    names = [p for p in checkpoints.iterdir() if p.is_dir() and (
+        p.name in ("last.ckpt", "last.ckpt.old") or RETIRED.match(p.name))]
+    # newest first; at equal steps prefer last.ckpt (the swap had completed)
+    ordered = sorted(names, key=lambda p: (saved_step(p), p.name == "last.ckpt"), reverse=True)
+    warnings = []
+    for folder in ordered:
+        problem = damage(folder)
+        if problem is None:
+            return folder, warnings
+        warnings.append(f"skipping checkpoint {folder}: {problem}")
+    return None, warnings
+
+
+def retire_and_prune(checkpoints: Path, keep_last: int) -> None:
+    """Before ``last.ckpt`` is replaced: keep it as ``last-step<N>.ckpt`` when ``keep_last`` > 1, and delete
+    the retired ones beyond the newest ``keep_last - 1``."""
+    import shutil
+
+    last = checkpoints / "last.ckpt"
+    if keep_last > 1 and last.is_dir() and damage(last) is None:
+        last.rename(checkpoints / f"last-step{saved_step(last)}.ckpt")
+    retired = sorted((p for p in checkpoints.glob("last-step*.ckpt") if RETIRED.match(p.name)),
+                     key=lambda p: int(RETIRED.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
+    for old in retired[max(0, keep_last - 1):]:
+        shutil.rmtree(old, ignore_errors=True)

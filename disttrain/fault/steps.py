@@ -1,0 +1,115 @@
+"""What all ranks agree on at each optimiser step: a preemption request, and whether the step's numbers are finite.
+
+Both ride on the one all-reduce that the step's logged loss needs anyway, so agreement costs no extra
+collective; a signal handler only sets a flag (a collective inside a handler could interleave with the
+one the rank is already in, and deadlock it).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from disttrain.fault.config import NON_FINITE_EXIT, PREEMPTED_EXIT
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """All ranks saved a checkpoint after a preemption signal and stop (exit status ``PREEMPTED_EXIT``)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(PREEMPTED_EXIT)
+        self.step = step
+
+
+class NonFiniteStep(RuntimeError):
+    """A non-finite loss or gradient norm under ``nan_policy=stop``; the last good checkpoint is kept."""
+
+    exit_code = NON_FINITE_EXIT
+
+
+class SkippedStep(Exception):
+    """Raised inside the optimiser closure to drop a step's update on every rank (``nan_policy=skip``)."""
+
+
+class StepAgreement:
+    """The per-step flags a task reduces with its loss, and the decisions taken on them."""
+
+    def __init__(self, nan_policy: str = "stop") -> None:
+        self.nan_policy = nan_policy
+        self.signalled: int | None = None
+        """The preemption signal this rank received (set by the handler), None if none."""
+        self.stop_requested = False
+        """Some rank was signalled: every rank saves and stops at the end of this step."""
+        self.skipped_steps = 0
+        """Steps whose update was dropped for non-finite numbers (``nan_policy=skip``)."""
+
+    def reduce_loss(self, local: torch.Tensor, divisor: float) -> torch.Tensor:
+        """Sum ``local`` over all ranks and divide by ``divisor``; the preemption flag travels in the same call."""
+        packed = torch.stack([local.detach().float().reshape(()),
+                              torch.tensor(float(self.signalled is not None), device=local.device)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        if packed[1].item() > 0:
+            self.stop_requested = True
+        return packed[0] / divisor
+
+    def check_finite(self, name: str, value: torch.Tensor, step: int) -> None:
+        """Act on a global value (identical on every rank) that is not finite: stop or skip, per the policy."""
+        if bool(torch.isfinite(value)):
+            return
+        if self.nan_policy == "skip":
+            self.skipped_steps += 1
+            raise SkippedStep(name)
+        raise NonFiniteStep(f"{name} is {float(value)} at step {step}: the run stops with the last good checkpoint "
+                            "kept (fault_tolerance.nan_policy=skip drops such steps instead)")
+
+    def install(self) -> dict[int, Any]:
+        """Replace the preemption signals' handlers (Lightning's SIGTERM handler broadcasts inside the
+        handler); returns the previous ones."""
+        previous = {sig: signal.getsignal(sig) for sig in PREEMPTION_SIGNALS}
+        for sig in PREEMPTION_SIGNALS:
+            signal.signal(sig, self._handle)
+        return previous
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signalled = signum
+
+
+class StepDecisions(pl.Callback):
+    """Acts on what the ranks agreed at each step: after a preemption signal on any rank, every rank saves
+    ``last.ckpt`` and stops; the count of skipped steps travels with the checkpoints."""
+
+    def __init__(self, agreement: StepAgreement) -> None:
+        self.agreement = agreement
+        self._previous: dict[int, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Install the handlers after Lightning installed its own (it registers them just before this hook)."""
+        self._previous = self.agreement.install()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if not self.agreement.stop_requested:
+            return
+        checkpoint = trainer.checkpoint_callback
+        if checkpoint is not None and hasattr(checkpoint, "save_newest"):
+            checkpoint.save_newest(trainer)
+        raise Preempted(trainer.global_step)
+
+    def state_dict(self) -> dict[str, int]:
+        """The count of skipped steps, so a resumed run keeps counting."""
+        return {"skipped_steps": self.agreement.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Continue the checkpoint's count of skipped steps."""
+        self.agreement.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,204 @@
+"""The job process as the ranks' supervisor: start, watch, stop and restart them, and say why.
+
+torchrun's elastic agent does the same for its own command line but reports a failure only when the
+job ends, prefixes or hides rank 0's terminal output, and cannot tell the restarted ranks which run
+directory to resume; this supervisor keeps the run's directory, logs and terminal as they are and
+records each restart's cause. Ranks find each other through a store hosted here, as under torchrun's
+agent (``TORCHELASTIC_USE_AGENT_STORE``), and read ``TORCHELASTIC_RESTART_COUNT`` as they would there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from disttrain.fault.config import HUNG_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT
+
+RESTARTS_FILE = "restarts.json"
+"""In the log folder: one record per restart (attempt, rank, exit, cause, end of log)."""
+FAILURE_KEY = "disttrain/failure"
+"""Store key where a rank that detected a hang leaves its one-line diagnosis for the supervisor."""
+POLL_S = 0.2
+PREEMPTION_GRACE_S = 120.0
+"""How long the other ranks may take to finish their checkpoint once one rank exited as preempted."""
+
+
+class RanksStopped(RuntimeError):
+    """The job's ranks stopped before finishing; ``exit_code`` says why (see ``disttrain.fault.config``)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Failure:
+    """The first rank of an attempt that exited with an error, and what it left behind."""
+
+    attempt: int
+    rank: int
+    exit: str
+    cause: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One paragraph: which rank, how it ended, why, and the end of its log."""
+        text = f"rank {self.rank} {self.exit}"
+        if self.cause:
+            text += f": {self.cause}"
+        if self.log_tail:
+            text += "; end of its log:\n" + "\n".join(self.log_tail)
+        return text
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code 1`` or ``was killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Runs ``world_size`` worker ranks of one run, restarting all of them up to ``max_restarts`` times."""
+
+    def __init__(self, world_size: int, config_path: Path, log_dir: Path, max_restarts: int) -> None:
+        self.world_size, self.config_path, self.log_dir = world_size, config_path, log_dir
+        self.max_restarts = max_restarts
+        self.failures: list[Failure] = []
+        self._procs: list[subprocess.Popen] = []
+        self._signalled = False
+
+    def run(self) -> int:
+        """Supervise until the ranks finish; the number of restarts it took."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / RESTARTS_FILE).unlink(missing_ok=True)
+        forwarded = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        for sig in forwarded:  # a preemption notice to the job reaches every rank, which save and stop
+            signal.signal(sig, self._forward)
+        try:
+            for attempt in range(self.max_restarts + 1):
+                failure = self._attempt(attempt)
+                if failure is None:
+                    return attempt
+                self.failures.append(failure)
+                (self.log_dir / RESTARTS_FILE).write_text(json.dumps([asdict(f) for f in self.failures], indent=2))
+                if attempt == self.max_restarts or failure.exit == describe_exit(NON_FINITE_EXIT):
+                    break  # non-finite numbers would come back: a restart cannot help
+                print(f"disttrain: {failure.describe()}\ndisttrain: restarting all {self.world_size} ranks "
+                      f"({attempt + 1} of {self.max_restarts}) from the newest complete checkpoint",
+                      file=sys.stderr, flush=True)
+            last = self.failures[-1]
+            after = f" after {self.max_restarts} restart(s)" if self.max_restarts else ""
+            raise RanksStopped(f"{last.describe()}\nthe run stopped{after}", _exit_code(last))
+        finally:
+            self._kill_all()
+            for sig, handler in forwarded.items():
+                signal.signal(sig, handler)
+
+    def _attempt(self, attempt: int) -> Failure | None:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(self.world_size),
+                "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(self.world_size), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+        self._procs = [self._start(rank, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, attempt)
+                       for rank in range(self.world_size)]
+        try:
+            return self._watch(attempt, store)
+        finally:
+            self._kill_all()
+            del store
+
+    def _start(self, rank: int, env: dict[str, str], attempt: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "disttrain.worker", str(self.config_path)]
+        if rank == 0:  # rank 0 speaks to the user directly: its output is the job's
+            return subprocess.Popen(command, env={**os.environ, **env})
+        with open(self._log_path(rank), "a") as log:
+            if attempt:
+                log.write(f"--- restart {attempt} ---\n")
+                log.flush()
+            return subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+    def _log_path(self, rank: int) -> Path:
+        return self.log_dir / f"rank{rank}.log"
+
+    def _watch(self, attempt: int, store: object) -> Failure | None:
+        while True:
+            codes = [proc.poll() for proc in self._procs]
+            if all(code == 0 for code in codes):
+                return None
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # the root cause first: a rank killed by a signal, then a diagnosed exit, then the lowest rank
+                rank, code = min(failed, key=lambda f: (f[1] >= 0, f[1] not in (HUNG_EXIT, NON_FINITE_EXIT), f[0]))
+                if code == PREEMPTED_EXIT:
+                    return self._finish_preemption(attempt)
+                return self._failure(attempt, rank, code, store)
+            time.sleep(POLL_S)
+
+    def _finish_preemption(self, attempt: int) -> Failure | None:
+        deadline = time.monotonic() + PREEMPTION_GRACE_S
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self._procs):
+            time.sleep(POLL_S)
+        codes = [proc.poll() for proc in self._procs]
+        if all(code in (0, PREEMPTED_EXIT) for code in codes):
+            if self._signalled:  # the job itself was told to go: it stops, and a requeue or a person resumes it
+                raise RanksStopped("preempted: every rank saved a checkpoint at the same step and stopped; "
+                                   "run the same command with resume=auto to continue", PREEMPTED_EXIT)
+            # one rank was told to go (a drained node): a restart resumes from the checkpoint just written
+            return Failure(attempt, codes.index(PREEMPTED_EXIT), describe_exit(PREEMPTED_EXIT),
+                           "a preemption signal reached a rank; every rank saved a checkpoint and stopped")
+        rank = next(r for r, code in enumerate(codes) if code not in (0, PREEMPTED_EXIT))
+        return Failure(attempt, rank, describe_exit(codes[rank]) if codes[rank] is not None else "did not stop",
+                       "while the others stopped after a preemption signal", self._tail(rank))
+
+    def _failure(self, attempt: int, rank: int, code: int, store: object) -> Failure:
+        self._kill_all()  # the others cannot go on without it (and a stopped rank only yields to SIGKILL)
+        cause = None
+        try:
+            if store.check([FAILURE_KEY]):  # type: ignore[attr-defined]
+                cause = store.get(FAILURE_KEY).decode()  # type: ignore[attr-defined]
+        except Exception:  # the diagnosis is a courtesy; the exit code is the fact
+            cause = None
+        return Failure(attempt, rank, describe_exit(code), cause, self._tail(rank))
+
+    def _tail(self, rank: int, lines: int = 15) -> list[str]:
+        path = self._log_path(rank)
+        if rank == 0 or not path.exists():
+            return []  # rank 0 wrote to the terminal, above this message
+        text = path.read_text(errors="replace").split("--- restart ")[-1]
+        return text.strip().splitlines()[-lines:]
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs:
+            proc.wait()
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        self._signalled = True
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+
+def _exit_code(failure: Failure) -> int:
+    """The job's exit status: a hang or non-finite numbers keep their own code; other failures are 1."""
+    if failure.exit == describe_exit(HUNG_EXIT) or (failure.cause or "").startswith("hang"):
+        return HUNG_EXIT
+    if failure.exit == describe_exit(NON_FINITE_EXIT):
+        return NON_FINITE_EXIT
+    if failure.exit == describe_exit(PREEMPTED_EXIT):
+        return PREEMPTED_EXIT
+    return 1

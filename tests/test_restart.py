@@ -1,0 +1,87 @@
+"""A killed, hung or preempted rank costs a restart, never the run: the restarted run is bitwise the
+uninterrupted one (fp32, CPU, same world size), and nothing is left running."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.export import consolidated_weights
+from disttrain.fault.config import HUNG_EXIT
+from tests.conftest import ROOT, train_cli
+
+STEPS, EVERY = 12, 4
+# dropout on, so the generator states in the checkpoint matter; validation is the save point
+RUN = ["model=gpt", "model.flavour=micro", "model.dropout=0.1", "data=pydocs", "data.block_size=32",
+       "batch.global_size=8", f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1",
+       "trainer.limit_val_batches=2", "trainer.run_test=false", f"trainer.val_check_interval={EVERY}",
+       "trainer.check_val_every_n_epoch=null", "logger=csv", "callbacks=none", "trainer.devices=2"]
+KILL_AT = 6  # not a save point: steps 5 and 6 are trained twice
+
+
+def logged_losses(run_dir: Path) -> dict[int, str]:
+    """train/loss per step exactly as written (text, so equality is bitwise)."""
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return {int(row["step"]): row["train/loss"] for row in csv.DictReader(handle) if row.get("train/loss")}
+
+
+def run(args: list[str], run_dir: Path):
+    return train_cli([*RUN, *args, f"hydra.run.dir={run_dir}"], ROOT)
+
+
+def assert_no_orphans(run_dir: Path) -> None:
+    """No process of this run is left (every rank's command line names the run's config file)."""
+    marker = str(run_dir / "config.yaml").encode()
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes():
+                left.append(proc.name)
+        except OSError:  # the process ended while we looked
+            continue
+    assert not left, left
+
+
+@pytest.fixture(scope="module", params=["ddp", "zero3"])
+def straight(request, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(f"straight-{request.param}")
+    done = run([f"parallel={request.param}"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return request.param, run_dir
+
+
+def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_uninterrupted_one(straight, tmp_path):
+    preset, reference = straight
+    run_dir = tmp_path / "killed"
+    done = run([f"parallel={preset}", "fault_tolerance.max_restarts=1", "+callbacks.kill._target_=tests.crash.SignalAtStep",
+                f"+callbacks.kill.step={KILL_AT}", "+callbacks.kill.rank=1", f"+callbacks.kill.signum={int(signal.SIGKILL)}"],
+               run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1 was killed by SIGKILL" in done.stderr
+    assert "restarting all 2 ranks (1 of 1)" in done.stderr
+    results = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    assert results["restarts"] == 1
+    assert results["restart_causes"][0]["rank"] == 1 and results["restart_causes"][0]["exit"] == "was killed by SIGKILL"
+    assert logged_losses(run_dir) == logged_losses(reference)
+    assert len(logged_losses(run_dir)) == STEPS
+    ours = consolidated_weights(run_dir / "checkpoints" / "last.ckpt")
+    theirs = consolidated_weights(reference / "checkpoints" / "last.ckpt")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert_no_orphans(run_dir)
+
+
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
+    run_dir = tmp_path / "stopped"
+    timeout = 6
+    done = run(["parallel=ddp", f"fault_tolerance.hang_timeout_s={timeout}", "+callbacks.stop._target_=tests.crash.SignalAtStep",
+                "+callbacks.stop.step=3", "+callbacks.stop.rank=1", f"+callbacks.stop.signum={int(signal.SIGSTOP)}"],
+               run_dir)
+    assert done.returncode == HUNG_EXIT, done.stderr[-3000:]
+    assert "hang: rank 1 has not answered" in done.stderr
+    assert_no_orphans(run_dir)
