@@ -6,6 +6,8 @@ import os
 import random
 import signal
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,8 +55,14 @@ class SignalAtRandomMoments(pl.Callback):
         draw = random.Random(self.seed * 1000 + attempt)
         rank, delay = draw.randrange(trainer.world_size), draw.uniform(0.0, self.max_delay_s)
         if trainer.global_rank == rank:
-            self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
+            marker = Path(trainer.default_root_dir) / f"sigterm-{attempt}"
+            self.timer = threading.Timer(delay, self._send, (marker,))
             self.timer.start()
+
+    @staticmethod
+    def _send(marker: Path) -> None:
+        marker.write_text(str(time.time()))  # what the test counts: signals actually sent
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
         if self.timer is not None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from disttrain.checkpoint_io import load_metadata
 from disttrain.export import consolidated_weights
-from disttrain.fault.config import HUNG_EXIT
+from disttrain.fault.config import HUNG_EXIT, PREEMPTED_EXIT
 from tests.conftest import ROOT, train_cli
 
 STEPS, EVERY = 12, 4
@@ -30,8 +33,21 @@ def logged_losses(run_dir: Path) -> dict[int, str]:
         return {int(row["step"]): row["train/loss"] for row in csv.DictReader(handle) if row.get("train/loss")}
 
 
+def signal_at(step: int, rank: int, signum: int) -> list[str]:
+    """Overrides adding a callback that sends ``signum`` to ``rank`` after ``step`` steps (first attempt only)."""
+    return ["+callbacks.signal._target_=tests.crash.SignalAtStep", f"+callbacks.signal.step={step}",
+            f"+callbacks.signal.rank={rank}", f"+callbacks.signal.signum={int(signum)}"]
+
+
 def run(args: list[str], run_dir: Path):
     return train_cli([*RUN, *args, f"hydra.run.dir={run_dir}"], ROOT)
+
+
+def assert_same_weights(run_dir: Path, reference: Path) -> None:
+    ours = consolidated_weights(run_dir / "checkpoints" / "last.ckpt")
+    theirs = consolidated_weights(reference / "checkpoints" / "last.ckpt")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def assert_no_orphans(run_dir: Path) -> None:
@@ -58,8 +74,7 @@ def straight(request, tmp_path_factory):
 def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_uninterrupted_one(straight, tmp_path):
     preset, reference = straight
     run_dir = tmp_path / "killed"
-    done = run([f"parallel={preset}", "fault_tolerance.max_restarts=1", "+callbacks.kill._target_=tests.crash.SignalAtStep",
-                f"+callbacks.kill.step={KILL_AT}", "+callbacks.kill.rank=1", f"+callbacks.kill.signum={int(signal.SIGKILL)}"],
+    done = run([f"parallel={preset}", "fault_tolerance.max_restarts=1", *signal_at(KILL_AT, 1, signal.SIGKILL)],
                run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1 was killed by SIGKILL" in done.stderr
@@ -69,19 +84,50 @@ def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_uninterrupted_one
     assert results["restart_causes"][0]["rank"] == 1 and results["restart_causes"][0]["exit"] == "was killed by SIGKILL"
     assert logged_losses(run_dir) == logged_losses(reference)
     assert len(logged_losses(run_dir)) == STEPS
-    ours = consolidated_weights(run_dir / "checkpoints" / "last.ckpt")
-    theirs = consolidated_weights(reference / "checkpoints" / "last.ckpt")
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)
 
 
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     run_dir = tmp_path / "stopped"
     timeout = 6
-    done = run(["parallel=ddp", f"fault_tolerance.hang_timeout_s={timeout}", "+callbacks.stop._target_=tests.crash.SignalAtStep",
-                "+callbacks.stop.step=3", "+callbacks.stop.rank=1", f"+callbacks.stop.signum={int(signal.SIGSTOP)}"],
-               run_dir)
+    done = run(["parallel=ddp", f"fault_tolerance.hang_timeout_s={timeout}", *signal_at(3, 1, signal.SIGSTOP)], run_dir)
     assert done.returncode == HUNG_EXIT, done.stderr[-3000:]
-    assert "hang: rank 1 has not answered" in done.stderr
+    detected = re.search(r"hang: rank 1 has not answered for (\d+) s", done.stderr)
+    assert detected is not None, done.stderr[-3000:]
+    assert int(detected.group(1)) <= timeout + 5
+    assert_no_orphans(run_dir)
+
+
+def test_sigterm_to_one_rank_saves_the_current_step_and_resume_is_bitwise(straight, tmp_path):
+    preset, reference = straight
+    run_dir = tmp_path / "preempted"
+    done = run([f"parallel={preset}", *signal_at(5, 1, signal.SIGTERM)], run_dir)
+    assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
+    # the signal came after step 5's reduce: all ranks agree at step 6 and save it (not a save point)
+    assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
+    resumed = run([f"parallel={preset}", "resume=auto"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert logged_losses(run_dir) == logged_losses(reference)
+    assert_same_weights(run_dir, reference)
+    assert_no_orphans(run_dir)
+
+
+def test_sigterm_at_random_moments_restarts_and_finishes_bitwise(straight, tmp_path):
+    preset, reference = straight
+    if preset != "ddp":
+        pytest.skip("one layout is enough for the random-moment trials")
+    run_dir = tmp_path / "trials"
+    trials = int(os.environ.get("DISTTRAIN_PREEMPTION_TRIALS", "3"))
+    done = run(["parallel=ddp", f"fault_tolerance.max_restarts={trials}",
+                "+callbacks.term._target_=tests.crash.SignalAtRandomMoments", f"+callbacks.term.trials={trials}",
+                "+callbacks.term.seed=5", "+callbacks.term.max_delay_s=1.0"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sent = len(list(run_dir.glob("sigterm-*")))  # a signal drawn after its attempt finished training is not sent
+    assert sent >= 2
+    results = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    assert results["restarts"] == sent
+    assert {cause["exit"] for cause in results["restart_causes"]} == {f"exited with code {PREEMPTED_EXIT}"}
+    assert logged_losses(run_dir) == logged_losses(reference)
+    assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)

@@ -88,18 +88,26 @@ class StepDecisions(pl.Callback):
     def __init__(self, agreement: StepAgreement) -> None:
         self.agreement = agreement
         self._previous: dict[int, Any] = {}
+        self._saved = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Install the handlers after Lightning installed its own (it registers them just before this hook)."""
         self._previous = self.agreement.install()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        if not self.agreement.stop_requested:
+        """Save at the end of the step in which the ranks agreed to stop."""
+        if not self.agreement.stop_requested or self._saved:
             return
         checkpoint = trainer.checkpoint_callback
         if checkpoint is not None and hasattr(checkpoint, "save_newest"):
             checkpoint.save_newest(trainer)
-        raise Preempted(trainer.global_step)
+        self._saved = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        """Stop before the next step (by then the saved step's row has reached the loggers, which Lightning
+        flushes as the exception passes)."""
+        if self._saved:
+            raise Preempted(trainer.global_step)
 
     def state_dict(self) -> dict[str, int]:
         """The count of skipped steps, so a resumed run keeps counting."""
