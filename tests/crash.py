@@ -67,3 +67,20 @@ class SignalAtRandomMoments(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
         if self.timer is not None:
             self.timer.cancel()
+
+
+class NonFiniteAtStep(pl.Callback):
+    """Make ``rank``'s logits NaN in the step after ``step`` steps, as an overflow would."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+        self.handle: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and self.handle is None:
+            self.handle = pl_module.net.register_forward_hook(lambda _m, _i, output: output * float("nan"))
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None

@@ -1,0 +1,47 @@
+"""A non-finite loss on one rank is seen by every rank: ``stop`` ends the run keeping the last good
+checkpoint, ``skip`` drops that step's update everywhere and counts it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from disttrain.checkpoint_io import load_metadata
+from disttrain.export import consolidated_weights
+from disttrain.fault.config import NON_FINITE_EXIT
+from disttrain.fault.checkpoints import damage
+from tests.test_restart import logged_losses, run
+
+BAD_STEP = 6  # the 6th step: after the save point at step 4
+NAN = ["+callbacks.nan._target_=tests.crash.NonFiniteAtStep", f"+callbacks.nan.step={BAD_STEP - 1}",
+       "+callbacks.nan.rank=1"]
+
+
+@pytest.mark.parametrize("preset", ["ddp", "zero2"])
+def test_stop_keeps_the_last_good_checkpoint_and_exits_with_its_code(tmp_path, preset):
+    run_dir = tmp_path / "run"
+    done = run([f"parallel={preset}", "fault_tolerance.nan_policy=stop", *NAN], run_dir)
+    assert done.returncode == NON_FINITE_EXIT, done.stderr[-3000:]
+    assert f"the training loss is nan at step {BAD_STEP}" in done.stderr
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert load_metadata(last)["global_step"] == 4 and damage(last) is None
+    weights = consolidated_weights(last)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run(["parallel=ddp", "fault_tolerance.nan_policy=skip", "checkpoint.keep_last=20",
+                "checkpoint.every_n_train_steps=1", *NAN], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["fault_tolerance"]["skipped_steps"] == 1
+    losses = logged_losses(run_dir)
+    assert math.isnan(float(losses[BAD_STEP])) and all(math.isfinite(float(v)) for s, v in losses.items() if s != BAD_STEP)
+    # the skipped step left the weights as they were after the step before it
+    before = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP - 1}.ckpt")
+    after = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP}.ckpt")
+    assert all(torch.equal(before[name], after[name]) for name in before)
