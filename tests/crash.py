@@ -84,3 +84,26 @@ class NonFiniteAtStep(pl.Callback):
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+class KillDuringSave(pl.Callback):
+    """On ``rank``, in the first attempt, die right after writing its shards of the checkpoint at ``step``:
+    the folder is complete on disk but was never renamed into place."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_rank != self.rank or restart_count():
+            return
+        import torch.distributed.checkpoint as dcp
+
+        real_save = dcp.save
+
+        def save_then_die(*args: Any, **kwargs: Any) -> Any:
+            result = real_save(*args, **kwargs)
+            if trainer.global_step == self.step:
+                os._exit(1)
+            return result
+
+        dcp.save = save_then_die

@@ -11,8 +11,8 @@ import torch
 
 from disttrain.checkpoint_io import load_metadata
 from disttrain.export import consolidated_weights
-from disttrain.fault.config import NON_FINITE_EXIT
 from disttrain.fault.checkpoints import damage
+from disttrain.fault.config import NON_FINITE_EXIT
 from tests.test_restart import logged_losses, run
 
 BAD_STEP = 6  # the 6th step: after the save point at step 4
@@ -40,7 +40,8 @@ def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["fault_tolerance"]["skipped_steps"] == 1
     losses = logged_losses(run_dir)
-    assert math.isnan(float(losses[BAD_STEP])) and all(math.isfinite(float(v)) for s, v in losses.items() if s != BAD_STEP)
+    assert math.isnan(float(losses[BAD_STEP]))
+    assert all(math.isfinite(float(value)) for step, value in losses.items() if step != BAD_STEP)
     # the skipped step left the weights as they were after the step before it
     before = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP - 1}.ckpt")
     after = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP}.ckpt")
