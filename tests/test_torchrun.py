@@ -1,0 +1,59 @@
+"""Under torchrun: ``--max-restarts`` restarts resume from the newest checkpoint, and two launchers acting as
+two nodes train together into one run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disttrain.launch import free_port
+from tests.conftest import ROOT
+from tests.test_restart import KILL_AT, RUN, assert_no_orphans, assert_same_weights, logged_losses, run, signal_at
+
+
+def torchrun(launcher: list[str], args: list[str], run_dir: Path, background: bool = False):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "train.py"), *RUN, *args,
+               f"hydra.run.dir={run_dir}"]
+    if background:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    done = run(["parallel=ddp"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_torchrun_max_restarts_resumes_bitwise(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    done = torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=1"],
+                    ["parallel=ddp", *signal_at(KILL_AT, 1, signal.SIGKILL)], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((run_dir / "results.json").read_text())["fault_tolerance"]["restarts"] == 1
+    assert logged_losses(run_dir) == logged_losses(reference)
+    assert_same_weights(run_dir, reference)
+    assert_no_orphans(run_dir)
+
+
+def test_two_launchers_as_two_nodes_train_one_run(reference, tmp_path):
+    port = free_port()
+    nodes = [torchrun(["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes"],
+                      ["parallel=ddp"], tmp_path / f"node{node}", background=True) for node in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    run_dirs = [d for d in (tmp_path / "node0", tmp_path / "node1") if (d / "results.json").exists()]
+    assert len(run_dirs) == 1  # one run directory, the first rank's
+    results = json.loads((run_dirs[0] / "results.json").read_text())
+    assert results["world_size"] == 2
+    assert logged_losses(run_dirs[0]) == logged_losses(reference)
