@@ -102,6 +102,7 @@ def run_rank(run: RunConfig) -> float | None:
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
+        trainer.strategy.wait_for_checkpoint()  # the last save lands before testing from it
         fit_seconds = meter.wall_time_s
         metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
         checkpoint = trainer.checkpoint_callback
@@ -177,7 +178,7 @@ def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMet
         devices=devices,
         num_nodes=num_nodes,
         strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False),
-                                   pipeline),
+                                   pipeline, cfg.checkpoint.async_save),
         max_steps=t.max_steps,
         # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
         max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),

@@ -101,6 +101,9 @@ class StepDecisions(pl.Callback):
         checkpoint = trainer.checkpoint_callback
         if checkpoint is not None and hasattr(checkpoint, "save_newest"):
             checkpoint.save_newest(trainer)
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:  # an asynchronous save must land before the process goes
+            wait()
         self._saved = True
 
     def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.checkpoint_io import load_metadata, load_sharded
+from disttrain.checkpoint_io import METADATA_FILE, load_metadata, load_sharded
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
@@ -48,7 +48,7 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def __init__(
         self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False,
-        pipeline: PipelineSlot | None = None,
+        pipeline: PipelineSlot | None = None, async_save: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=dims.dp,
@@ -63,7 +63,11 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.sync_batchnorm = sync_batchnorm
         self.pipeline = pipeline
         """Where a pipelined run's stages and schedule go (shared with the task); None: not pipelined."""
+        self.async_save = async_save
+        """Write checkpoints in the background (one save in flight)."""
         self._parallelised = False
+        self._pending_save: tuple[Any, Path, Path] | None = None
+        self._checkpoint_group: Any = None
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
@@ -146,14 +150,47 @@ class DistTrainStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, inner, options=FLAT_STATE)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write
-        never damages the previous checkpoint at ``filepath``."""
+        """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write never
+        damages the previous checkpoint at ``filepath``. With ``async_save`` the shards are staged in memory
+        and written in the background; the swap happens when the next save begins or fit ends."""
+        import torch.distributed.checkpoint as dcp
+
         path = Path(self.broadcast(str(filepath)))
+        self.wait_for_checkpoint()  # one save in flight
         staging = path.with_name(path.name + ".partial")
-        if self.is_global_zero and staging.exists():
-            shutil.rmtree(staging)
+        if self.is_global_zero:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
         self.barrier()
-        super().save_checkpoint(checkpoint, staging, storage_options)
+        shards = {"state_dict": checkpoint.pop("state_dict"),
+                  **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}}
+        if self.is_global_zero:
+            torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
+        if self.async_save:
+            if self._checkpoint_group is None:  # its own group: background writes never interleave with training's
+                self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+            future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._checkpoint_group)
+            self._pending_save = (future, staging, path)
+        else:
+            dcp.save(shards, checkpoint_id=staging)
+            self._swap_in(staging, path)
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish the save in flight, if any, and swap it into place (every rank calls this at the same point)."""
+        if self._pending_save is None:
+            return
+        future, staging, path = self._pending_save
+        self._pending_save = None
+        future.result()
+        self._swap_in(staging, path)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal of a superseded checkpoint, after the save in flight has landed."""
+        self.wait_for_checkpoint()
+        super().remove_checkpoint(filepath)
+
+    def _swap_in(self, staging: Path, path: Path) -> None:
         self.barrier()
         if self.is_global_zero:
             retired = path.with_name(path.name + ".old")
