@@ -114,6 +114,11 @@ def run_rank(run: RunConfig) -> float | None:
             if trainer.is_global_zero and hasattr(logger.experiment, "finish"):
                 logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
+        strategy = trainer.strategy
+        results["checkpoints"] = {"saves": strategy.checkpoint_saves,
+                                  "blocking_s": round(strategy.checkpoint_blocking_s, 3),
+                                  "share_of_wall_time": round(strategy.checkpoint_blocking_s / max(fit_seconds, 1e-9),
+                                                              4)}
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": _restart_causes(Path(cfg.run_dir)),
                                       "skipped_steps": agreement.skipped_steps}
         if trainer.is_global_zero:

@@ -37,7 +37,17 @@ class SignalAtStep(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank and restart_count() == 0:
+            (Path(trainer.default_root_dir) / "signal-sent").write_text(repr(time.time()))
             os.kill(os.getpid(), self.signum)
+
+
+class StepClock(pl.Callback):
+    """Rank 0 appends ``attempt step unix-time`` after every optimiser step to ``steps.txt`` in the run."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.is_global_zero:
+            with open(Path(trainer.default_root_dir) / "steps.txt", "a") as log:
+                log.write(f"{restart_count()} {trainer.global_step} {time.time()!r}\n")
 
 
 class SignalAtRandomMoments(pl.Callback):

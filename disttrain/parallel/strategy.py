@@ -67,6 +67,10 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Write checkpoints in the background (one save in flight)."""
         self._parallelised = False
         self._pending_save: tuple[Any, Path, Path] | None = None
+        self.checkpoint_saves = 0
+        """Checkpoints this process saved."""
+        self.checkpoint_blocking_s = 0.0
+        """Seconds training waited for them (staging only, when saving asynchronously)."""
         self._checkpoint_group: Any = None
 
     def setup_environment(self) -> None:
@@ -153,8 +157,11 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write never
         damages the previous checkpoint at ``filepath``. With ``async_save`` the shards are staged in memory
         and written in the background; the swap happens when the next save begins or fit ends."""
+        import time
+
         import torch.distributed.checkpoint as dcp
 
+        started = time.perf_counter()
         path = Path(self.broadcast(str(filepath)))
         self.wait_for_checkpoint()  # one save in flight
         staging = path.with_name(path.name + ".partial")
@@ -175,6 +182,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         else:
             dcp.save(shards, checkpoint_id=staging)
             self._swap_in(staging, path)
+        self.checkpoint_saves += 1
+        self.checkpoint_blocking_s += time.perf_counter() - started
 
     def wait_for_checkpoint(self) -> None:
         """Finish the save in flight, if any, and swap it into place (every rank calls this at the same point)."""
