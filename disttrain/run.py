@@ -80,6 +80,7 @@ def run_rank(run: RunConfig) -> float | None:
     quiet_noise()
     ft = cfg.fault_tolerance
     agreement = StepAgreement(ft.nan_policy)
+    agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
     watchdog = RankWatchdog(ft.hang_timeout_s)
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)

@@ -117,3 +117,15 @@ class KillDuringSave(pl.Callback):
             return result
 
         dcp.save = save_then_die
+
+
+class SleepAtStep(pl.Callback):
+    """On ``rank``, after ``step`` steps in the first attempt, sleep for ever in the training loop (a deadlock:
+    the process lives and its threads run, but it never reaches the next collective)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and restart_count() == 0:
+            threading.Event().wait()

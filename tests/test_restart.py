@@ -8,6 +8,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,45 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     detected = re.search(r"hang: rank 1 has not answered for (\d+) s", done.stderr)
     assert detected is not None, done.stderr[-3000:]
     assert int(detected.group(1)) <= timeout + 5
+    assert_no_orphans(run_dir)
+
+
+def test_a_deadlocked_rank_is_found_by_the_missing_progress_and_restarted(straight, tmp_path):
+    preset, reference = straight
+    if preset != "ddp":
+        pytest.skip("one layout is enough")
+    run_dir = tmp_path / "deadlocked"
+    timeout = 6
+    done = run(["parallel=ddp", f"fault_tolerance.hang_timeout_s={timeout}", "fault_tolerance.max_restarts=1",
+                "+callbacks.sleep._target_=tests.crash.SleepAtStep", "+callbacks.sleep.step=7",
+                "+callbacks.sleep.rank=1"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    detected = re.search(r"hang: no rank made progress for (\d+) s", done.stderr)
+    assert detected is not None and int(detected.group(1)) <= timeout + 5, done.stderr[-3000:]
+    assert json.loads((run_dir / "results.json").read_text())["fault_tolerance"]["restarts"] == 1
+    assert logged_losses(run_dir) == logged_losses(reference)
+    assert_no_orphans(run_dir)
+
+
+def test_sigterm_to_the_job_is_forwarded_and_every_rank_saves(straight, tmp_path):
+    preset, reference = straight
+    if preset != "ddp":
+        pytest.skip("one layout is enough")
+    run_dir = tmp_path / "job-preempted"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    job = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *RUN, "parallel=ddp", "trainer.max_steps=400",
+                            "+callbacks.clock._target_=tests.crash.StepClock", f"hydra.run.dir={run_dir}"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    clock = run_dir / "steps.txt"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not clock.exists() or len(clock.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "preempted" in err
+    saved = load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+    assert 3 <= saved < 400
     assert_no_orphans(run_dir)
 
 

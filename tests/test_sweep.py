@@ -54,3 +54,20 @@ def test_torchrun_launch_writes_one_run_directory(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_submitit_local_sweep_leaves_one_directory_per_job(tmp_path):
+    # the launcher a cluster sweep uses (hydra/launcher=submitit_slurm), run locally: each job supervises its ranks
+    sweep = tmp_path / "submitit"
+    run_cli(["-m", "hydra/launcher=submitit_local", "optim.lr=1e-3,3e-3", "parallel=ddp", "trainer.devices=2",
+             "model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", "batch.global_size=8",
+             "trainer.max_steps=4", "trainer.limit_val_batches=1", "trainer.run_test=false", "logger=csv",
+             "callbacks=none", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1"]
+    hashes = set()
+    for job in jobs:
+        results = json.loads((sweep / job / "results.json").read_text())
+        assert results["world_size"] == 2 and results["global_steps"] == 4
+        hashes.add(results["config_hash"])
+    assert len(hashes) == 2
