@@ -59,18 +59,24 @@ def default_backend() -> str:
 
 
 def init_process_group(env: ClusterEnvironment, backend: str | None, timeout_s: int) -> None:
-    """Join the ranks of ``env`` (Lightning then reuses this group instead of creating its own)."""
+    """Join the ranks of ``env`` (Lightning then reuses this group instead of creating its own).
+
+    The group's keys live under a prefix of the launcher's restart count: torchrun's agent keeps one store
+    across restarts, and a restarted rank could otherwise read a dead rank's address from the attempt before.
+    """
     from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
 
     if dist.is_initialized():
         return
-    dist.init_process_group(
-        backend or default_backend(),
-        init_method=f"tcp://{env.main_address}:{env.main_port}",
-        rank=env.global_rank(),
-        world_size=env.world_size(),
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(env.main_address, env.main_port, env.world_size(),
+                     is_master=not agent_hosts_store and env.global_rank() == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend or default_backend(), store=PrefixStore(f"disttrain/attempt{attempt}/", store),
+                            rank=env.global_rank(), world_size=env.world_size(), timeout=timeout)
 
 
 def shutdown_process_group() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from disttrain.checkpoint_io import load_index, load_metadata
-from tests.test_restart import assert_same_weights, logged_losses, run
+from tests.fault_runs import assert_same_weights, logged_losses, run
 
 
 @pytest.mark.parametrize("preset", ["ddp", "zero3"])

@@ -9,7 +9,7 @@ import pytest
 
 from disttrain.checkpoint_io import load_index, load_metadata
 from disttrain.fault.checkpoints import damage, newest_complete
-from tests.test_restart import STEPS, assert_no_orphans, logged_losses, run
+from tests.fault_runs import STEPS, assert_no_orphans, logged_losses, run
 
 
 @pytest.fixture(scope="module")

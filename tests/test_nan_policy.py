@@ -13,7 +13,7 @@ from disttrain.checkpoint_io import load_metadata
 from disttrain.export import consolidated_weights
 from disttrain.fault.checkpoints import damage
 from disttrain.fault.config import NON_FINITE_EXIT
-from tests.test_restart import logged_losses, run
+from tests.fault_runs import logged_losses, run
 
 BAD_STEP = 6  # the 6th step: after the save point at step 4
 NAN = ["+callbacks.nan._target_=tests.crash.NonFiniteAtStep", f"+callbacks.nan.step={BAD_STEP - 1}",

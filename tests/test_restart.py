@@ -3,7 +3,6 @@ uninterrupted one (fp32, CPU, same world size), and nothing is left running."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -14,64 +13,32 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from disttrain.checkpoint_io import load_metadata
-from disttrain.export import consolidated_weights
 from disttrain.fault.config import HUNG_EXIT, PREEMPTED_EXIT
-from tests.conftest import ROOT, train_cli
-
-STEPS, EVERY = 12, 4
-# dropout on, so the generator states in the checkpoint matter; validation is the save point
-RUN = ["model=gpt", "model.flavour=micro", "model.dropout=0.1", "data=pydocs", "data.block_size=32",
-       "batch.global_size=8", f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1",
-       "trainer.limit_val_batches=2", "trainer.run_test=false", f"trainer.val_check_interval={EVERY}",
-       "trainer.check_val_every_n_epoch=null", "logger=csv", "callbacks=none", "trainer.devices=2"]
-KILL_AT = 6  # not a save point: steps 5 and 6 are trained twice
-
-
-def logged_losses(run_dir: Path) -> dict[int, str]:
-    """train/loss per step exactly as written (text, so equality is bitwise)."""
-    with open(run_dir / "csv" / "metrics.csv") as handle:
-        return {int(row["step"]): row["train/loss"] for row in csv.DictReader(handle) if row.get("train/loss")}
-
-
-def signal_at(step: int, rank: int, signum: int) -> list[str]:
-    """Overrides adding a callback that sends ``signum`` to ``rank`` after ``step`` steps (first attempt only)."""
-    return ["+callbacks.signal._target_=tests.crash.SignalAtStep", f"+callbacks.signal.step={step}",
-            f"+callbacks.signal.rank={rank}", f"+callbacks.signal.signum={int(signum)}"]
-
-
-def run(args: list[str], run_dir: Path):
-    return train_cli([*RUN, *args, f"hydra.run.dir={run_dir}"], ROOT)
-
-
-def assert_same_weights(run_dir: Path, reference: Path) -> None:
-    ours = consolidated_weights(run_dir / "checkpoints" / "last.ckpt")
-    theirs = consolidated_weights(reference / "checkpoints" / "last.ckpt")
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
-
-
-def assert_no_orphans(run_dir: Path) -> None:
-    """No process of this run is left (every rank's command line names the run's config file)."""
-    marker = str(run_dir / "config.yaml").encode()
-    left = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes():
-                left.append(proc.name)
-        except OSError:  # the process ended while we looked
-            continue
-    assert not left, left
+from tests.conftest import ROOT
+from tests.fault_runs import (
+    KILL_AT,
+    RUN,
+    STEPS,
+    assert_no_orphans,
+    assert_same_weights,
+    logged_losses,
+    run,
+    signal_at,
+    uninterrupted,
+)
 
 
 @pytest.fixture(scope="module", params=["ddp", "zero3"])
-def straight(request, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp(f"straight-{request.param}")
-    done = run([f"parallel={request.param}"], run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return request.param, run_dir
+def straight(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, uninterrupted(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted DDP run (one layout is enough for the tests that use it)."""
+    return uninterrupted("ddp", tmp_path_factory)
 
 
 def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_uninterrupted_one(straight, tmp_path):
@@ -102,10 +69,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     assert_no_orphans(run_dir)
 
 
-def test_a_deadlocked_rank_is_found_by_the_missing_progress_and_restarted(straight, tmp_path):
-    preset, reference = straight
-    if preset != "ddp":
-        pytest.skip("one layout is enough")
+def test_a_deadlocked_rank_is_found_by_the_missing_progress_and_restarted(reference, tmp_path):
     run_dir = tmp_path / "deadlocked"
     timeout = 6
     done = run(["parallel=ddp", f"fault_tolerance.hang_timeout_s={timeout}", "fault_tolerance.max_restarts=1",
@@ -119,10 +83,7 @@ def test_a_deadlocked_rank_is_found_by_the_missing_progress_and_restarted(straig
     assert_no_orphans(run_dir)
 
 
-def test_sigterm_to_the_job_is_forwarded_and_every_rank_saves(straight, tmp_path):
-    preset, reference = straight
-    if preset != "ddp":
-        pytest.skip("one layout is enough")
+def test_sigterm_to_the_job_is_forwarded_and_every_rank_saves(reference, tmp_path):
     run_dir = tmp_path / "job-preempted"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     job = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *RUN, "parallel=ddp", "trainer.max_steps=400",
@@ -141,29 +102,25 @@ def test_sigterm_to_the_job_is_forwarded_and_every_rank_saves(straight, tmp_path
     assert_no_orphans(run_dir)
 
 
-def test_sigterm_to_one_rank_saves_the_current_step_and_resume_is_bitwise(straight, tmp_path):
-    preset, reference = straight
+def test_sigterm_to_one_rank_saves_the_current_step_and_resume_is_bitwise(reference, tmp_path):
     run_dir = tmp_path / "preempted"
-    done = run([f"parallel={preset}", *signal_at(5, 1, signal.SIGTERM)], run_dir)
+    done = run(["parallel=ddp", *signal_at(5, 1, signal.SIGTERM)], run_dir)
     assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
     # the signal came after step 5's reduce: all ranks agree at step 6 and save it (not a save point)
     assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
-    resumed = run([f"parallel={preset}", "resume=auto"], run_dir)
+    resumed = run(["parallel=ddp", "resume=auto"], run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert logged_losses(run_dir) == logged_losses(reference)
     assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)
 
 
-def test_sigterm_at_random_moments_restarts_and_finishes_bitwise(straight, tmp_path):
-    preset, reference = straight
-    if preset != "ddp":
-        pytest.skip("one layout is enough for the random-moment trials")
+def test_sigterm_at_random_moments_restarts_and_finishes_bitwise(reference, tmp_path):
     run_dir = tmp_path / "trials"
     trials = int(os.environ.get("DISTTRAIN_PREEMPTION_TRIALS", "3"))
     done = run(["parallel=ddp", f"fault_tolerance.max_restarts={trials}",
                 "+callbacks.term._target_=tests.crash.SignalAtRandomMoments", f"+callbacks.term.trials={trials}",
-                "+callbacks.term.seed=5", "+callbacks.term.max_delay_s=1.0"], run_dir)
+                "+callbacks.term.seed=5", "+callbacks.term.max_delay_s=0.3"], run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     sent = len(list(run_dir.glob("sigterm-*")))  # a signal drawn after its attempt finished training is not sent
     assert sent >= 2

@@ -14,7 +14,15 @@ import pytest
 
 from disttrain.launch import free_port
 from tests.conftest import ROOT
-from tests.test_restart import KILL_AT, RUN, assert_no_orphans, assert_same_weights, logged_losses, run, signal_at
+from tests.fault_runs import (
+    KILL_AT,
+    RUN,
+    assert_no_orphans,
+    assert_same_weights,
+    logged_losses,
+    signal_at,
+    uninterrupted,
+)
 
 
 def torchrun(launcher: list[str], args: list[str], run_dir: Path, background: bool = False):
@@ -28,10 +36,7 @@ def torchrun(launcher: list[str], args: list[str], run_dir: Path, background: bo
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
-    done = run(["parallel=ddp"], run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
+    return uninterrupted("ddp", tmp_path_factory)
 
 
 def test_torchrun_max_restarts_resumes_bitwise(reference, tmp_path):
