@@ -160,6 +160,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         import time
 
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
 
         started = time.perf_counter()
         path = Path(self.broadcast(str(filepath)))
@@ -177,7 +178,9 @@ class DistTrainStrategy(ModelParallelStrategy):
         if self.async_save:
             if self._checkpoint_group is None:  # its own group: background writes never interleave with training's
                 self._checkpoint_group = torch.distributed.new_group(backend="gloo")
-            future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._checkpoint_group)
+            # the save plan is the same at every save of a run: cached, the planning collective runs once
+            future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._checkpoint_group,
+                                    planner=DefaultSavePlanner(enable_plan_caching=True))
             self._pending_save = (future, staging, path)
         else:
             dcp.save(shards, checkpoint_id=staging)
