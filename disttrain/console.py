@@ -21,6 +21,10 @@ _WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",
     # pipeline stages other than the last hold no loss, yet every rank must join the metric's reduction
     r"The ``compute`` method of metric \w+ was called before the ``update`` method",
+    # resuming mid-epoch is exact here: StepSampler skips the samples the checkpoint's steps consumed
+    r"You're resuming from a checkpoint that ended before the epoch ended",
+    # a resumed or restarted run writes into its own checkpoint folder by design
+    r"Checkpoint directory .* exists and is not empty",
 )
 
 
@@ -67,5 +71,13 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
         relation = ">=" if expect["mode"] == "max" else "<="
         verdict = "met" if expect["met"] else "NOT met"
         lines.append(f"  expected {expect['metric']} {relation} {expect['bound']:.4f}: {value}, {verdict}")
+    faults = results.get("fault_tolerance") or {}
+    events = []
+    if faults.get("restarts"):
+        events.append(f"{faults['restarts']} restart(s) (causes in logs/restarts.json)")
+    if faults.get("skipped_steps"):
+        events.append(f"{faults['skipped_steps']} step(s) skipped for non-finite numbers")
+    if events:
+        lines.append("  " + "; ".join(events))
     lines.append(f"  run directory {results_path.parent}; results in {results_path.name}")
     return "\n".join(lines)

@@ -2,10 +2,23 @@
 
 import os
 import sys
+import traceback
 from pathlib import Path
+
+import torch.distributed as dist
 
 from disttrain.fault.steps import NonFiniteStep, Preempted
 from disttrain.run import run_worker
+
+# what a rank sees when another rank died under it: the consequence, not the cause
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "connectFullMesh failed")
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether ``err`` is this rank's view of another rank's death (a failed collective or connection)."""
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(
+        marker in str(err) for marker in PEER_LOST))
+
 
 if __name__ == "__main__":
     code = 0
@@ -16,6 +29,14 @@ if __name__ == "__main__":
     except NonFiniteStep as err:
         print(f"Error: {err}", file=sys.stderr)
         code = err.exit_code
+    except Exception as err:  # noqa: BLE001 - every failure ends the rank; only its report differs
+        if lost_a_peer(err):  # the supervisor names the rank that failed first; one line here is enough
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"disttrain: rank {os.environ.get('RANK', '?')} lost contact with another rank: {first}",
+                  file=sys.stderr)
+        else:
+            traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # The rank's work is complete and its process group destroyed; C++ threads left by torch.distributed

@@ -49,6 +49,8 @@ def test_a_killed_rank_is_restarted_and_the_run_is_bitwise_the_uninterrupted_one
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1 was killed by SIGKILL" in done.stderr
     assert "restarting all 2 ranks (1 of 1)" in done.stderr
+    assert "Traceback" not in done.stderr  # the survivor's view of the death is one line, not a traceback
+    assert "1 restart(s) (causes in logs/restarts.json)" in done.stdout
     results = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
     assert results["restarts"] == 1
     assert results["restart_causes"][0]["rank"] == 1 and results["restart_causes"][0]["exit"] == "was killed by SIGKILL"
