@@ -124,11 +124,12 @@ def test_sigterm_at_random_moments_restarts_and_finishes_bitwise(reference, tmp_
                 "+callbacks.term._target_=tests.crash.SignalAtRandomMoments", f"+callbacks.term.trials={trials}",
                 "+callbacks.term.seed=5", "+callbacks.term.max_delay_s=0.3"], run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
-    sent = len(list(run_dir.glob("sigterm-*")))  # a signal drawn after its attempt finished training is not sent
-    assert sent >= 2
+    # a signal drawn after its attempt finished training is not sent; one sent after the last step's agreement
+    # has no step left to stop at, and the run simply finishes
+    sent = len(list(run_dir.glob("sigterm-*")))
     results = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
-    assert results["restarts"] == sent
-    assert {cause["exit"] for cause in results["restart_causes"]} == {f"exited with code {PREEMPTED_EXIT}"}
+    assert 2 <= results["restarts"] <= sent
+    assert {cause["exit"] for cause in results["restart_causes"]} == {f"was preempted (exit {PREEMPTED_EXIT})"}
     assert logged_losses(run_dir) == logged_losses(reference)
     assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)

@@ -87,12 +87,12 @@ class StepDecisions(pl.Callback):
 
     def __init__(self, agreement: StepAgreement) -> None:
         self.agreement = agreement
-        self._previous: dict[int, Any] = {}
         self._saved = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Install the handlers after Lightning installed its own (it registers them just before this hook)."""
-        self._previous = self.agreement.install()
+        """Install the handlers after Lightning installed its own (it registers them just before this hook);
+        they stay after training, when a late signal has no step left to stop at and is ignored."""
+        self.agreement.install()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         """Save at the end of the step in which the ranks agreed to stop."""
@@ -119,8 +119,3 @@ class StepDecisions(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Continue the checkpoint's count of skipped steps."""
         self.agreement.skipped_steps = int(state_dict.get("skipped_steps", 0))
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}

@@ -43,28 +43,38 @@ class Failure:
 
     attempt: int
     rank: int
-    exit: str
+    code: int | None
+    """The rank's exit status (negative: the signal that killed it; None: it would not stop)."""
     cause: str | None = None
     log_tail: list[str] = field(default_factory=list)
+    exit: str = ""
+    """``code`` in words."""
+
+    def __post_init__(self) -> None:
+        self.exit = self.exit or describe_exit(self.code)
 
     def describe(self) -> str:
-        """One paragraph: which rank, how it ended, why, and the end of its log."""
-        text = f"rank {self.rank} {self.exit}"
-        if self.cause:
-            text += f": {self.cause}"
+        """One paragraph: what happened, which rank, and the end of its log."""
+        text = f"{self.cause} (rank {self.rank} {self.exit})" if self.cause else f"rank {self.rank} {self.exit}"
         if self.log_tail:
             text += "; end of its log:\n" + "\n".join(self.log_tail)
         return text
 
 
-def describe_exit(code: int) -> str:
-    """``exited with code 1`` or ``was killed by SIGKILL``."""
+MEANINGS = {HUNG_EXIT: "found a hang", NON_FINITE_EXIT: "stopped on non-finite numbers", PREEMPTED_EXIT:
+            "was preempted"}
+
+
+def describe_exit(code: int | None) -> str:
+    """``exited with code 1``, ``was killed by SIGKILL``, ``found a hang (exit 124)``."""
+    if code is None:
+        return "did not stop"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    return f"{MEANINGS[code]} (exit {code})" if code in MEANINGS else f"exited with code {code}"
 
 
 class Supervisor:
@@ -91,7 +101,7 @@ class Supervisor:
                     return attempt
                 self.failures.append(failure)
                 (self.log_dir / RESTARTS_FILE).write_text(json.dumps([asdict(f) for f in self.failures], indent=2))
-                if attempt == self.max_restarts or failure.exit == describe_exit(NON_FINITE_EXIT):
+                if attempt == self.max_restarts or failure.code == NON_FINITE_EXIT:
                     break  # non-finite numbers would come back: a restart cannot help
                 print(f"disttrain: {failure.describe()}\ndisttrain: restarting all {self.world_size} ranks "
                       f"({attempt + 1} of {self.max_restarts}) from the newest complete checkpoint",
@@ -156,11 +166,11 @@ class Supervisor:
                 raise RanksStopped("preempted: every rank saved a checkpoint at the same step and stopped; "
                                    "run the same command with resume=auto to continue", PREEMPTED_EXIT)
             # one rank was told to go (a drained node): a restart resumes from the checkpoint just written
-            return Failure(attempt, codes.index(PREEMPTED_EXIT), describe_exit(PREEMPTED_EXIT),
+            return Failure(attempt, codes.index(PREEMPTED_EXIT), PREEMPTED_EXIT,
                            "a preemption signal reached a rank; every rank saved a checkpoint and stopped")
         rank = next(r for r, code in enumerate(codes) if code not in (0, PREEMPTED_EXIT))
-        return Failure(attempt, rank, describe_exit(codes[rank]) if codes[rank] is not None else "did not stop",
-                       "while the others stopped after a preemption signal", self._tail(rank))
+        return Failure(attempt, rank, codes[rank], "while the others stopped after a preemption signal",
+                       self._tail(rank))
 
     def _failure(self, attempt: int, rank: int, code: int, store: object) -> Failure:
         self._kill_all()  # the others cannot go on without it (and a stopped rank only yields to SIGKILL)
@@ -170,7 +180,7 @@ class Supervisor:
                 cause = store.get(FAILURE_KEY).decode()  # type: ignore[attr-defined]
         except Exception:  # the diagnosis is a courtesy; the exit code is the fact
             cause = None
-        return Failure(attempt, rank, describe_exit(code), cause, self._tail(rank))
+        return Failure(attempt, rank, code, cause, self._tail(rank))
 
     def _tail(self, rank: int, lines: int = 15) -> list[str]:
         path = self._log_path(rank)
@@ -195,10 +205,6 @@ class Supervisor:
 
 def _exit_code(failure: Failure) -> int:
     """The job's exit status: a hang or non-finite numbers keep their own code; other failures are 1."""
-    if failure.exit == describe_exit(HUNG_EXIT) or (failure.cause or "").startswith("hang"):
-        return HUNG_EXIT
-    if failure.exit == describe_exit(NON_FINITE_EXIT):
-        return NON_FINITE_EXIT
-    if failure.exit == describe_exit(PREEMPTED_EXIT):
-        return PREEMPTED_EXIT
-    return 1
+    if failure.code in (HUNG_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT):
+        return failure.code  # type: ignore[return-value]
+    return HUNG_EXIT if (failure.cause or "").startswith("hang") else 1

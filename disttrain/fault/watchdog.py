@@ -123,7 +123,7 @@ class RankWatchdog(pl.Callback):
                     seen[rank] = (other_beat, progress, now)
                 elif now - old[2] > self.timeout_s:
                     self._fail(f"hang: rank {rank} has not answered for {now - old[2]:.0f} s (stopped, frozen "
-                               f"or unreachable) at step {step}", store)
+                               f"or unreachable), last seen at step {step}", store)
                     return
             if now - max(progress_changed, started) > self.timeout_s:
                 slowest = min(steps, key=lambda r: (steps[r], r)) if steps else self.rank
