@@ -13,7 +13,7 @@ from disttrain.checkpoint_io import load_metadata
 from disttrain.export import consolidated_weights
 from disttrain.fault.checkpoints import damage
 from disttrain.fault.config import NON_FINITE_EXIT
-from tests.fault_runs import logged_losses, run
+from tests.fault_runs import assert_no_orphans, logged_losses, run
 
 BAD_STEP = 6  # the 6th step: after the save point at step 4
 NAN = ["+callbacks.nan._target_=tests.crash.NonFiniteAtStep", f"+callbacks.nan.step={BAD_STEP - 1}",
@@ -30,6 +30,7 @@ def test_stop_keeps_the_last_good_checkpoint_and_exits_with_its_code(tmp_path, p
     assert load_metadata(last)["global_step"] == 4 and damage(last) is None
     weights = consolidated_weights(last)
     assert all(torch.isfinite(w).all() for w in weights.values())
+    assert_no_orphans(run_dir)
 
 
 def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
