@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
+from disttrain.comm.meter import CommMeter
 from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
 from disttrain.console import quiet_noise, run_summary
 from disttrain.fault.rng import RandomStates
@@ -100,6 +101,8 @@ def run_rank(run: RunConfig) -> float | None:
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size,
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
+        comm_meter = CommMeter(cfg.comm.name, trainer.strategy.comm_counter)
+        trainer.callbacks.append(comm_meter)
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
@@ -116,6 +119,7 @@ def run_rank(run: RunConfig) -> float | None:
                 logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
         strategy = trainer.strategy
+        results["comm"] = comm_meter.result
         results["checkpoints"] = {"saves": strategy.checkpoint_saves,
                                   "blocking_s": round(strategy.checkpoint_blocking_s, 3),
                                   "share_of_wall_time": round(strategy.checkpoint_blocking_s / max(fit_seconds, 1e-9),
@@ -184,7 +188,7 @@ def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMet
         devices=devices,
         num_nodes=num_nodes,
         strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False),
-                                   pipeline, cfg.checkpoint.async_save),
+                                   pipeline, cfg.checkpoint.async_save, cfg.comm),
         max_steps=t.max_steps,
         # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
         max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),

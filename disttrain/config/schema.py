@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
+from disttrain.comm.config import CommConfig
 from disttrain.fault.config import FaultToleranceConfig
 from disttrain.parallel.config import ParallelConfig
 
@@ -131,6 +132,8 @@ class TrainConfig:
     """Learning-rate schedule."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the run is spread over ranks."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """What data-parallel gradients are sent as (comm group)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Lightning Trainer options."""
     batch: BatchConfig = field(default_factory=BatchConfig)

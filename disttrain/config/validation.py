@@ -99,6 +99,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                           "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
     _validate_trainer(top.trainer)
     top.fault_tolerance.validate(top.parallel.timeout_s)
+    top.comm.validate()
     if top.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
@@ -114,6 +115,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     p = top.parallel
     dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
     p.check_dims(dims)
+    top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp)
     batch = resolve_batch(top.batch, dims.dp)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []

@@ -15,6 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.comm.config import CommConfig
+from disttrain.comm.counter import ByteCounter
+from disttrain.comm.hooks import register_compression
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
@@ -31,8 +34,11 @@ def apply_parallelism(
     device: torch.device,
     precision: str = "32-true",
     sync_batchnorm: bool = False,
+    comm: CommConfig | None = None,
+    counter: ByteCounter | None = None,
 ) -> nn.Module:
-    """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper)."""
+    """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper). ``comm``:
+    what DDP's gradients are sent as, with the bytes counted in ``counter``."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
@@ -51,11 +57,15 @@ def apply_parallelism(
         dp_mesh = dims.dp_mesh(mesh)
         if sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
-        return apply_ddp(model, dp_mesh, parallel.ddp, device)
+        ddp = apply_ddp(model, dp_mesh, parallel.ddp, device)
+        if comm is not None:
+            register_compression(ddp, comm, counter or ByteCounter())
+        return ddp
     return model
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device: torch.device) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device: torch.device
+              ) -> DistributedDataParallel:
     """Replicate ``model`` over ``dp_mesh`` with torch DDP (bucketed, overlapped gradient all-reduce)."""
     return DistributedDataParallel(
         model,

@@ -26,6 +26,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.checkpoint_io import METADATA_FILE, load_metadata, load_sharded
+from disttrain.comm.config import CommConfig
+from disttrain.comm.counter import ByteCounter
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
@@ -48,7 +50,7 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def __init__(
         self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False,
-        pipeline: PipelineSlot | None = None, async_save: bool = False,
+        pipeline: PipelineSlot | None = None, async_save: bool = False, comm: CommConfig | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=dims.dp,
@@ -65,6 +67,10 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Where a pipelined run's stages and schedule go (shared with the task); None: not pipelined."""
         self.async_save = async_save
         """Write checkpoints in the background (one save in flight)."""
+        self.comm = comm
+        """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
+        self.comm_counter = ByteCounter()
+        """Bytes this rank sent through disttrain's gradient exchange."""
         self._parallelised = False
         self._pending_save: tuple[Any, Path, Path] | None = None
         self.checkpoint_saves = 0
@@ -100,7 +106,7 @@ class DistTrainStrategy(ModelParallelStrategy):
             else:
                 task.net = apply_parallelism(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
-                    self.sync_batchnorm,
+                    self.sync_batchnorm, self.comm, self.comm_counter,
                 )
             self._parallelised = True
         self.barrier()
