@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
-from disttrain.comm.meter import CommMeter
+from disttrain.comm.meter import CommMeter, ResidualState
 from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
 from disttrain.console import quiet_noise, run_summary
 from disttrain.fault.rng import RandomStates
@@ -102,7 +102,7 @@ def run_rank(run: RunConfig) -> float | None:
         trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size,
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
         comm_meter = CommMeter(cfg.comm.name, trainer.strategy.comm_counter)
-        trainer.callbacks.append(comm_meter)
+        trainer.callbacks += [comm_meter, ResidualState(trainer.strategy.comm_feedback)]
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume)

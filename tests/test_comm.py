@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from disttrain.comm.codecs import CastCodec
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
-from disttrain.comm.exchange import CastCodec, compressed_mean
+from disttrain.comm.exchange import compressed_mean
 from tests.dist_utils import run_on_ranks
 
 NUMEL = 1001  # not a multiple of the world size: the padding is exercised
@@ -42,9 +43,11 @@ def test_compressed_mean_is_the_simulated_algorithm_and_its_bytes_follow_the_rin
         means = [mean for mean, _ in results]
         assert all(torch.equal(means[0], other) for other in means[1:])  # every replica gets the same values
         codec = CastCodec(dtype)
-        chunks = [codec.decode(codec.encode(p)) for p in (rank_values(r) for r in range(world))]
-        padded = torch.stack([torch.nn.functional.pad(c, (0, chunk * world - NUMEL)) for c in chunks])
-        simulated = codec.decode(codec.encode(padded.view(world, world, chunk).sum(dim=0) / world)).flatten()
+        padded = torch.stack([torch.nn.functional.pad(rank_values(r), (0, chunk * world - NUMEL))
+                              for r in range(world)]).view(world, world, chunk)
+        decoded = torch.stack([codec.decode(codec.encode(rows), chunk) for rows in padded])
+        owned = decoded.sum(dim=0) / world  # row j: the mean chunk rank j owns
+        simulated = codec.decode(codec.encode(owned), chunk).flatten()
         assert torch.equal(means[0], simulated[:NUMEL])
     assert torch.allclose(full[0][0], exact, rtol=1e-6, atol=1e-6)
     # bytes per rank: 2 (N - 1) / N of the (padded) payload, and fp16 / bf16 exactly half of fp32

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from disttrain.errors import ConfigError
 
-CODECS = ("none", "fp16", "bf16")
-"""none: fp32 all-reduce (DDP's own); fp16/bf16: cast for the wire, accumulated in fp32."""
+CODECS = ("none", "fp16", "bf16", "int8", "onebit")
+"""none: fp32 all-reduce (DDP's own); fp16/bf16: cast for the wire; int8: 8-bit codes with stochastic
+rounding; onebit: signs and a mean magnitude. All are reduced in fp32."""
 
 
 @dataclass
@@ -15,7 +16,10 @@ class CommConfig:
     """Gradient compression for the data-parallel all-reduce of DDP (``parallel=ddp`` and ``zero1``)."""
 
     name: str = "none"
-    """What gradients are sent as: none (fp32, DDP's own all-reduce), fp16 or bf16."""
+    """What gradients are sent as: none (fp32, DDP's own all-reduce), fp16, bf16, int8 or onebit."""
+    error_feedback: bool = True
+    """Add what each compression left out to the next payload of the same bucket (int8, onebit); the
+    residuals are in the checkpoint."""
 
     def validate(self) -> None:
         """Raise ConfigError for an unknown codec."""

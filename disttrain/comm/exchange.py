@@ -1,10 +1,11 @@
 """A mean over ranks with compressed payloads: reduce-scatter and all-gather of encoded chunks, summed in fp32.
 
-torch's compression hooks either all-reduce in the wire dtype (so the sum itself is rounded, and gloo's
-bf16 support was missing when they were written) or all-gather every rank's whole payload, whose bytes
-grow with the number of ranks. Here each rank sends N - 1 encoded chunks of 1/N of the payload to their
-owners, which decode and sum them in fp32, and sends its encoded mean chunk back to every rank: 2 (N - 1) / N
-of the encoded size per rank, as a ring all-reduce, through two all-to-alls that gloo and NCCL both run.
+torch's compression hooks either all-reduce in the wire dtype (so the sum itself is rounded) or all-gather
+every rank's whole payload, whose bytes grow with the number of ranks. Here each rank sends N - 1 encoded
+chunks of 1/N of the payload to their owners, which decode and sum them in fp32, and sends its encoded mean
+chunk back to every rank: 2 (N - 1) / N of the encoded size per rank, as a ring all-reduce, through two
+all-to-alls that gloo and NCCL both run. With error feedback, what a compression leaves out of a payload
+(the residual) is added to the next payload of the same bucket, on the sending side of both phases.
 """
 
 from __future__ import annotations
@@ -18,48 +19,57 @@ from disttrain.comm.counter import ByteCounter
 
 
 class Codec(Protocol):
-    """What goes on the wire for a float32 tensor, and back."""
+    """What goes on the wire for rows of float32 values (one row per destination chunk), and back."""
 
-    def encode(self, values: torch.Tensor) -> torch.Tensor:
-        """The wire form of ``values`` (float32)."""
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """The wire form of ``rows`` (float32, shape [n, chunk]): one wire row per row."""
 
-    def decode(self, wire: torch.Tensor) -> torch.Tensor:
-        """float32 values of a wire tensor."""
+    def decode(self, wire: torch.Tensor, chunk: int) -> torch.Tensor:
+        """float32 rows of ``chunk`` values from wire rows."""
 
 
-class CastCodec:
-    """Sends values cast to ``dtype`` (fp16 or bf16); decoding casts back to fp32."""
+class ErrorFeedback:
+    """Residuals of the two compressions of each bucket (this rank's payload, and the chunk it owns)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+        """``"<bucket>/send"`` and ``"<bucket>/own"`` -> what the last compression of that payload left out."""
 
-    def encode(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` in the wire dtype."""
-        return values.to(self.dtype)
+    def apply(self, key: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` plus the residual left by the previous compression of the same payload."""
+        residual = self.residuals.get(key)
+        return values + residual if residual is not None and residual.shape == values.shape else values
 
-    def decode(self, wire: torch.Tensor) -> torch.Tensor:
-        """The wire values as float32."""
-        return wire.float()
+    def keep(self, key: str, wanted: torch.Tensor, sent: torch.Tensor) -> None:
+        """Remember what the compression of ``wanted`` left out."""
+        self.residuals[key] = wanted - sent
 
 
 def compressed_mean(values: torch.Tensor, codec: Codec, group: dist.ProcessGroup | None = None,
-                    counter: ByteCounter | None = None) -> torch.Tensor:
-    """The mean over the ranks of ``group`` of the 1-D float32 ``values``, each payload sent encoded."""
+                    counter: ByteCounter | None = None, feedback: ErrorFeedback | None = None,
+                    key: str = "0") -> torch.Tensor:
+    """The mean over the ranks of ``group`` of the 1-D float32 ``values``, each payload sent encoded.
+    ``feedback`` (optional) carries the residuals of payload ``key`` from one call to the next."""
     world = dist.get_world_size(group)
     chunk = -(-values.numel() // world)
-    padded = torch.zeros(chunk * world, dtype=torch.float32, device=values.device)
-    padded[: values.numel()] = values
+    padded = torch.zeros(world, chunk, dtype=torch.float32, device=values.device)
+    padded.view(-1)[: values.numel()] = values
     # reduce-scatter: chunk j goes to rank j, encoded; its owner sums the N decoded chunks in fp32
-    sent = codec.encode(padded)
+    wanted = feedback.apply(f"{key}/send", padded) if feedback is not None else padded
+    sent = codec.encode(wanted)
+    if feedback is not None:
+        feedback.keep(f"{key}/send", wanted, codec.decode(sent, chunk))
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
-    own = codec.decode(received).view(world, chunk).sum(dim=0) / world
+    own = codec.decode(received, chunk).sum(dim=0, keepdim=True) / world
     # all-gather: the owner's encoded mean chunk goes to every rank
-    mean_wire = codec.encode(own)
-    gathered = torch.empty(world * mean_wire.numel(), dtype=mean_wire.dtype, device=values.device)
-    dist.all_to_all_single(gathered, mean_wire.repeat(world), group=group)
+    own_wanted = feedback.apply(f"{key}/own", own) if feedback is not None else own
+    mean_wire = codec.encode(own_wanted)
+    if feedback is not None:
+        feedback.keep(f"{key}/own", own_wanted, codec.decode(mean_wire, chunk))
+    gathered = torch.empty_like(sent)
+    dist.all_to_all_single(gathered, mean_wire.expand(world, -1).contiguous(), group=group)
     if counter is not None:
-        counter.add((world - 1) * (sent.numel() // world) * sent.element_size()
-                    + (world - 1) * mean_wire.numel() * mean_wire.element_size())
+        counter.add(2 * (world - 1) * sent[0].numel() * sent.element_size())
     # every rank, its own chunk included, decodes what was sent: replicas stay identical
-    return codec.decode(gathered)[: values.numel()]
+    return codec.decode(gathered, chunk).view(-1)[: values.numel()]

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
+from disttrain.comm.exchange import ErrorFeedback
 
 
 class CommMeter(pl.Callback):
@@ -55,3 +57,27 @@ class CommMeter(pl.Callback):
                        "fp32_allreduce_bytes_per_step": self.fp32_bytes,
                        "compression_ratio": round(self.fp32_bytes / sent, 4) if sent else None,
                        "counted": self.codec != "none"}
+
+
+class ResidualState(pl.Callback):
+    """Every rank's error-feedback residuals in the checkpoint, so a resumed run continues the same
+    compression (DeepSpeed resets them on load). A checkpoint's callback states come from rank 0, so they
+    are gathered there; a rank takes its own back (on another world size the run starts without them)."""
+
+    def __init__(self, feedback: ErrorFeedback) -> None:
+        self.feedback = feedback
+
+    def state_dict(self) -> dict[str, Any]:
+        """All ranks' residuals (called on every rank as a checkpoint is written)."""
+        own = {key: value.cpu() for key, value in self.feedback.residuals.items()}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return {"ranks": [own]}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, own)
+        return {"ranks": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's residuals from the checkpoint."""
+        ranks = state_dict.get("ranks") or []
+        if dist.is_initialized() and len(ranks) == dist.get_world_size():
+            self.feedback.residuals = dict(ranks[dist.get_rank()])

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
+from disttrain.comm.exchange import ErrorFeedback
 from disttrain.comm.hooks import register_compression
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
@@ -36,9 +37,11 @@ def apply_parallelism(
     sync_batchnorm: bool = False,
     comm: CommConfig | None = None,
     counter: ByteCounter | None = None,
+    feedback: ErrorFeedback | None = None,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper). ``comm``:
-    what DDP's gradients are sent as, with the bytes counted in ``counter``."""
+    what DDP's gradients are sent as, with the bytes counted in ``counter`` and the error-feedback residuals
+    kept in ``feedback``."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
@@ -59,7 +62,7 @@ def apply_parallelism(
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
         ddp = apply_ddp(model, dp_mesh, parallel.ddp, device)
         if comm is not None:
-            register_compression(ddp, comm, counter or ByteCounter())
+            register_compression(ddp, comm, counter or ByteCounter(), feedback or ErrorFeedback())
         return ddp
     return model
 
