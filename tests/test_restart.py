@@ -133,3 +133,16 @@ def test_sigterm_at_random_moments_restarts_and_finishes_bitwise(reference, tmp_
     assert logged_losses(run_dir) == logged_losses(reference)
     assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)
+
+
+def test_a_restarted_run_with_compressed_gradients_continues_the_residuals_bitwise(tmp_path):
+    # onebit is deterministic, and its error-feedback residuals change every step's update
+    reference = tmp_path / "straight"
+    done = run(["parallel=ddp", "comm=onebit"], reference)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "killed"
+    done = run(["parallel=ddp", "comm=onebit", "fault_tolerance.max_restarts=1",
+                *signal_at(KILL_AT, 1, signal.SIGKILL)], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert logged_losses(run_dir) == logged_losses(reference)
+    assert_same_weights(run_dir, reference)

@@ -26,20 +26,37 @@ def codec_of(config: CommConfig) -> Codec | None:
 
 def register_compression(ddp: DistributedDataParallel, config: CommConfig, counter: ByteCounter,
                          feedback: ErrorFeedback | None = None) -> None:
-    """Make ``ddp`` average its gradient buckets through ``config``'s codec, counting the bytes sent;
-    ``feedback`` keeps the residuals when ``comm.error_feedback`` is on."""
+    """Make ``ddp`` average its gradients through ``config``'s codec, counting the bytes sent; ``feedback``
+    keeps the residuals when ``comm.error_feedback`` is on.
+
+    The buckets of an iteration are collected and exchanged as one payload in the model's parameter order
+    when the last one arrives: DDP lays its buckets out again after the first iteration of every process,
+    and a payload (its chunks, scales and residuals) that followed DDP's layout would differ between a
+    resumed process's first step and the uninterrupted run's.
+    """
     codec = codec_of(config)
     if codec is None:
         return
     group = ddp.process_group
     residuals = feedback if config.error_feedback else None
+    position = {id(param): index for index, param in enumerate(ddp.module.parameters())}
+    pending: list[tuple[dist.GradBucket, torch.futures.Future[torch.Tensor]]] = []
 
     def hook(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        mean = compressed_mean(buffer.float(), codec, group, counter, residuals, str(bucket.index()))
-        buffer.copy_(mean)
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(buffer)
+        pending.append((bucket, done))
+        if bucket.is_last():
+            grads = sorted(((position[id(param)], grad) for b, _ in pending
+                            for param, grad in zip(b.parameters(), b.gradients(), strict=True)), key=lambda g: g[0])
+            flat = torch.cat([grad.reshape(-1).float() for _, grad in grads])
+            mean = compressed_mean(flat, codec, group, counter, residuals, "all")
+            offset = 0
+            for _, grad in grads:  # the gradients are views into the buckets' buffers
+                grad.copy_(mean[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+            for b, future in pending:
+                future.set_result(b.buffer())
+            pending.clear()
         return done
 
     ddp.register_comm_hook(None, hook)
