@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
 from disttrain.comm.exchange import ErrorFeedback
+from disttrain.fault.per_rank import PerRankState
 
 
 class CommMeter(pl.Callback):
@@ -59,25 +59,18 @@ class CommMeter(pl.Callback):
                        "counted": self.codec != "none"}
 
 
-class ResidualState(pl.Callback):
+class ResidualState(PerRankState):
     """Every rank's error-feedback residuals in the checkpoint, so a resumed run continues the same
-    compression (DeepSpeed resets them on load). A checkpoint's callback states come from rank 0, so they
-    are gathered there; a rank takes its own back (on another world size the run starts without them)."""
+    compression (DeepSpeed resets them on load); on another world size the run starts without them."""
 
     def __init__(self, feedback: ErrorFeedback) -> None:
         self.feedback = feedback
 
-    def state_dict(self) -> dict[str, Any]:
-        """All ranks' residuals (called on every rank as a checkpoint is written)."""
-        own = {key: value.cpu() for key, value in self.feedback.residuals.items()}
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return {"ranks": [own]}
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, own)
-        return {"ranks": gathered}
+    def own_state(self) -> dict[str, Any]:
+        """This rank's residuals."""
+        return {key: value.cpu() for key, value in self.feedback.residuals.items()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """This rank's residuals from the checkpoint."""
-        ranks = state_dict.get("ranks") or []
-        if dist.is_initialized() and len(ranks) == dist.get_world_size():
-            self.feedback.residuals = dict(ranks[dist.get_rank()])
+    def restore(self, state: dict[str, Any], same_world: bool) -> None:
+        """Continue with the checkpoint's residuals (chunk ownership follows the world size)."""
+        if same_world:
+            self.feedback.residuals = dict(state)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from disttrain.fault.per_rank import PerRankState
 
 
 def rng_state() -> dict[str, Any]:
@@ -34,26 +34,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class RandomStates(pl.Callback):
-    """Saves all ranks' generator states with each checkpoint and restores each rank's own on resume.
+class RandomStates(PerRankState):
+    """Saves all ranks' generator states with each checkpoint and restores each rank's own on resume
+    (Lightning saves none). On another world size, rank r takes the state of rank r modulo the saved world
+    size: the run continues, no longer bitwise."""
 
-    Lightning saves no generator state, and a checkpoint's callback states come from rank 0 alone, so
-    every rank's state is gathered into rank 0's. On a different world size, rank r takes the state of
-    rank r modulo the saved world size (the run continues, no longer bitwise).
-    """
+    def own_state(self) -> dict[str, Any]:
+        """This rank's generator states."""
+        return rng_state()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's generator states, gathered (called on all ranks as a checkpoint is written)."""
-        own = rng_state()
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return {"ranks": [own]}
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, own)
-        return {"ranks": gathered}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take this rank's states from the checkpoint."""
-        ranks = state_dict.get("ranks") or []
-        if ranks:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            set_rng_state(ranks[rank % len(ranks)])
+    def restore(self, state: dict[str, Any], same_world: bool) -> None:
+        """Set this process's generators."""
+        set_rng_state(state)
