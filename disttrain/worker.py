@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from disttrain.fault.config import LOST_PEER_EXIT
 from disttrain.fault.steps import NonFiniteStep, Preempted
 from disttrain.run import run_worker
 
@@ -30,13 +31,14 @@ if __name__ == "__main__":
         print(f"Error: {err}", file=sys.stderr)
         code = err.exit_code
     except Exception as err:  # noqa: BLE001 - every failure ends the rank; only its report differs
+        code = 1
         if lost_a_peer(err):  # the supervisor names the rank that failed first; one line here is enough
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             print(f"disttrain: rank {os.environ.get('RANK', '?')} lost contact with another rank: {first}",
                   file=sys.stderr)
+            code = LOST_PEER_EXIT
         else:
             traceback.print_exc()
-        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # The rank's work is complete and its process group destroyed; C++ threads left by torch.distributed

@@ -18,13 +18,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from disttrain.fault.config import HUNG_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT
+from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT
 
 RESTARTS_FILE = "restarts.json"
 """In the log folder: one record per restart (attempt, rank, exit, cause, end of log)."""
 FAILURE_KEY = "disttrain/failure"
 """Store key where a rank that detected a hang leaves its one-line diagnosis for the supervisor."""
 POLL_S = 0.2
+CAUSE_GRACE_S = 2.0
+"""How long a rank that only lost contact with the others waits for the failure that caused it to show."""
 PREEMPTION_GRACE_S = 120.0
 """How long the other ranks may take to finish their checkpoint once one rank exited as preempted."""
 
@@ -62,7 +64,7 @@ class Failure:
 
 
 MEANINGS = {HUNG_EXIT: "found a hang", NON_FINITE_EXIT: "stopped on non-finite numbers", PREEMPTED_EXIT:
-            "was preempted"}
+            "was preempted", LOST_PEER_EXIT: "lost contact with another rank"}
 
 
 def describe_exit(code: int | None) -> str:
@@ -143,14 +145,20 @@ class Supervisor:
         return self.log_dir / f"rank{rank}.log"
 
     def _watch(self, attempt: int, store: object) -> Failure | None:
+        lost_since: float | None = None
         while True:
             codes = [proc.poll() for proc in self._procs]
             if all(code == 0 for code in codes):
                 return None
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                # the root cause first: a rank killed by a signal, then a diagnosed exit, then the lowest rank
-                rank, code = min(failed, key=lambda f: (f[1] >= 0, f[1] not in (HUNG_EXIT, NON_FINITE_EXIT), f[0]))
+            if failed and all(code == LOST_PEER_EXIT for _, code in failed) and lost_since is None:
+                lost_since = time.monotonic()  # a consequence: give the rank that caused it a moment to show
+            if failed and (lost_since is None or time.monotonic() - lost_since > CAUSE_GRACE_S
+                           or any(code != LOST_PEER_EXIT for _, code in failed)):
+                # the root cause first: a rank killed by a signal, then a diagnosed exit, then any other failure;
+                # a rank that only lost contact with the others comes last
+                rank, code = min(failed, key=lambda f: (f[1] >= 0, f[1] == LOST_PEER_EXIT,
+                                                        f[1] not in (HUNG_EXIT, NON_FINITE_EXIT), f[0]))
                 if code == PREEMPTED_EXIT:
                     return self._finish_preemption(attempt)
                 return self._failure(attempt, rank, code, store)
