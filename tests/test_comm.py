@@ -182,6 +182,6 @@ def test_quantised_codecs_with_error_feedback_reach_the_uncompressed_accuracy(
 def test_onebit_without_error_feedback_is_measurably_worse(tmp_path_factory):
     with_feedback = digits_run(tmp_path_factory, "onebit-ef", ["comm=onebit"])
     without = digits_run(tmp_path_factory, "onebit-no-ef", ["comm=onebit", "comm.error_feedback=false"])
-    # measured test loss: 0.038 with error feedback, 0.119 without (accuracy 0.9889 both: AdamW normalises the
-    # biased signs well enough on this small task, the loss shows the bias)
+    # measured test loss: 0.045 with error feedback, 0.125 without (accuracy 0.9889 and 0.9861: AdamW normalises
+    # the biased signs well enough on this small task, the loss shows the bias)
     assert without["metrics"]["test/loss"] > 2 * with_feedback["metrics"]["test/loss"]
