@@ -6,22 +6,23 @@ rank 0's as the checkpoint is written, and each rank takes its own back on load.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 
 
-class PerRankState(pl.Callback):
+class PerRankState(pl.Callback, ABC):
     """Base of callbacks whose checkpoint state is one entry per rank; subclasses say what the entry is."""
 
+    @abstractmethod
     def own_state(self) -> Any:
         """This rank's entry (plain data and CPU tensors)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def restore(self, state: Any, same_world: bool) -> None:
         """Take back this rank's entry (``same_world``: the checkpoint was written on as many ranks)."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's entry, gathered (called on all ranks as a checkpoint is written)."""
