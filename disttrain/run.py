@@ -15,7 +15,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
-from disttrain.comm.meter import CommMeter, ResidualState
+from disttrain.comm.meter import comm_meter_of
+from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
 from disttrain.console import quiet_noise, run_summary
 from disttrain.fault.rng import RandomStates
@@ -101,8 +102,8 @@ def run_rank(run: RunConfig) -> float | None:
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size,
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
-        comm_meter = CommMeter(cfg.comm.name, trainer.strategy.comm_counter)
-        trainer.callbacks += [comm_meter, ResidualState(trainer.strategy.comm_feedback)]
+        comm_meter = comm_meter_of(cfg.comm, trainer.strategy)
+        trainer.callbacks += [comm_meter, ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume)

@@ -3,35 +3,66 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from disttrain.errors import ConfigError
 
-CODECS = ("none", "fp16", "bf16", "int8", "onebit")
-"""none: fp32 all-reduce (DDP's own); fp16/bf16: cast for the wire; int8: 8-bit codes with stochastic
-rounding; onebit: signs and a mean magnitude. All are reduced in fp32."""
+CODECS = ("none", "fp16", "bf16", "powersgd", "int8", "onebit")
+"""none: fp32 all-reduce (DDP's own); fp16/bf16: cast for the wire; powersgd: low-rank factors; int8: 8-bit
+codes with stochastic rounding; onebit: signs and a mean magnitude. All are reduced in fp32."""
+
+SHARDED_CODECS = ("none", "fp16", "bf16")
+"""What ZeRO-2/3 can send: FSDP2 reduce-scatters gradients itself, in its ``reduce_dtype``."""
 
 
 @dataclass
 class CommConfig:
-    """Gradient compression for the data-parallel all-reduce of DDP (``parallel=ddp`` and ``zero1``)."""
+    """How data-parallel gradients are sent: by DDP (``parallel=ddp``, ``zero1``) through a codec, or by FSDP2
+    (ZeRO-2/3, hybrid sharding) in a reduce dtype."""
 
     name: str = "none"
-    """What gradients are sent as: none (fp32, DDP's own all-reduce), fp16, bf16, int8 or onebit."""
+    """What gradients are sent as: none (fp32), fp16, bf16, powersgd, int8 or onebit."""
     error_feedback: bool = True
-    """Add what each compression left out to the next payload of the same bucket (int8, onebit); the
-    residuals are in the checkpoint."""
+    """Add what each compression left out to the next payload (powersgd, int8, onebit); the residuals are in
+    the checkpoint."""
+    rank: int = 4
+    """powersgd: rank of the factors P (n x rank) and Q (m x rank) that stand for an n x m gradient matrix."""
+    warmup_steps: int = 2
+    """powersgd: optimiser steps of plain fp32 all-reduce before compressing (at least 2: torch's PowerSGD needs
+    them with error feedback and warm start)."""
 
     def validate(self) -> None:
-        """Raise ConfigError for an unknown codec."""
+        """Raise ConfigError for an unknown codec or an impossible option."""
         if self.name not in CODECS:
             raise ConfigError("comm.name", self.name, f"one of {', '.join(CODECS)}")
+        if self.rank < 1:
+            raise ConfigError("comm.rank", self.rank, "a positive rank")
+        if self.warmup_steps < 2:
+            raise ConfigError("comm.warmup_steps", self.warmup_steps,
+                              "2 or more (torch's PowerSGD starts compressing at step 2 at the earliest)")
 
     def check_layout(self, zero_stage: int, pipelined: bool, data_parallel: int) -> None:
-        """Refuse a codec on a layout whose gradients do not go through DDP's all-reduce."""
+        """Refuse a codec on a layout whose gradients it cannot carry."""
         if self.name == "none":
             return
         if data_parallel < 2:
             raise ConfigError("comm", self.name, "none on a run without data-parallel ranks (nothing to exchange)")
-        if zero_stage in (2, 3) or pipelined:
-            raise ConfigError("comm", self.name, "none with ZeRO-2/3, hybrid sharding or pipeline stages: the "
-                              "codecs compress DDP's gradient all-reduce (parallel=ddp or zero1)")
+        if pipelined:
+            raise ConfigError("comm", self.name, "none with pipeline stages (their gradients are not exchanged "
+                              "by DDP or FSDP2 as one model's)")
+        if zero_stage in (2, 3) and self.name not in SHARDED_CODECS:
+            raise ConfigError("comm", self.name, f"one of {', '.join(SHARDED_CODECS)} with ZeRO-{zero_stage} "
+                              "(FSDP2 reduce-scatters the gradients in a reduce dtype; the other codecs compress "
+                              "DDP's all-reduce: parallel=ddp or zero1)")
+
+    def check_model(self, net: Any) -> None:
+        """Refuse a PowerSGD rank at which no gradient matrix of ``net`` (a meta-device model) gets smaller."""
+        if self.name != "powersgd":
+            return
+        from disttrain.comm.powersgd import largest_useful_rank
+
+        useful = largest_useful_rank([param.shape for param in net.parameters() if param.requires_grad])
+        if self.rank > useful:
+            raise ConfigError("comm.rank", self.rank,
+                              f"at most {useful}: above it no gradient matrix of this model is smaller as "
+                              f"rank-{self.rank} factors (every value would be sent uncompressed)")

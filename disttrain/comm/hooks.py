@@ -5,6 +5,8 @@ is registered here, on CPU/gloo and GPU/NCCL alike. (No postponed annotations in
 the hook's annotations at run time.)
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -13,8 +15,15 @@ from disttrain.comm.codecs import CastCodec, Int8Codec, SignCodec
 from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
 from disttrain.comm.exchange import Codec, ErrorFeedback, compressed_mean
+from disttrain.comm.powersgd import PowerSGDExchange
+from disttrain.comm.state import ExchangeState
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wire_dtype(config: CommConfig | None) -> torch.dtype | None:
+    """The dtype gradients are cast to for the wire (fp16, bf16), else None."""
+    return WIRE_DTYPES.get(config.name) if config is not None else None
 
 
 def codec_of(config: CommConfig) -> Codec | None:
@@ -25,20 +34,25 @@ def codec_of(config: CommConfig) -> Codec | None:
 
 
 def register_compression(ddp: DistributedDataParallel, config: CommConfig, counter: ByteCounter,
-                         feedback: ErrorFeedback | None = None) -> None:
-    """Make ``ddp`` average its gradients through ``config``'s codec, counting the bytes sent; ``feedback``
-    keeps the residuals when ``comm.error_feedback`` is on.
+                         state: ExchangeState) -> None:
+    """Make ``ddp`` average its gradients through ``config``'s codec or PowerSGD, counting the bytes sent;
+    ``state`` keeps what carries over between steps (residuals, PowerSGD's factors).
 
     The buckets of an iteration are collected and exchanged as one payload in the model's parameter order
     when the last one arrives: DDP lays its buckets out again after the first iteration of every process,
     and a payload (its chunks, scales and residuals) that followed DDP's layout would differ between a
     resumed process's first step and the uninterrupted run's.
     """
-    codec = codec_of(config)
-    if codec is None:
-        return
     group = ddp.process_group
-    residuals = feedback if config.error_feedback else None
+    codec = codec_of(config)
+    if config.name == "powersgd":
+        state.powersgd = PowerSGDExchange(group, config.rank, config.warmup_steps, config.error_feedback)
+        average = partial(state.powersgd.mean, counter=counter)
+    elif codec is not None:
+        residuals = state.feedback if config.error_feedback else None
+        average = partial(_flat_mean, codec=codec, group=group, counter=counter, residuals=residuals)
+    else:
+        return
     position = {id(param): index for index, param in enumerate(ddp.module.parameters())}
     pending: list[tuple[dist.GradBucket, torch.futures.Future[torch.Tensor]]] = []
 
@@ -48,8 +62,7 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
         if bucket.is_last():
             grads = sorted(((position[id(param)], grad) for b, _ in pending
                             for param, grad in zip(b.parameters(), b.gradients(), strict=True)), key=lambda g: g[0])
-            flat = torch.cat([grad.reshape(-1).float() for _, grad in grads])
-            mean = compressed_mean(flat, codec, group, counter, residuals, "all")
+            mean = average([grad for _, grad in grads])
             offset = 0
             for _, grad in grads:  # the gradients are views into the buckets' buffers
                 grad.copy_(mean[offset:offset + grad.numel()].view_as(grad))
@@ -60,3 +73,9 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
         return done
 
     ddp.register_comm_hook(None, hook)
+
+
+def _flat_mean(grads: list[torch.Tensor], codec: Codec, group: dist.ProcessGroup, counter: ByteCounter,
+               residuals: ErrorFeedback | None) -> torch.Tensor:
+    flat = torch.cat([grad.reshape(-1).float() for grad in grads])
+    return compressed_mean(flat, codec, group, counter, residuals, "all")

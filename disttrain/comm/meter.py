@@ -5,40 +5,55 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
-from disttrain.comm.exchange import ErrorFeedback
-from disttrain.fault.per_rank import PerRankState
+from disttrain.comm.config import CommConfig
+from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, sharded_bytes
+from disttrain.parallel.dims import ParallelDims
 
 
 class CommMeter(pl.Callback):
-    """Measures the gradient bytes per step of a DDP run: counted at disttrain's collective calls for a codec,
-    and for ``comm=none`` (DDP's own fp32 all-reduce) the ring all-reduce's bytes of the gradient size."""
+    """Measures the gradient bytes per step of a data-parallel run. A codec's bytes are counted at disttrain's
+    collective calls; DDP's own fp32 all-reduce (``comm=none``) and FSDP2's collectives (ZeRO-2/3) are
+    computed from the parameter count as ring collectives, and reported as ``counted: false``."""
 
-    def __init__(self, codec: str, counter: ByteCounter) -> None:
+    def __init__(self, codec: str, counter: ByteCounter, dims: ParallelDims, zero_stage: int,
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         self.codec, self.counter = codec, counter
+        self.dims, self.zero_stage = dims, zero_stage
+        self.itemsizes = (reduce_dtype.itemsize, param_dtype.itemsize)
         self.fp32_bytes = 0
         """What a ring all-reduce of the fp32 gradients sends per rank and step (the uncompressed reference)."""
+        self.computed_bytes: int | None = None
+        """Bytes per step from the formula where disttrain does not make the calls (None: counted)."""
         self._start: tuple[int, int] | None = None  # (bytes, global step) when training started
         self.result: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Size the uncompressed exchange once the model is wrapped."""
         net = getattr(pl_module, "net", None)
-        if not isinstance(net, DistributedDataParallel):
+        numel = sum(p.numel() for p in net.parameters() if p.requires_grad) if net is not None else 0
+        if isinstance(net, DistributedDataParallel):
+            world = net.process_group.size()
+            self.fp32_bytes = ring_allreduce_bytes(numel, 4, world)
+            if self.codec == "none":
+                self.computed_bytes = self.fp32_bytes
+        elif isinstance(net, FSDPModule) and not self.dims.tp_enabled and not self.dims.pp_enabled:
+            self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
+            self.computed_bytes = sharded_bytes(numel, self.dims.dp_shard, self.dims.dp_replicate, *self.itemsizes,
+                                                self.zero_stage)
+        else:
             return
-        world = net.process_group.size()
-        numel = sum(p.numel() for p in net.parameters() if p.requires_grad)
-        self.fp32_bytes = ring_allreduce_bytes(numel, 4, world)
         self._start = (self.counter.bytes_sent, trainer.global_step)
 
     def bytes_per_step(self, trainer: pl.Trainer) -> float | None:
         """Mean bytes this rank sent per optimiser step so far in this process (None before a step)."""
         if self._start is None or trainer.global_step <= self._start[1]:
             return None
-        if self.codec == "none":
-            return float(self.fp32_bytes)
+        if self.computed_bytes is not None:
+            return float(self.computed_bytes)
         return (self.counter.bytes_sent - self._start[0]) / (trainer.global_step - self._start[1])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
@@ -56,21 +71,16 @@ class CommMeter(pl.Callback):
         self.result = {"name": self.codec, "bytes_sent_per_step": round(sent),
                        "fp32_allreduce_bytes_per_step": self.fp32_bytes,
                        "compression_ratio": round(self.fp32_bytes / sent, 4) if sent else None,
-                       "counted": self.codec != "none"}
+                       "counted": self.computed_bytes is None}
 
 
-class ResidualState(PerRankState):
-    """Every rank's error-feedback residuals in the checkpoint, so a resumed run continues the same
-    compression (DeepSpeed resets them on load); on another world size the run starts without them."""
+def comm_meter_of(config: CommConfig, strategy: Any) -> CommMeter:
+    """The meter of a run's gradient exchange under ``strategy`` (a ``DistTrainStrategy``)."""
+    from disttrain.comm.hooks import wire_dtype
+    from disttrain.parallel.fsdp import mixed_precision_policy
 
-    def __init__(self, feedback: ErrorFeedback) -> None:
-        self.feedback = feedback
-
-    def own_state(self) -> dict[str, Any]:
-        """This rank's residuals."""
-        return {key: value.cpu() for key, value in self.feedback.residuals.items()}
-
-    def restore(self, state: dict[str, Any], same_world: bool) -> None:
-        """Continue with the checkpoint's residuals (chunk ownership follows the world size)."""
-        if same_world:
-            self.feedback.residuals = dict(state)
+    policy = mixed_precision_policy(strategy.precision, strategy.root_device.type, wire_dtype(config))
+    param_dtype = (policy.param_dtype if policy is not None else None) or torch.float32
+    reduce_dtype = (policy.reduce_dtype if policy is not None else None) or param_dtype
+    return CommMeter(config.name, strategy.comm_counter, strategy.dims, strategy.parallel.zero_stage, param_dtype,
+                     reduce_dtype)

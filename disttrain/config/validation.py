@@ -121,7 +121,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
-    check_model_plan(model.name, model_on_meta(model, datamodule.spec), p, dims, batch.micro_size)
+    net = model_on_meta(model, datamodule.spec)
+    check_model_plan(model.name, net, p, dims, batch.micro_size)
+    top.comm.check_model(net)
     notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
     plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices), plan,

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
-from disttrain.comm.exchange import ErrorFeedback
-from disttrain.comm.hooks import register_compression
+from disttrain.comm.hooks import register_compression, wire_dtype
+from disttrain.comm.state import ExchangeState
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
@@ -37,11 +37,11 @@ def apply_parallelism(
     sync_batchnorm: bool = False,
     comm: CommConfig | None = None,
     counter: ByteCounter | None = None,
-    feedback: ErrorFeedback | None = None,
+    exchange: ExchangeState | None = None,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper). ``comm``:
-    what DDP's gradients are sent as, with the bytes counted in ``counter`` and the error-feedback residuals
-    kept in ``feedback``."""
+    what data-parallel gradients are sent as, with the bytes counted in ``counter`` and what carries over
+    between steps kept in ``exchange``."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
@@ -52,7 +52,7 @@ def apply_parallelism(
             model,
             dims.shard_mesh(mesh),
             reshard_after_forward=parallel.zero_stage == 3,
-            mp_policy=mixed_precision_policy(precision, device.type),
+            mp_policy=mixed_precision_policy(precision, device.type, wire_dtype(comm)),
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
         )
@@ -62,7 +62,7 @@ def apply_parallelism(
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
         ddp = apply_ddp(model, dp_mesh, parallel.ddp, device)
         if comm is not None:
-            register_compression(ddp, comm, counter or ByteCounter(), feedback or ErrorFeedback())
+            register_compression(ddp, comm, counter or ByteCounter(), exchange or ExchangeState())
         return ddp
     return model
 

@@ -55,15 +55,18 @@ def apply_fsdp(
     return model
 
 
-def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:
-    """FSDP2 policy for Lightning's ``precision``: bf16 compute with fp32 gradient reduction on GPU.
+def mixed_precision_policy(precision: str, device_type: str, reduce_dtype: torch.dtype | None = None
+                           ) -> MixedPrecisionPolicy | None:
+    """FSDP2 policy for Lightning's ``precision`` and the gradients' wire dtype ``reduce_dtype`` (``comm``).
 
-    Only ``"bf16-mixed"`` on CUDA gives a policy (parameters gathered in bf16, gradients reduced and
-    kept in fp32, fp32 shards for the optimiser). Everything else, including any precision on CPU,
-    returns None: sharded parameters stay fp32 and mixed precision is left to autocast.
+    ``"bf16-mixed"`` on CUDA gathers parameters in bf16 and reduces gradients in ``reduce_dtype`` (fp32 by
+    default), keeping fp32 shards for the optimiser. Other precisions, including any on CPU, keep parameters
+    fp32 and leave mixed precision to autocast. None: the default policy (everything fp32).
     """
     if precision == "bf16-mixed" and device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.float32)
+    if reduce_dtype is not None:
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     return None
 
 

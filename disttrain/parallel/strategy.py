@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.checkpoint_io import METADATA_FILE, load_metadata, load_sharded
 from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
-from disttrain.comm.exchange import ErrorFeedback
+from disttrain.comm.state import ExchangeState
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
@@ -72,8 +72,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
         self.comm_counter = ByteCounter()
         """Bytes this rank sent through disttrain's gradient exchange."""
-        self.comm_feedback = ErrorFeedback()
-        """This rank's error-feedback residuals of the gradient exchange."""
+        self.comm_state = ExchangeState()
+        """What this rank's gradient exchange carries between steps (residuals, PowerSGD's factors)."""
         self._parallelised = False
         self._pending_save: tuple[Any, Path, Path] | None = None
         self.checkpoint_saves = 0
@@ -109,7 +109,7 @@ class DistTrainStrategy(ModelParallelStrategy):
             else:
                 task.net = apply_parallelism(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
-                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_feedback,
+                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state,
                 )
             self._parallelised = True
         self.barrier()
