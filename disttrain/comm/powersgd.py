@@ -4,11 +4,11 @@ torch's ``powerSGD_hook`` launches the all-reduces of P and Q from callbacks of 
 future. With more than one DDP bucket (DDP's first bucket is capped at 1 MiB), gloo runs those callbacks on
 its own threads while the next bucket's hook launches its first all-reduce from the backward pass, so the
 ranks can issue their collectives in different orders: gloo then fails with "Received data size doesn't
-match expected size" (seen with eight 64 x 64 layers and 20 KiB buckets on 2 ranks). Its state (residuals, warm-started Q) is also keyed
-by bucket index, and DDP lays its buckets out again after the first iteration of every process, so a
-resumed process would add residuals to the wrong gradients. Here the hook sees one bucket, built from every
-gradient in the model's parameter order, so its collectives run in one fixed order and its state keeps one
-layout from the first step to the last, across restarts.
+match expected size" (seen with eight 64 x 64 layers and 20 KiB buckets on 2 ranks). Its state (residuals,
+warm-started Q) is also keyed by bucket index, and DDP lays its buckets out again after the first
+iteration of every process, so a resumed process would add residuals to the wrong gradients. Here the
+hook sees one bucket, built from every gradient in the model's parameter order, so its collectives run in
+one fixed order and its state keeps one layout from the first step to the last, across restarts.
 """
 
 from __future__ import annotations
