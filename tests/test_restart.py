@@ -139,13 +139,15 @@ def test_sigterm_at_ten_random_moments_restarts_and_finishes_bitwise(tmp_path):
     assert_no_orphans(run_dir)
 
 
-def test_a_restarted_run_with_compressed_gradients_continues_the_residuals_bitwise(tmp_path):
-    # onebit is deterministic, and its error-feedback residuals change every step's update
+@pytest.mark.parametrize("codec", ["onebit", "powersgd"])
+def test_a_restarted_run_with_compressed_gradients_continues_the_residuals_bitwise(tmp_path, codec):
+    # both are deterministic, and their state (error-feedback residuals; PowerSGD's step count and warm-started
+    # factors) changes every step's update
     reference = tmp_path / "straight"
-    done = run(["parallel=ddp", "comm=onebit"], reference)
+    done = run(["parallel=ddp", f"comm={codec}"], reference)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "killed"
-    done = run(["parallel=ddp", "comm=onebit", "fault_tolerance.max_restarts=1",
+    done = run(["parallel=ddp", f"comm={codec}", "fault_tolerance.max_restarts=1",
                 *signal_at(KILL_AT, 1, signal.SIGKILL)], run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert logged_losses(run_dir) == logged_losses(reference)
