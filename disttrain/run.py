@@ -31,6 +31,7 @@ from disttrain.launch import (
     single_rank_environment,
     spawn_and_run,
 )
+from disttrain.parallel.local_sgd import OuterSteps
 
 CONFIG_FILE = "config.yaml"
 RESULTS_FILE = "results.json"
@@ -103,7 +104,9 @@ def run_rank(run: RunConfig) -> float | None:
         trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size,
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
         comm_meter = comm_meter_of(cfg.comm, trainer.strategy)
-        trainer.callbacks += [comm_meter, ExchangeStateCheckpoint(trainer.strategy.comm_state)]
+        outer = OuterSteps(cfg.parallel.sync_every, cfg.parallel.outer, trainer.strategy.comm_counter)
+        trainer.callbacks += [*([outer] if cfg.parallel.sync_every else []), comm_meter,
+                              ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
@@ -121,6 +124,8 @@ def run_rank(run: RunConfig) -> float | None:
         results = _results(run, trainer, metrics, fit_seconds, meter)
         strategy = trainer.strategy
         results["comm"] = comm_meter.result
+        if cfg.parallel.sync_every:
+            results["outer_steps"] = {"sync_every": cfg.parallel.sync_every, "count": outer.syncs}
         results["checkpoints"] = {"saves": strategy.checkpoint_saves,
                                   "blocking_s": round(strategy.checkpoint_blocking_s, 3),
                                   "share_of_wall_time": round(strategy.checkpoint_blocking_s / max(fit_seconds, 1e-9),

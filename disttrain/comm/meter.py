@@ -44,6 +44,8 @@ class CommMeter(pl.Callback):
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
             self.computed_bytes = sharded_bytes(numel, self.dims.dp_shard, self.dims.dp_replicate, *self.itemsizes,
                                                 self.zero_stage)
+        elif net is not None and self.dims.dp_enabled:  # replicas that meet in outer steps (counted there)
+            self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
         else:
             return
         self._start = (self.counter.bytes_sent, trainer.global_step)

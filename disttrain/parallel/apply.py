@@ -1,7 +1,8 @@
 """Plain functions that apply parallelism to a model over a mesh, in one fixed order.
 
-Order: tensor parallelism, activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding) or DDP
-replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy).
+Order: tensor parallelism, activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding), DDP
+replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy) or replicas that
+train alone between outer steps (Local SGD, DiLoCo).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from disttrain.parallel.activation_checkpoint import apply_activation_checkpoint
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
+from disttrain.parallel.local_sgd import broadcast_module
 from disttrain.parallel.plan import shard_units_of, tp_plan_of
 from disttrain.parallel.tp import apply_tp
 
@@ -56,6 +58,9 @@ def apply_parallelism(
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
         )
+    if dims.dp_enabled and parallel.sync_every:  # Local SGD / DiLoCo: replicas exchange no gradients
+        broadcast_module(model, dims.dp_mesh(mesh).get_group())
+        return model
     if dims.dp_enabled:
         dp_mesh = dims.dp_mesh(mesh)
         if sync_batchnorm:

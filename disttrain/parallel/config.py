@@ -37,6 +37,24 @@ class PipelineOptions:
 
 
 @dataclass
+class OuterOptions:
+    """The outer step of ``parallel.sync_every`` > 0: SGD on the global parameters with the replicas' mean
+    drift from them as its gradient. lr 1 without momentum is Local SGD's plain average; DiLoCo (Douillard
+    et al., 2023) uses lr 0.7 with Nesterov momentum 0.9."""
+
+    lr: float = 1.0
+    """Outer learning rate (1 with momentum 0: the global parameters become the replicas' average)."""
+    momentum: float = 0.0
+    """Outer momentum; its buffer is in the checkpoint."""
+    nesterov: bool = False
+    """Nesterov momentum (needs momentum > 0)."""
+
+    def is_plain_average(self) -> bool:
+        """The outer step only averages the replicas (Local SGD)."""
+        return self.lr == 1.0 and self.momentum == 0.0
+
+
+@dataclass
 class ParallelConfig:
     """How a run is spread over ranks: mesh degrees ``pp x dp_replicate x dp_shard x tp`` and options."""
 
@@ -70,6 +88,11 @@ class ParallelConfig:
     shard_units: list[str] | None = None
     """Submodules that each become an FSDP (and activation-checkpointing) unit; null: the model's
     shard_units(), else its repeated blocks."""
+    sync_every: int = 0
+    """Local SGD / DiLoCo: optimiser steps each data-parallel replica takes alone (no gradient exchange)
+    before the replicas meet in an outer step; 0: gradients are all-reduced every step (DDP)."""
+    outer: OuterOptions = field(default_factory=OuterOptions)
+    """The outer step when ``sync_every`` > 0."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options used when gradients are all-reduced by DDP."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
@@ -98,9 +121,23 @@ class ParallelConfig:
             raise ConfigError("parallel.min_params_per_unit", self.min_params_per_unit, "a positive count")
         if self.timeout_s <= 0:
             raise ConfigError("parallel.timeout_s", self.timeout_s, "a positive number of seconds")
+        if self.sync_every < 0:
+            raise ConfigError("parallel.sync_every", self.sync_every, "0 (all-reduce every step) or a positive "
+                              "number of steps between outer steps")
+        if self.outer.lr <= 0:
+            raise ConfigError("parallel.outer.lr", self.outer.lr, "a positive learning rate")
+        if not 0 <= self.outer.momentum < 1:
+            raise ConfigError("parallel.outer.momentum", self.outer.momentum, "a number in [0, 1)")
+        if self.outer.nesterov and self.outer.momentum == 0:
+            raise ConfigError("parallel.outer.nesterov", True, "false unless parallel.outer.momentum > 0")
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
+        if self.sync_every and (dims.dp_replicate < 2 or dims.world_size != dims.dp_replicate):
+            raise ConfigError("parallel.sync_every", self.sync_every,
+                              f"0 unless every rank is a data-parallel replica (dp_replicate = world size >= 2; "
+                              f"got dp_replicate={dims.dp_replicate} of {dims.world_size} ranks, zero_stage="
+                              f"{self.zero_stage}, tp={dims.tp}, pp={dims.pp})")
         if dims.pp_enabled and (dims.dp_replicate_enabled or self.zero_stage == 1):
             raise ConfigError("parallel.pp", dims.pp,
                               "pp > 1 combines with tp and with dp_shard (zero_stage 2 or 3); dp_replicate and "

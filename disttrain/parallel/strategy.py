@@ -182,6 +182,9 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.barrier()
         shards = {"state_dict": checkpoint.pop("state_dict"),
                   **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}}
+        if self.parallel.sync_every:  # replicas differ between outer steps: each rank's state under its own key
+            shards = {f"replica{self.global_rank}": shards}
+            checkpoint["replicas"] = self.world_size
         if self.is_global_zero:
             torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
         if self.async_save:
@@ -239,7 +242,10 @@ class DistTrainStrategy(ModelParallelStrategy):
                 state[f"optimizer_{idx}"] = zero1_named_template(self.model, optimizer, FLAT_STATE)
             else:
                 state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=FLAT_STATE)
-        load_sharded(state, path)
+        if self.parallel.sync_every:
+            load_sharded({f"replica{self.global_rank % metadata.get('replicas', 1)}": state}, path)
+        else:
+            load_sharded(state, path)
         set_model_state_dict(self.model, state["state_dict"])
         for idx, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, ZeroRedundancyOptimizer):
