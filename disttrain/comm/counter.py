@@ -9,6 +9,11 @@ def ring_allreduce_bytes(numel: int, itemsize: int, world: int) -> int:
     return 2 * (world - 1) * numel * itemsize // world
 
 
+def ring_allreduce_messages(world: int) -> int:
+    """Messages each rank sends, one after another, in a ring all-reduce: N - 1 in each of its two phases."""
+    return 2 * (world - 1)
+
+
 def sharded_bytes(numel: int, shard: int, replicate: int, reduce_itemsize: int, param_itemsize: int,
                   zero_stage: int) -> int:
     """Bytes each rank sends per step under FSDP2 (ZeRO-2/3, hybrid sharding over ``replicate`` groups of
@@ -21,12 +26,15 @@ def sharded_bytes(numel: int, shard: int, replicate: int, reduce_itemsize: int, 
 
 
 class ByteCounter:
-    """Bytes this rank sent through disttrain's own collective calls."""
+    """Bytes and messages this rank sent through disttrain's own collective calls."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
-        """Running total since the process started."""
+        """Running total of bytes since the process started."""
+        self.messages = 0
+        """Running total of messages sent one after another (what the latency term of a link multiplies)."""
 
-    def add(self, nbytes: int) -> None:
-        """Count ``nbytes`` sent by this rank."""
+    def add(self, nbytes: int, messages: int = 0) -> None:
+        """Count ``nbytes`` sent by this rank in ``messages`` sequential messages."""
         self.bytes_sent += int(nbytes)
+        self.messages += int(messages)

@@ -70,6 +70,6 @@ def compressed_mean(values: torch.Tensor, codec: Codec, group: dist.ProcessGroup
     gathered = torch.empty_like(sent)
     dist.all_to_all_single(gathered, mean_wire.expand(world, -1).contiguous(), group=group)
     if counter is not None:
-        counter.add(2 * (world - 1) * sent[0].numel() * sent.element_size())
+        counter.add(2 * (world - 1) * sent[0].numel() * sent.element_size(), 2 * (world - 1))
     # every rank, its own chunk included, decodes what was sent: replicas stay identical
     return codec.decode(gathered, chunk).view(-1)[: values.numel()]

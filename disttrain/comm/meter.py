@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.config import CommConfig
-from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, sharded_bytes
+from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, ring_allreduce_messages, sharded_bytes
 from disttrain.parallel.dims import ParallelDims
 
 
@@ -26,9 +26,9 @@ class CommMeter(pl.Callback):
         self.itemsizes = (reduce_dtype.itemsize, param_dtype.itemsize)
         self.fp32_bytes = 0
         """What a ring all-reduce of the fp32 gradients sends per rank and step (the uncompressed reference)."""
-        self.computed_bytes: int | None = None
-        """Bytes per step from the formula where disttrain does not make the calls (None: counted)."""
-        self._start: tuple[int, int] | None = None  # (bytes, global step) when training started
+        self.computed: tuple[int, int] | None = None
+        """(bytes, messages) per step from the formula where disttrain does not make the calls (None: counted)."""
+        self._start: tuple[int, int, int] | None = None  # (bytes, messages, global step) when training started
         self.result: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -39,41 +39,58 @@ class CommMeter(pl.Callback):
             world = net.process_group.size()
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, world)
             if self.codec == "none":
-                self.computed_bytes = self.fp32_bytes
+                self.computed = (self.fp32_bytes, ddp_buckets(net, numel * 4) * ring_allreduce_messages(world))
         elif isinstance(net, FSDPModule) and not self.dims.tp_enabled and not self.dims.pp_enabled:
+            shard, replicate = self.dims.dp_shard, self.dims.dp_replicate
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
-            self.computed_bytes = sharded_bytes(numel, self.dims.dp_shard, self.dims.dp_replicate, *self.itemsizes,
-                                                self.zero_stage)
+            units = sum(isinstance(module, FSDPModule) for module in net.modules())
+            # per unit: a reduce-scatter, an all-reduce over the replicas, one all-gather (two for ZeRO-3)
+            per_unit = (shard - 1) * (2 if self.zero_stage == 3 else 1) + (shard - 1)
+            per_unit += ring_allreduce_messages(replicate) if replicate > 1 else 0
+            self.computed = (sharded_bytes(numel, shard, replicate, *self.itemsizes, self.zero_stage),
+                             units * per_unit)
         elif net is not None and self.dims.dp_enabled:  # replicas that meet in outer steps (counted there)
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
         else:
             return
-        self._start = (self.counter.bytes_sent, trainer.global_step)
+        self._start = (self.counter.bytes_sent, self.counter.messages, trainer.global_step)
 
-    def bytes_per_step(self, trainer: pl.Trainer) -> float | None:
-        """Mean bytes this rank sent per optimiser step so far in this process (None before a step)."""
-        if self._start is None or trainer.global_step <= self._start[1]:
+    def per_step(self, trainer: pl.Trainer) -> tuple[float, float] | None:
+        """Mean bytes and messages this rank sent per optimiser step so far in this process (None before a
+        step)."""
+        if self._start is None or trainer.global_step <= self._start[2]:
             return None
-        if self.computed_bytes is not None:
-            return float(self.computed_bytes)
-        return (self.counter.bytes_sent - self._start[0]) / (trainer.global_step - self._start[1])
+        if self.computed is not None:
+            return float(self.computed[0]), float(self.computed[1])
+        steps = trainer.global_step - self._start[2]
+        return (self.counter.bytes_sent - self._start[0]) / steps, (self.counter.messages - self._start[1]) / steps
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         step = trainer.global_step
         if self._start is not None and step % trainer.log_every_n_steps == 0:
-            sent = self.bytes_per_step(trainer)
+            sent = self.per_step(trainer)
             if sent is not None:
-                pl_module.log("train/comm_bytes_per_step", sent, on_step=True, on_epoch=False)
+                pl_module.log("train/comm_bytes_per_step", sent[0], on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The figures for ``results.json``."""
-        sent = self.bytes_per_step(trainer)
-        if sent is None:
+        per_step = self.per_step(trainer)
+        if per_step is None:
             return
+        sent, messages = per_step
         self.result = {"name": self.codec, "bytes_sent_per_step": round(sent),
+                       "messages_per_step": round(messages, 3),
                        "fp32_allreduce_bytes_per_step": self.fp32_bytes,
                        "compression_ratio": round(self.fp32_bytes / sent, 4) if sent else None,
-                       "counted": self.computed_bytes is None}
+                       "counted": self.computed is None}
+
+
+def ddp_buckets(ddp: DistributedDataParallel, nbytes: int) -> int:
+    """About how many buckets DDP all-reduces ``nbytes`` of gradients in: its first bucket holds up to 1 MiB
+    (torch's default first cap), the others up to ``bucket_cap_mb`` (bounds fall between tensors)."""
+    rest = ddp.bucket_bytes_cap
+    first = min(getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", rest), rest)
+    return 1 if nbytes <= first else 1 + -(-(nbytes - first) // rest)
 
 
 def comm_meter_of(config: CommConfig, strategy: Any) -> CommMeter:

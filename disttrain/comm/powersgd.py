@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
-from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
+from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, ring_allreduce_messages
 
 MIN_COMPRESSION_RATE = 2.0
 """A matrix is sent as P and Q only when that takes at most half its values (torch's default)."""
@@ -76,7 +76,8 @@ class PowerSGDExchange:
         before = self.state.total_numel_after_compression
         mean = powerSGD_hook(self.state, _PayloadBucket(flat, [grad.shape for grad in grads])).wait()
         sent = self.state.total_numel_after_compression - before if compressing else flat.numel()
-        counter.add(ring_allreduce_bytes(sent, 4, world))  # three all-reduces: uncompressed values, P, Q
+        all_reduces = 3 if compressing else 1  # the uncompressed values, P and Q; in warm-up the whole payload
+        counter.add(ring_allreduce_bytes(sent, 4, world), all_reduces * ring_allreduce_messages(world))
         return mean
 
     def state_dict(self) -> dict[str, Any]:

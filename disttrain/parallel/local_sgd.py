@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
-from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
+from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, ring_allreduce_messages
 from disttrain.parallel.config import OuterOptions
 
 
@@ -82,7 +82,7 @@ class OuterSteps(pl.Callback):
         """Meet: average the replicas (Local SGD), or step the global parameters along their mean drift."""
         params = self._params()
         world = dist.get_world_size(self._group)
-        self.counter.add(ring_allreduce_bytes(sum(p.numel() for p in params), 4, world))
+        self.counter.add(ring_allreduce_bytes(sum(p.numel() for p in params), 4, world), ring_allreduce_messages(world))
         self.syncs += 1
         if self._optimizer is None:
             average_parameters(iter(params), self._group)
