@@ -14,22 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from machine import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_model() -> str:
-    """The CPU's model name (benchmark tables name the machine they were measured on)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def run(args: list[str], run_dir: Path, steps: int, every: int) -> dict:
