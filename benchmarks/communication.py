@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,11 +47,14 @@ OPTIONS = {
 }
 
 
-def _time_allreduces(sizes: list[int], repeats: int) -> list[tuple[int, float]]:
-    """(values, median seconds) of an fp32 all-reduce of each size on this group."""
+def _time_allreduces(sizes: list[int], repeats: int, back_to_back: int = 10) -> list[tuple[int, float]]:
+    """(values, median seconds) of an fp32 all-reduce of each size on this group, timed over ``back_to_back``
+    calls after a barrier (one call's time would mostly measure how unevenly the ranks left the barrier)."""
     import torch
     import torch.distributed as dist
 
+    for numel in sizes:  # first calls set up connections and buffers
+        dist.all_reduce(torch.ones(numel))
     timings = []
     for numel in sizes:
         tensor = torch.ones(numel)
@@ -58,8 +62,9 @@ def _time_allreduces(sizes: list[int], repeats: int) -> list[tuple[int, float]]:
         for _ in range(repeats):
             dist.barrier()
             started = time.perf_counter()
-            dist.all_reduce(tensor)
-            seconds.append(time.perf_counter() - started)
+            for _ in range(back_to_back):
+                dist.all_reduce(tensor)
+            seconds.append((time.perf_counter() - started) / back_to_back)
         timings.append((numel, statistics.median(seconds)))
     return timings
 
@@ -68,7 +73,7 @@ def loopback_link(world: int) -> Link:
     """The link that explains timed fp32 ring all-reduces among ``world`` local gloo ranks."""
     from tests.dist_utils import run_on_ranks
 
-    timings = run_on_ranks(_time_allreduces, world, [1_000, 30_000, 300_000, 3_000_000], 15)[0]
+    timings = run_on_ranks(_time_allreduces, world, [1_000, 30_000, 300_000, 3_000_000], 7)[0]
     samples = [(ring_allreduce_bytes(numel, 4, world), ring_allreduce_messages(world), seconds)
                for numel, seconds in timings]
     return fit_link(f"loopback, {world} ranks", samples)
@@ -98,7 +103,7 @@ def main() -> None:
             print(f"{here.name}: fitted {here.bandwidth_gbit_s:.2f} Gbit/s, {here.latency_us:.0f} us per message",
                   flush=True)
             for name in args.options.split(","):
-                results = train(OPTIONS[name], world, Path(tmp) / f"{name}-{world}".replace(" ", "_"))
+                results = train(OPTIONS[name], world, Path(tmp) / re.sub(r"\W+", "_", f"{name}-{world}"))
                 comm = results["comm"]
                 step_s = results["batch"]["global"] / results["samples_per_sec"]
                 predicted = [1 / predicted_step_s(step_s, here, link, comm["bytes_sent_per_step"],
