@@ -32,6 +32,7 @@ from disttrain.launch import (
     spawn_and_run,
 )
 from disttrain.parallel.local_sgd import OuterSteps
+from disttrain.parallel.param_server import ServerTraffic
 
 CONFIG_FILE = "config.yaml"
 RESULTS_FILE = "results.json"
@@ -105,7 +106,9 @@ def run_rank(run: RunConfig) -> float | None:
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
         comm_meter = comm_meter_of(cfg.comm, trainer.strategy)
         outer = OuterSteps(cfg.parallel.sync_every, cfg.parallel.outer, trainer.strategy.comm_counter)
-        trainer.callbacks += [*([outer] if cfg.parallel.sync_every else []), comm_meter,
+        traffic = ServerTraffic(cfg.parallel.servers)
+        trainer.callbacks += [*([outer] if cfg.parallel.sync_every else []),
+                              *([traffic] if cfg.parallel.servers else []), comm_meter,
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
@@ -124,6 +127,8 @@ def run_rank(run: RunConfig) -> float | None:
         results = _results(run, trainer, metrics, fit_seconds, meter)
         strategy = trainer.strategy
         results["comm"] = comm_meter.result
+        if cfg.parallel.servers:
+            results["param_server"] = traffic.result
         if cfg.parallel.sync_every:
             results["outer_steps"] = {"sync_every": cfg.parallel.sync_every, "count": outer.syncs}
         results["checkpoints"] = {"saves": strategy.checkpoint_saves,

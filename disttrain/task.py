@@ -18,6 +18,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm
+from disttrain.parallel.param_server import ParameterServerOptimizer
 
 LN2 = math.log(2.0)
 # Epoch metrics are logged from torchmetrics' compute(), which has already reduced them over all ranks.
@@ -164,6 +165,10 @@ class TrainTask(pl.LightningModule):
     ) -> None:
         """Clip by the global norm of whole parameters, also when some are tensor-parallel shards; log the
         norm before clipping as ``train/grad_norm``."""
+        server = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(server, ParameterServerOptimizer):  # the servers clip the averaged gradients
+            server.clip_value = gradient_clip_val
+            return
         if gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = clip_grad_norm(params, gradient_clip_val)

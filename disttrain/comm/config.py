@@ -41,13 +41,17 @@ class CommConfig:
             raise ConfigError("comm.warmup_steps", self.warmup_steps,
                               "2 or more (torch's PowerSGD starts compressing at step 2 at the earliest)")
 
-    def check_layout(self, zero_stage: int, pipelined: bool, data_parallel: int, sync_every: int = 0) -> None:
+    def check_layout(self, zero_stage: int, pipelined: bool, data_parallel: int, sync_every: int = 0,
+                     servers: int = 0) -> None:
         """Refuse a codec on a layout whose gradients it cannot carry."""
         if self.name == "none":
             return
         if sync_every:
             raise ConfigError("comm", self.name, f"none with parallel.sync_every={sync_every} (replicas that meet "
                               "in outer steps exchange parameters, not gradients)")
+        if servers:
+            raise ConfigError("comm", self.name, "none with a parameter server (parallel.servers > 0: it sends fp32 "
+                              "gradients and parameters point to point)")
         if data_parallel < 2:
             raise ConfigError("comm", self.name, "none on a run without data-parallel ranks (nothing to exchange)")
         if pipelined:

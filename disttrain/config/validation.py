@@ -115,7 +115,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     p = top.parallel
     dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
     p.check_dims(dims)
-    top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every)
+    top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every, p.servers)
     batch = resolve_batch(top.batch, dims.dp)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []

@@ -1,8 +1,8 @@
 """Plain functions that apply parallelism to a model over a mesh, in one fixed order.
 
 Order: tensor parallelism, activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding), DDP
-replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy) or replicas that
-train alone between outer steps (Local SGD, DiLoCo).
+replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy) or replicas whose
+exchange is not DDP's (Local SGD and DiLoCo between outer steps, a parameter server in the optimiser step).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def apply_parallelism(
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
         )
-    if dims.dp_enabled and parallel.sync_every:  # Local SGD / DiLoCo: replicas exchange no gradients
+    if dims.dp_enabled and (parallel.sync_every or parallel.servers):  # replicas without DDP's all-reduce
         broadcast_module(model, dims.dp_mesh(mesh).get_group())
         return model
     if dims.dp_enabled:

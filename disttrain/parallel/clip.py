@@ -31,5 +31,6 @@ def clip_grad_norm(
     total = squared.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
+    if grads:  # a rank may hold none of the parameters (a parameter server's worker)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total

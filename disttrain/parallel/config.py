@@ -93,6 +93,9 @@ class ParallelConfig:
     before the replicas meet in an outer step; 0: gradients are all-reduced every step (DDP)."""
     outer: OuterOptions = field(default_factory=OuterOptions)
     """The outer step when ``sync_every`` > 0."""
+    servers: int = 0
+    """Parameter server: the first ``servers`` ranks each own a share of the parameters and their optimiser
+    state; every rank pushes gradients to them and pulls parameters back each step; 0: no servers."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options used when gradients are all-reduced by DDP."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
@@ -124,6 +127,11 @@ class ParallelConfig:
         if self.sync_every < 0:
             raise ConfigError("parallel.sync_every", self.sync_every, "0 (all-reduce every step) or a positive "
                               "number of steps between outer steps")
+        if self.servers < 0:
+            raise ConfigError("parallel.servers", self.servers, "0 (no parameter server) or a number of server ranks")
+        if self.servers and self.sync_every:
+            raise ConfigError("parallel.servers", self.servers, "0 with parallel.sync_every > 0 (a parameter server "
+                              "steps every step)")
         if self.outer.lr <= 0:
             raise ConfigError("parallel.outer.lr", self.outer.lr, "a positive learning rate")
         if not 0 <= self.outer.momentum < 1:
@@ -133,11 +141,14 @@ class ParallelConfig:
 
     def check_dims(self, dims: ParallelDims) -> None:
         """Checks of the combination of options and resolved degrees."""
-        if self.sync_every and (dims.dp_replicate < 2 or dims.world_size != dims.dp_replicate):
-            raise ConfigError("parallel.sync_every", self.sync_every,
-                              f"0 unless every rank is a data-parallel replica (dp_replicate = world size >= 2; "
-                              f"got dp_replicate={dims.dp_replicate} of {dims.world_size} ranks, zero_stage="
-                              f"{self.zero_stage}, tp={dims.tp}, pp={dims.pp})")
+        for key, value in (("sync_every", self.sync_every), ("servers", self.servers)):
+            if value and (dims.dp_replicate < 2 or dims.world_size != dims.dp_replicate):
+                raise ConfigError(f"parallel.{key}", value,
+                                  f"0 unless every rank is a data-parallel replica (dp_replicate = world size >= 2; "
+                                  f"got dp_replicate={dims.dp_replicate} of {dims.world_size} ranks, zero_stage="
+                                  f"{self.zero_stage}, tp={dims.tp}, pp={dims.pp})")
+        if self.servers > dims.world_size:
+            raise ConfigError("parallel.servers", self.servers, f"at most the {dims.world_size} ranks of the run")
         if dims.pp_enabled and (dims.dp_replicate_enabled or self.zero_stage == 1):
             raise ConfigError("parallel.pp", dims.pp,
                               "pp > 1 combines with tp and with dp_shard (zero_stage 2 or 3); dp_replicate and "

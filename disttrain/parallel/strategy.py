@@ -33,6 +33,7 @@ from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from disttrain.parallel.param_server import ParameterServerOptimizer
 from disttrain.parallel.pipeline.runtime import PipelineSlot, build_pipeline
 from disttrain.parallel.zero1 import (
     load_zero1_named_state_dict,
@@ -148,7 +149,11 @@ class DistTrainStrategy(ModelParallelStrategy):
             yield
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """ZeRO-1: spread the optimiser state over the sharding ranks; other stages keep ``optimizer``."""
+        """ZeRO-1: spread the optimiser state over the sharding ranks; a parameter server: over its servers;
+        other layouts keep ``optimizer``."""
+        if self.parallel.servers:
+            return ParameterServerOptimizer(optimizer, self.device_mesh["dp_replicate"].get_group(),
+                                            self.parallel.servers, self.comm_counter)
         if self.parallel.zero_stage != 1:
             return optimizer
         return shard_optimizer_state(optimizer, self.device_mesh["dp_shard"].get_group())
@@ -156,6 +161,10 @@ class DistTrainStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """State keyed by parameter name under every layout: sharded (DTensor) for FSDP, whole otherwise."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        if isinstance(inner, ParameterServerOptimizer):  # each server's state of its own parameters
+            inner = inner.inner_with_current_hyperparameters()
+            if inner is None:
+                return {}
         if isinstance(inner, ZeroRedundancyOptimizer):
             return zero1_named_state_dict(self.model, inner, FLAT_STATE)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -237,8 +246,11 @@ class DistTrainStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         metadata = load_metadata(path)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        for idx, optimizer in enumerate(self.optimizers):
-            if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizers = [o.inner if isinstance(o, ParameterServerOptimizer) else o for o in self.optimizers]
+        for idx, optimizer in enumerate(optimizers):
+            if optimizer is None:  # a rank that serves no parameter holds no optimiser state
+                state[f"optimizer_{idx}"] = {}
+            elif isinstance(optimizer, ZeroRedundancyOptimizer):
                 state[f"optimizer_{idx}"] = zero1_named_template(self.model, optimizer, FLAT_STATE)
             else:
                 state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=FLAT_STATE)
@@ -247,11 +259,16 @@ class DistTrainStrategy(ModelParallelStrategy):
         else:
             load_sharded(state, path)
         set_model_state_dict(self.model, state["state_dict"])
-        for idx, optimizer in enumerate(self.optimizers):
+        for idx, optimizer in enumerate(optimizers):
+            if optimizer is None:
+                continue
             if isinstance(optimizer, ZeroRedundancyOptimizer):
                 load_zero1_named_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], FLAT_STATE)
             else:
                 set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], options=FLAT_STATE)
+        for wrapper in self.optimizers:
+            if isinstance(wrapper, ParameterServerOptimizer):
+                wrapper.adopt_loaded_state()
         return metadata
 
 

@@ -45,6 +45,14 @@ def shard_optimizer_state(
         return optimizer
     if optimizer.state:
         raise ValueError("shard_optimizer_state needs an optimiser that has not stepped yet (its state is not empty)")
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=process_group,
+                                   **constructor_options(optimizer))
+
+
+def constructor_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The arguments that rebuild ``optimizer``'s class with its options: the defaults its constructor accepts,
+    plus constructor arguments it stores as attributes (e.g. ``shard_local_norms``)."""
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -52,8 +60,14 @@ def shard_optimizer_state(
         if name not in kwargs and name not in ("self", "params") and hasattr(optimizer, name) \
                 and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
             kwargs[name] = getattr(optimizer, name)
-    groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=process_group, **kwargs)
+    return kwargs
+
+
+def rebuilt_optimizer(optimizer: torch.optim.Optimizer, keep: Any) -> torch.optim.Optimizer:
+    """``optimizer``'s class and options over the parameters for which ``keep(param)`` is true, in its groups
+    (groups left empty are dropped), each group with all its keys."""
+    groups = [{**group, "params": [p for p in group["params"] if keep(p)]} for group in optimizer.param_groups]
+    return type(optimizer)([g for g in groups if g["params"]], **constructor_options(optimizer))
 
 
 def zero1_state_dict(optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:

@@ -1,0 +1,163 @@
+"""A synchronous parameter server over c10d point-to-point messages (``parallel=param_server``).
+
+Every rank trains a replica on its own data (no DDP); the first ``servers`` ranks also serve: each owns
+whole parameters (balanced by size, largest first) and their optimiser state. After backward every rank
+sends the gradients of each server's parameters to that server, each server averages what it received
+with its own, clips by the global norm (one scalar all-reduce of squared norms), steps its parameters with
+the run's optimiser, and sends them back to every rank. That is averaged-gradient training, through
+point-to-point messages instead of an all-reduce: a server receives and sends (N - 1) x its share of the
+model per step, so S servers cut the busiest server's traffic by S. torch RPC, which parameter servers
+used to be written with, is in maintenance mode; c10d's send/recv run on gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.comm.counter import ByteCounter
+from disttrain.parallel.clip import clip_grad_norm
+from disttrain.parallel.zero1 import rebuilt_optimizer
+
+
+def owners(params: list[nn.Parameter], servers: int) -> list[int]:
+    """The server rank that owns each parameter: largest first, each to the server with the fewest values."""
+    load = [0] * servers
+    owner = [0] * len(params)
+    for index in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        server = min(range(servers), key=lambda s: (load[s], s))
+        owner[index] = server
+        load[server] += params[index].numel()
+    return owner
+
+
+class ParameterServerOptimizer(torch.optim.Optimizer):
+    """Wraps the run's optimiser: its param groups (and so the learning-rate schedule) stay here, and the
+    servers step their own parameters with a copy of it built over those parameters alone."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, servers: int,
+                 counter: ByteCounter) -> None:
+        self.group, self.servers, self.counter = group, servers, counter
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.owner = owners(self.params, servers)
+        self.clip_value: float | None = None
+        """Clip the averaged gradients to this global norm (set by the task; clipping local gradients would
+        not be what an all-reduce run clips)."""
+        self.last_norm: torch.Tensor | None = None
+        """The global norm of the averaged gradients before clipping, at the last step."""
+        self.server_bytes = 0
+        """Bytes this rank received and sent as a server (gradients in, parameters out)."""
+        owned = {id(p) for p, o in zip(self.params, self.owner, strict=True) if o == self.rank}
+        self.inner = rebuilt_optimizer(optimizer, lambda p: id(p) in owned) if owned else None
+        """The run's optimiser over this server's parameters (None on a rank that serves nothing)."""
+        self._sources = [g for g in optimizer.param_groups if any(id(p) in owned for p in g["params"])]
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.state = self.inner.state if self.inner is not None else {}
+        self._optimizer_step_pre_hooks: dict[int, Any] = {}
+        self._optimizer_step_post_hooks: dict[int, Any] = {}
+
+    def _owned_by(self, server: int) -> list[nn.Parameter]:
+        return [p for p, o in zip(self.params, self.owner, strict=True) if o == server]
+
+    def _exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
+        """Post every send and receive at once (no order between peers to deadlock on), then wait."""
+        peer = lambda r: dist.get_global_rank(self.group, r)  # noqa: E731
+        ops = [dist.P2POp(dist.isend, t, peer(r), self.group) for r, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, peer(r), self.group) for r, t in receives.items()]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        self.counter.add(sum(t.numel() * t.element_size() for t in sends.values()), len(sends))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Push gradients to their servers, let the servers step, pull the parameters back."""
+        loss = closure() if closure is not None else None
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        mine = self._owned_by(self.rank) if self.rank < self.servers else []
+        pushes = {s: torch.cat([p.grad.reshape(-1) for p in self._owned_by(s)]) for s in range(self.servers)
+                  if s != self.rank and self._owned_by(s)}
+        received = {r: torch.empty(sum(p.numel() for p in mine)) for r in range(self.world) if r != self.rank} \
+            if mine else {}
+        self._exchange(pushes, received)
+        if mine:
+            total = torch.cat([p.grad.reshape(-1) for p in mine])
+            for values in received.values():
+                total += values
+            total /= self.world
+            offset = 0
+            for p in mine:
+                p.grad.copy_(total[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        if self.clip_value:
+            self.last_norm = clip_grad_norm(mine, self.clip_value, across=self.group)
+        if self.inner is not None:
+            self.inner_with_current_hyperparameters().step()
+        sends = {r: torch.cat([p.reshape(-1) for p in mine]) for r in range(self.world) if r != self.rank} \
+            if mine else {}
+        pulls = {s: torch.empty(sum(p.numel() for p in self._owned_by(s))) for s in range(self.servers)
+                 if s != self.rank and self._owned_by(s)}
+        self._exchange(sends, pulls)
+        if mine:
+            self.server_bytes += sum(t.numel() * 4 for t in received.values()) + sum(
+                t.numel() * 4 for t in sends.values())
+        for server, values in pulls.items():
+            offset = 0
+            for p in self._owned_by(server):
+                p.copy_(values[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return loss
+
+    def inner_with_current_hyperparameters(self) -> torch.optim.Optimizer | None:
+        """The inner optimiser, its groups given the wrapper's learning rate (the schedule drives the wrapper)
+        and other hyper-parameters: before each step, and before its state is saved."""
+        if self.inner is not None:
+            for ours, theirs in zip(self.inner.param_groups, self._sources, strict=True):
+                ours.update({k: v for k, v in theirs.items() if k != "params"})
+        return self.inner
+
+    def adopt_loaded_state(self) -> None:
+        """After the inner optimiser's state was loaded: its hyper-parameters (the learning rate the schedule
+        had reached) become the wrapper's, which a learning-rate scheduler's own state does not restore."""
+        if self.inner is not None:
+            for loaded, source in zip(self.inner.param_groups, self._sources, strict=True):
+                source.update({k: v for k, v in loaded.items() if k != "params"})
+            self.state = self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
+class ServerTraffic(pl.Callback):
+    """The busiest server's bytes per step (gradients received plus parameters sent), for ``results.json``."""
+
+    def __init__(self, servers: int) -> None:
+        self.servers = servers
+        self.result: dict[str, Any] | None = None
+        self._start: tuple[int, int] = (0, 0)  # (server bytes, global step) when training started
+
+    def _optimizer(self, trainer: pl.Trainer) -> ParameterServerOptimizer:
+        return next(o for o in trainer.optimizers if isinstance(o, ParameterServerOptimizer))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = (self._optimizer(trainer).server_bytes, trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank's server bytes per step, the largest kept (a collective)."""
+        optimizer = self._optimizer(trainer)
+        steps = max(trainer.global_step - self._start[1], 1)
+        busiest = torch.tensor(float(optimizer.server_bytes - self._start[0]) / steps)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=optimizer.group)
+        self.result = {"servers": self.servers, "busiest_server_bytes_per_step": round(busiest.item())}
