@@ -5,7 +5,9 @@ ranks (CPU, gloo), the default digits CNN trained to the end.
 
 For each option and world size: bytes each rank sends per step (counted by the run, relative to an fp32 ring
 all-reduce of the gradients), messages per step, steps/s measured here, the steps/s the bandwidth model
-(``disttrain/comm/bandwidth.py``) predicts at 1, 10 and 100 Gbit/s, and the final test accuracy. The model's
+(``disttrain/comm/bandwidth.py``) predicts at 1, 10 and 100 Gbit/s, and the final test accuracy; for the
+parameter server also its busiest server's bytes (gradients in, parameters out) beside what a rank of a ring
+all-reduce sends and receives. The model's
 loopback link is fitted first from timed fp32 all-reduces on the same ranks; a prediction keeps the measured
 compute and encoding time and replaces the modelled loopback transfer with the other link's. Loopback on one
 machine cannot show a compression speed-up itself: the speed columns at other links are predictions.
@@ -44,6 +46,8 @@ OPTIONS = {
     "zero2 bf16": ["parallel=zero2", "comm=bf16"],
     "localsgd H=8": ["parallel=localsgd", "parallel.sync_every=8"],
     "diloco H=8": ["parallel=diloco", "parallel.sync_every=8"],
+    "param_server S=1": ["parallel=param_server", "parallel.servers=1"],
+    "param_server S=2": ["parallel=param_server", "parallel.servers=2"],
 }
 
 
@@ -109,18 +113,23 @@ def main() -> None:
                 predicted = [1 / predicted_step_s(step_s, here, link, comm["bytes_sent_per_step"],
                                                   comm["messages_per_step"]) for link in links]
                 accuracy = results["metrics"]["test/acc"]
-                rows.append((name, world, comm, 1 / step_s, predicted, accuracy))
+                server = (results.get("param_server") or {}).get("busiest_server_bytes_per_step")
+                rows.append((name, world, comm, 1 / step_s, predicted, accuracy, server))
                 headline[(name, world)] = (comm["compression_ratio"], accuracy)
                 print(f"  {name}: done", flush=True)
     print(f"\nCPU: {cpu_model()}; digits CNN (77,290 parameters), global batch 64, default run (190 steps), gloo, "
           "one thread per rank\n")
-    print("| option | ranks | bytes/rank/step | vs fp32 all-reduce | counted | messages/step | steps/s here | "
+    print("| option | ranks | bytes/rank/step (rank 0) | vs fp32 all-reduce | counted | messages/step | "
+          "busiest server bytes/step | steps/s here | "
           + " | ".join(f"predicted steps/s at {link.name}" for link in links) + " | test acc |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(links) + "---|")
-    for name, world, comm, here_speed, predicted, accuracy in rows:
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(links) + "---|")
+    for name, world, comm, here_speed, predicted, accuracy, server in rows:
+        ring = 2 * comm["fp32_allreduce_bytes_per_step"]  # a ring rank sends and receives as much
+        busiest = f"{server:,} (ring rank: {ring:,})" if server else ""
         print(f"| {name} | {world} | {comm['bytes_sent_per_step']:,} | {comm['compression_ratio']:.2f}x fewer | "
-              f"{'yes' if comm['counted'] else 'formula'} | {comm['messages_per_step']:g} | {here_speed:.1f} | "
-              + " | ".join(f"{speed:.1f}" for speed in predicted) + f" | {accuracy:.4f} |")
+              f"{'yes' if comm['counted'] else 'formula'} | {comm['messages_per_step']:g} | "
+              f"{busiest} | "
+              f"{here_speed:.1f} | " + " | ".join(f"{speed:.1f}" for speed in predicted) + f" | {accuracy:.4f} |")
     for world in args.ranks:
         base = headline.get(("none", world))
         for name in ("powersgd r4", "onebit"):
