@@ -44,7 +44,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.group, self.servers, self.counter = group, servers, counter
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.owner = owners(self.params, servers)
+        owner = owners(self.params, servers)
+        self.shares = [[p for p, o in zip(self.params, owner, strict=True) if o == s] for s in range(servers)]
+        """The parameters each server owns."""
         self.clip_value: float | None = None
         """Clip the averaged gradients to this global norm (set by the task; clipping local gradients would
         not be what an all-reduce run clips)."""
@@ -52,7 +54,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         """The global norm of the averaged gradients before clipping, at the last step."""
         self.server_bytes = 0
         """Bytes this rank received and sent as a server (gradients in, parameters out)."""
-        owned = {id(p) for p, o in zip(self.params, self.owner, strict=True) if o == self.rank}
+        owned = {id(p) for p in self.shares[self.rank]} if self.rank < servers else set()
         self.inner = rebuilt_optimizer(optimizer, lambda p: id(p) in owned) if owned else None
         """The run's optimiser over this server's parameters (None on a rank that serves nothing)."""
         self._sources = [g for g in optimizer.param_groups if any(id(p) in owned for p in g["params"])]
@@ -62,8 +64,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks: dict[int, Any] = {}
         self._optimizer_step_post_hooks: dict[int, Any] = {}
 
-    def _owned_by(self, server: int) -> list[nn.Parameter]:
-        return [p for p, o in zip(self.params, self.owner, strict=True) if o == server]
+    def _buffer(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """An empty flat tensor that receives ``params``' values (or gradients)."""
+        return torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
 
     def _exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
         """Post every send and receive at once (no order between peers to deadlock on), then wait."""
@@ -81,39 +84,37 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        mine = self._owned_by(self.rank) if self.rank < self.servers else []
-        pushes = {s: torch.cat([p.grad.reshape(-1) for p in self._owned_by(s)]) for s in range(self.servers)
-                  if s != self.rank and self._owned_by(s)}
-        received = {r: torch.empty(sum(p.numel() for p in mine)) for r in range(self.world) if r != self.rank} \
-            if mine else {}
-        self._exchange(pushes, received)
+        others = [r for r in range(self.world) if r != self.rank]
+        remote = [s for s in range(self.servers) if s != self.rank and self.shares[s]]
+        mine = self.shares[self.rank] if self.rank < self.servers else []
+        # push: the gradients of each server's parameters to that server
+        received = {r: self._buffer(mine) for r in others} if mine else {}
+        self._exchange({s: torch.cat([p.grad.reshape(-1) for p in self.shares[s]]) for s in remote}, received)
         if mine:
             total = torch.cat([p.grad.reshape(-1) for p in mine])
             for values in received.values():
                 total += values
             total /= self.world
-            offset = 0
-            for p in mine:
-                p.grad.copy_(total[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        if self.clip_value:
+            self._unflatten(total, [p.grad for p in mine])
+        if self.clip_value:  # every rank joins the norm's all-reduce; one holding no parameters adds 0
             self.last_norm = clip_grad_norm(mine, self.clip_value, across=self.group)
         if self.inner is not None:
             self.inner_with_current_hyperparameters().step()
-        sends = {r: torch.cat([p.reshape(-1) for p in mine]) for r in range(self.world) if r != self.rank} \
-            if mine else {}
-        pulls = {s: torch.empty(sum(p.numel() for p in self._owned_by(s))) for s in range(self.servers)
-                 if s != self.rank and self._owned_by(s)}
-        self._exchange(sends, pulls)
-        if mine:
-            self.server_bytes += sum(t.numel() * 4 for t in received.values()) + sum(
-                t.numel() * 4 for t in sends.values())
+        # pull: each server's parameters back to every rank
+        sent = {r: torch.cat([p.reshape(-1) for p in mine]) for r in others} if mine else {}
+        pulls = {s: self._buffer(self.shares[s]) for s in remote}
+        self._exchange(sent, pulls)
+        self.server_bytes += sum(t.numel() * t.element_size() for t in [*received.values(), *sent.values()])
         for server, values in pulls.items():
-            offset = 0
-            for p in self._owned_by(server):
-                p.copy_(values[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            self._unflatten(values, list(self.shares[server]))
         return loss
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        offset = 0
+        for target in targets:
+            target.copy_(flat[offset:offset + target.numel()].view_as(target))
+            offset += target.numel()
 
     def inner_with_current_hyperparameters(self) -> torch.optim.Optimizer | None:
         """The inner optimiser, its groups given the wrapper's learning rate (the schedule drives the wrapper)
@@ -158,6 +159,6 @@ class ServerTraffic(pl.Callback):
         """Every rank's server bytes per step, the largest kept (a collective)."""
         optimizer = self._optimizer(trainer)
         steps = max(trainer.global_step - self._start[1], 1)
-        busiest = torch.tensor(float(optimizer.server_bytes - self._start[0]) / steps)
+        busiest = torch.tensor((optimizer.server_bytes - self._start[0]) / steps, device=optimizer.params[0].device)
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=optimizer.group)
         self.result = {"servers": self.servers, "busiest_server_bytes_per_step": round(busiest.item())}
