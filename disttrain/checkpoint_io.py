@@ -48,12 +48,14 @@ class CheckpointReadError(ValueError):
 @contextmanager
 def reading(checkpoint: Path) -> Iterator[None]:
     """Turn torch.distributed.checkpoint's ``CheckpointException`` (a ``BaseException`` that carries each
-    rank's error) into one ``CheckpointReadError`` naming the folder and the cause."""
+    rank's error), or a refused index, into one ``CheckpointReadError`` naming the folder and the cause."""
     try:
         yield
     except CheckpointException as err:
         causes = [getattr(failure, "exception", failure) for failure in err.failures.values()]
         raise CheckpointReadError(f"{checkpoint} cannot be read: {causes[0] if causes else err}") from None
+    except UnsafeCheckpointError as err:  # the index read outside torch's loader
+        raise CheckpointReadError(f"{checkpoint} cannot be read: {err}") from None
 
 
 class _IndexUnpickler(pickle.Unpickler):

@@ -21,14 +21,15 @@ def consolidated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Read every rank's shard of the model from a checkpoint folder, in one process, as full tensors."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from disttrain.checkpoint_io import SafeFileSystemReader, load_metadata, reading
+    from disttrain.checkpoint_io import SafeFileSystemReader, load_index, reading
 
     if not (checkpoint / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint folder (no .metadata inside)")
-    # Local SGD / DiLoCo keep every replica's state; between outer steps they differ, and the first one's is taken
-    replica = "replica0" if "replicas" in load_metadata(checkpoint) else None
     with warnings.catch_warnings(), reading(checkpoint):  # loading without a process group is the intent here
         warnings.simplefilter("ignore", UserWarning)
+        # replicas that differ (Local SGD, DiLoCo, an asynchronous parameter server) are kept each: take the first
+        keys = load_index(checkpoint).state_dict_metadata
+        replica = "replica0" if any(key.startswith("replica0.") for key in keys) else None
         state = _load_state_dict_from_keys(keys={replica or "state_dict"}, checkpoint_id=str(checkpoint),
                                            storage_reader=SafeFileSystemReader(str(checkpoint)))
     state = (state[replica] if replica else state)["state_dict"]
