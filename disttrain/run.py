@@ -106,7 +106,7 @@ def run_rank(run: RunConfig) -> float | None:
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
         comm_meter = comm_meter_of(cfg.comm, trainer.strategy)
         outer = OuterSteps(cfg.parallel.sync_every, cfg.parallel.outer, trainer.strategy.comm_counter)
-        traffic = ServerTraffic(cfg.parallel.servers)
+        traffic = ServerTraffic(cfg.parallel.servers, Path(cfg.run_dir) / "logs")
         trainer.callbacks += [*([outer] if cfg.parallel.sync_every else []),
                               *([traffic] if cfg.parallel.servers else []), comm_meter,
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]

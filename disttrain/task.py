@@ -166,7 +166,7 @@ class TrainTask(pl.LightningModule):
         """Clip by the global norm of whole parameters, also when some are tensor-parallel shards; log the
         norm before clipping as ``train/grad_norm``."""
         server = getattr(optimizer, "_optimizer", optimizer)
-        if isinstance(server, ParameterServerOptimizer):  # the servers clip the averaged gradients
+        if isinstance(server, ParameterServerOptimizer) and server.clips_averaged_gradients:
             server.clip_value = gradient_clip_val
             return
         if gradient_clip_val:

@@ -47,7 +47,8 @@ def test_readme_command_runs_as_typed(tmp_path, args):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if "--help" in args:  # our groups and options, not the schemas they start from
-        assert "schema/" not in proc.stdout and "parallel: ddp, diloco, hsdp, hybrid, localsgd, param_server, pipeline" in proc.stdout
+        assert "schema/" not in proc.stdout
+        assert "parallel: ddp, diloco, hsdp, hybrid, localsgd, param_server, pipeline" in proc.stdout
     elif "--cfg" not in args:
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 

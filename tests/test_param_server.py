@@ -1,6 +1,7 @@
-"""The synchronous parameter server: averaged-gradient training through point-to-point messages, so it equals
+"""The parameter server. Synchronous: averaged-gradient training through point-to-point messages, so it equals
 DDP (with clipping that binds on the averaged gradients), its servers' traffic falls with their number, and a
-killed run restarts bitwise with each server's optimiser state."""
+killed run restarts bitwise with each server's optimiser state. Asynchronous: no applied update is more than
+``staleness`` versions late (from the servers' logs), and a restart resumes the servers' versions."""
 
 from __future__ import annotations
 
@@ -80,6 +81,45 @@ def test_bad_parameter_server_settings_are_refused(tmp_path):
     for overrides, message in ((["parallel=param_server", "parallel.servers=3"], "at most the 2 ranks"),
                                (["parallel=param_server", "comm=fp16"], "none with a parameter server"),
                                (["parallel=param_server", "parallel.sync_every=4"], "0 with parallel.sync_every"),
-                               (["parallel=zero2", "parallel.servers=1"], "parallel.servers=1 is invalid: 0 unless")):
+                               (["parallel=zero2", "parallel.servers=1"], "parallel.servers=1 is invalid: 0 unless"),
+                               (["parallel=ddp", "parallel.staleness=2"], "0 unless parallel.servers > 0")):
         with pytest.raises(ConfigError, match=message):
             validate(compose_config(["trainer.devices=2", *overrides], tmp_path / "run"))
+
+
+def _server_logs(run_dir) -> list[dict]:
+    return [json.loads(line) for path in sorted((run_dir / "logs").glob("server*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def test_asynchronous_updates_are_never_more_than_s_versions_late(tmp_path):
+    from tests.test_run import step_losses
+
+    # 4 workers meet once per step, so the last of them to reach a server is up to 3 versions late: with
+    # staleness 1 some gradients must be dropped
+    results = _run(["parallel=param_server", "parallel.servers=2", "parallel.staleness=1", "trainer.devices=4",
+                    "trainer.max_steps=20"], tmp_path / "async")
+    log = _server_logs(tmp_path / "async")
+    assert len(log) == 2 * 4 * 20  # every gradient of every worker reached both servers
+    late = [entry["server_version"] - entry["grad_version"] for entry in log]
+    assert all(lag <= 1 for lag, entry in zip(late, log, strict=True) if entry["applied"])
+    assert any(lag > 1 and not entry["applied"] for lag, entry in zip(late, log, strict=True))
+    server = results["param_server"]
+    assert server["most_versions_late"] <= 1
+    assert server["applied_updates"] == sum(e["applied"] for e in log)
+    assert server["dropped_updates"] == sum(not e["applied"] for e in log) > 0
+    losses = step_losses(tmp_path / "async")
+    assert sum(losses[-5:]) < sum(losses[:5])  # it trains
+
+
+def test_a_killed_asynchronous_run_resumes_the_servers_versions_and_state(tmp_path):
+    from tests.fault_runs import KILL_AT, run, signal_at
+
+    # saves at steps 4 and 8; 2 workers, 1 server and staleness 1: nothing is dropped, 2 updates per step
+    done = run(["parallel=param_server", "parallel.staleness=1", "fault_tolerance.max_restarts=1",
+                *signal_at(KILL_AT, 1, signal.SIGKILL)], tmp_path / "killed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restarting all 2 ranks" in done.stderr
+    log = _server_logs(tmp_path / "killed")  # written by the restarted ranks: from step 5 on
+    assert log[0]["server_version"] == 2 * 4  # the version saved at step 4, not a fresh server's 0
+    assert len(log) == 2 * (12 - 4) and all(entry["applied"] for entry in log)

@@ -96,6 +96,9 @@ class ParallelConfig:
     servers: int = 0
     """Parameter server: the first ``servers`` ranks each own a share of the parameters and their optimiser
     state; every rank pushes gradients to them and pulls parameters back each step; 0: no servers."""
+    staleness: int = 0
+    """Parameter server: 0 averages every rank's gradient each step (synchronous); s > 0 applies each
+    gradient alone as it arrives, dropping one more than s versions old (asynchronous, bounded staleness)."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options used when gradients are all-reduced by DDP."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
@@ -129,6 +132,11 @@ class ParallelConfig:
                               "number of steps between outer steps")
         if self.servers < 0:
             raise ConfigError("parallel.servers", self.servers, "0 (no parameter server) or a number of server ranks")
+        if self.staleness < 0:
+            raise ConfigError("parallel.staleness", self.staleness, "0 (synchronous) or a number of versions")
+        if self.staleness and not self.servers:
+            raise ConfigError("parallel.staleness", self.staleness, "0 unless parallel.servers > 0 (staleness is a "
+                              "parameter server's)")
         if self.servers and self.sync_every:
             raise ConfigError("parallel.servers", self.servers, "0 with parallel.sync_every > 0 (a parameter server "
                               "steps every step)")

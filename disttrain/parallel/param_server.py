@@ -12,6 +12,7 @@ used to be written with, is in maintenance mode; c10d's send/recv run on gloo an
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,6 +39,9 @@ def owners(params: list[nn.Parameter], servers: int) -> list[int]:
 class ParameterServerOptimizer(torch.optim.Optimizer):
     """Wraps the run's optimiser: its param groups (and so the learning-rate schedule) stay here, and the
     servers step their own parameters with a copy of it built over those parameters alone."""
+
+    clips_averaged_gradients = True
+    """The servers clip the averaged gradients (the task leaves the local ones alone)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, servers: int,
                  counter: ByteCounter) -> None:
@@ -144,8 +148,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 class ServerTraffic(pl.Callback):
     """The busiest server's bytes per step (gradients received plus parameters sent), for ``results.json``."""
 
-    def __init__(self, servers: int) -> None:
-        self.servers = servers
+    def __init__(self, servers: int, log_dir: Path) -> None:
+        self.servers, self.log_dir = servers, log_dir
         self.result: dict[str, Any] | None = None
         self._start: tuple[int, int] = (0, 0)  # (server bytes, global step) when training started
 
@@ -162,3 +166,13 @@ class ServerTraffic(pl.Callback):
         busiest = torch.tensor((optimizer.server_bytes - self._start[0]) / steps, device=optimizer.params[0].device)
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=optimizer.group)
         self.result = {"servers": self.servers, "busiest_server_bytes_per_step": round(busiest.item())}
+        log = getattr(optimizer, "log", None)
+        if log is not None:  # asynchronous: what the servers applied and dropped, and how late
+            optimizer.write_log(self.log_dir)
+            applied = [e["server_version"] - e["grad_version"] for e in log if e["applied"]]
+            counts = torch.tensor([len(applied), len(log) - len(applied)], device=busiest.device)
+            latest = torch.tensor(max(applied, default=0), device=busiest.device)
+            dist.all_reduce(counts, group=optimizer.group)
+            dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=optimizer.group)
+            self.result.update(staleness=optimizer.staleness, applied_updates=int(counts[0]),
+                               dropped_updates=int(counts[1]), most_versions_late=int(latest))

@@ -30,6 +30,7 @@ from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
+from disttrain.parallel.async_server import AsyncParameterServerOptimizer
 from disttrain.parallel.buffers import broadcast_buffers
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
@@ -82,6 +83,12 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.checkpoint_blocking_s = 0.0
         """Seconds training waited for them (staging only, when saving asynchronously)."""
         self._checkpoint_group: Any = None
+
+    @property
+    def replicas_differ(self) -> bool:
+        """Data-parallel replicas hold different parameters between exchanges (Local SGD, DiLoCo, an
+        asynchronous parameter server): checkpoints keep every rank's own."""
+        return bool(self.parallel.sync_every or self.parallel.staleness)
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
@@ -151,9 +158,13 @@ class DistTrainStrategy(ModelParallelStrategy):
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """ZeRO-1: spread the optimiser state over the sharding ranks; a parameter server: over its servers;
         other layouts keep ``optimizer``."""
+        group = self.device_mesh["dp_replicate"].get_group()
+        if self.parallel.servers and self.parallel.staleness:
+            names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+            return AsyncParameterServerOptimizer(optimizer, group, self.parallel.servers, self.comm_counter,
+                                                 self.parallel.staleness, names)
         if self.parallel.servers:
-            return ParameterServerOptimizer(optimizer, self.device_mesh["dp_replicate"].get_group(),
-                                            self.parallel.servers, self.comm_counter)
+            return ParameterServerOptimizer(optimizer, group, self.parallel.servers, self.comm_counter)
         if self.parallel.zero_stage != 1:
             return optimizer
         return shard_optimizer_state(optimizer, self.device_mesh["dp_shard"].get_group())
@@ -161,6 +172,8 @@ class DistTrainStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """State keyed by parameter name under every layout: sharded (DTensor) for FSDP, whole otherwise."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        if isinstance(inner, AsyncParameterServerOptimizer):
+            return inner.checkpoint_state()
         if isinstance(inner, ParameterServerOptimizer):  # each server's state of its own parameters
             inner = inner.inner_with_current_hyperparameters()
             if inner is None:
@@ -191,7 +204,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.barrier()
         shards = {"state_dict": checkpoint.pop("state_dict"),
                   **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}}
-        if self.parallel.sync_every:  # replicas differ between outer steps: each rank's state under its own key
+        if self.replicas_differ:  # each rank's state under its own key
             shards = {f"replica{self.global_rank}": shards}
             checkpoint["replicas"] = self.world_size
         if self.is_global_zero:
@@ -246,21 +259,23 @@ class DistTrainStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         metadata = load_metadata(path)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        optimizers = [o.inner if isinstance(o, ParameterServerOptimizer) else o for o in self.optimizers]
+        optimizers = [o.inner if type(o) is ParameterServerOptimizer else o for o in self.optimizers]
         for idx, optimizer in enumerate(optimizers):
-            if optimizer is None:  # a rank that serves no parameter holds no optimiser state
+            if isinstance(optimizer, AsyncParameterServerOptimizer):
+                state[f"optimizer_{idx}"] = optimizer.checkpoint_state()
+            elif optimizer is None:  # a rank that serves no parameter holds no optimiser state
                 state[f"optimizer_{idx}"] = {}
             elif isinstance(optimizer, ZeroRedundancyOptimizer):
                 state[f"optimizer_{idx}"] = zero1_named_template(self.model, optimizer, FLAT_STATE)
             else:
                 state[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=FLAT_STATE)
-        if self.parallel.sync_every:
+        if self.replicas_differ:
             load_sharded({f"replica{self.global_rank % metadata.get('replicas', 1)}": state}, path)
         else:
             load_sharded(state, path)
         set_model_state_dict(self.model, state["state_dict"])
         for idx, optimizer in enumerate(optimizers):
-            if optimizer is None:
+            if optimizer is None or isinstance(optimizer, AsyncParameterServerOptimizer):
                 continue
             if isinstance(optimizer, ZeroRedundancyOptimizer):
                 load_zero1_named_state_dict(self.model, optimizer, state[f"optimizer_{idx}"], FLAT_STATE)

@@ -63,10 +63,11 @@ def constructor_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return kwargs
 
 
-def rebuilt_optimizer(optimizer: torch.optim.Optimizer, keep: Any) -> torch.optim.Optimizer:
-    """``optimizer``'s class and options over the parameters for which ``keep(param)`` is true, in its groups
-    (groups left empty are dropped), each group with all its keys."""
-    groups = [{**group, "params": [p for p in group["params"] if keep(p)]} for group in optimizer.param_groups]
+def rebuilt_optimizer(optimizer: torch.optim.Optimizer, keep: Any, replace: Any = None) -> torch.optim.Optimizer:
+    """``optimizer``'s class and options over the parameters for which ``keep(param)`` is true (each swapped
+    for ``replace(param)`` when given), in its groups (groups left empty are dropped), with all their keys."""
+    swap = replace or (lambda p: p)
+    groups = [{**group, "params": [swap(p) for p in group["params"] if keep(p)]} for group in optimizer.param_groups]
     return type(optimizer)([g for g in groups if g["params"]], **constructor_options(optimizer))
 
 
