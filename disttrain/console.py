@@ -50,6 +50,29 @@ def quiet_noise() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
+def _exchange_line(results: dict[str, Any]) -> str | None:
+    """What the data-parallel exchange sent, as ``results.json``'s ``comm``, ``outer_steps`` and ``param_server``
+    say (None for a run without one)."""
+    comm = results.get("comm")
+    if not comm:
+        return None
+    how = "counted" if comm["counted"] else "from the layout's formula"
+    ratio = comm["compression_ratio"]
+    parts = [f"  exchange: {comm['bytes_sent_per_step']:,} bytes per rank and step ({ratio:g}x fewer than an fp32 "
+             f"all-reduce, {how})"]
+    outer = results.get("outer_steps")
+    if outer:
+        parts.append(f"{outer['count']} outer steps, every {outer['sync_every']}")
+    server = results.get("param_server")
+    if server:
+        parts.append(f"busiest server {server['busiest_server_bytes_per_step']:,} bytes per step")
+        if server.get("staleness"):
+            total = server["applied_updates"] + server["dropped_updates"]
+            parts.append(f"{server['dropped_updates']:,} of {total:,} gradients dropped as more than "
+                         f"{server['staleness']} version(s) late (logs/server<rank>.jsonl)")
+    return "; ".join(parts)
+
+
 def run_summary(results: dict[str, Any], results_path: Path) -> str:
     """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
     where everything is. Every figure is the one in ``results.json``, rounded for reading."""
@@ -65,6 +88,9 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
     tests = {k: v for k, v in results["metrics"].items() if k.startswith("test/")}
     if tests:
         lines.append("  test: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tests.items())))
+    exchange = _exchange_line(results)
+    if exchange:
+        lines.append(exchange)
     expect = results.get("expect")
     if expect:
         value = "not measured" if expect["value"] is None else f"{expect['value']:.4f}"

@@ -92,7 +92,7 @@ def _server_logs(run_dir) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
-def test_asynchronous_updates_are_never_more_than_s_versions_late(tmp_path):
+def test_asynchronous_updates_are_never_more_than_s_versions_late(tmp_path, capfd):
     from tests.test_run import step_losses
 
     # 4 workers meet once per step, so the last of them to reach a server is up to 3 versions late: with
@@ -108,6 +108,9 @@ def test_asynchronous_updates_are_never_more_than_s_versions_late(tmp_path):
     assert server["most_versions_late"] <= 1
     assert server["applied_updates"] == sum(e["applied"] for e in log)
     assert server["dropped_updates"] == sum(not e["applied"] for e in log) > 0
+    summary = capfd.readouterr().out  # the run's last lines say what the exchange did
+    assert f"exchange: {results['comm']['bytes_sent_per_step']:,} bytes per rank and step" in summary
+    assert f"{server['dropped_updates']:,} of {len(log):,} gradients dropped as more than 1 version(s) late" in summary
     losses = step_losses(tmp_path / "async")
     assert sum(losses[-5:]) < sum(losses[:5])  # it trains
 
