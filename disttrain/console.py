@@ -54,7 +54,7 @@ def _exchange_line(results: dict[str, Any]) -> str | None:
     """What the data-parallel exchange sent, as ``results.json``'s ``comm``, ``outer_steps`` and ``param_server``
     say (None for a run without one)."""
     comm = results.get("comm")
-    if not comm:
+    if not comm or not comm.get("compression_ratio"):  # layouts whose exchange is not measured, or sent nothing
         return None
     how = "counted" if comm["counted"] else "from the layout's formula"
     ratio = comm["compression_ratio"]

@@ -49,7 +49,9 @@ class CommMeter(pl.Callback):
             per_unit += ring_allreduce_messages(replicate) if replicate > 1 else 0
             self.computed = (sharded_bytes(numel, shard, replicate, *self.itemsizes, self.zero_stage),
                              units * per_unit)
-        elif net is not None and self.dims.dp_enabled:  # replicas that meet in outer steps (counted there)
+        elif net is not None and self.dims.dp_enabled and not (isinstance(net, FSDPModule) or self.dims.tp_enabled
+                                                               or self.dims.pp_enabled):
+            # replicas outside DDP (Local SGD, DiLoCo, a parameter server): their exchanges are counted
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
         else:
             return
