@@ -71,3 +71,18 @@ def uninterrupted(preset: str, tmp_path_factory) -> Path:
     return _REFERENCES[preset]
 
 
+
+
+def assert_killed_run_restarts_bitwise(args: list[str], rank: int, tmp_path: Path) -> None:
+    """A run with ``args`` whose ``rank`` is killed by SIGKILL after step ``KILL_AT`` and restarted once logs the
+    same losses and ends on the same weights, bitwise, as the uninterrupted run."""
+    import signal
+
+    done = run(args, tmp_path / "straight")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run([*args, "fault_tolerance.max_restarts=1", *signal_at(KILL_AT, rank, signal.SIGKILL)],
+               tmp_path / "killed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restarting all 2 ranks" in done.stderr
+    assert logged_losses(tmp_path / "killed") == logged_losses(tmp_path / "straight")
+    assert_same_weights(tmp_path / "killed", tmp_path / "straight")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 
 import pytest
 import torch
@@ -89,18 +88,11 @@ def test_the_diloco_outer_step_is_nesterov_sgd_on_the_mean_drift():
 
 
 def test_a_killed_diloco_run_restarts_bitwise(tmp_path):
-    from tests.fault_runs import KILL_AT, assert_same_weights, logged_losses, run, signal_at
+    from tests.fault_runs import assert_killed_run_restarts_bitwise
 
     # meetings every 3 steps and saves every 4: the save at step 4 holds replicas that differ, and each rank's
     # inner AdamW state; the kill at step 6 makes steps 5 and 6 run twice
-    diloco = ["parallel=diloco", "parallel.sync_every=3"]
-    done = run(diloco, tmp_path / "straight")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = run([*diloco, "fault_tolerance.max_restarts=1", *signal_at(KILL_AT, 1, signal.SIGKILL)], tmp_path / "killed")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "restarting all 2 ranks" in done.stderr
-    assert logged_losses(tmp_path / "killed") == logged_losses(tmp_path / "straight")
-    assert_same_weights(tmp_path / "killed", tmp_path / "straight")
+    assert_killed_run_restarts_bitwise(["parallel=diloco", "parallel.sync_every=3"], 1, tmp_path)
 
 
 def test_bad_local_sgd_settings_are_refused(tmp_path):

@@ -61,16 +61,10 @@ def test_a_synchronous_parameter_server_is_ddp_and_its_servers_share_the_traffic
 
 
 def test_a_killed_parameter_server_run_restarts_bitwise(tmp_path):
-    from tests.fault_runs import KILL_AT, assert_same_weights, logged_losses, run, signal_at
+    from tests.fault_runs import assert_killed_run_restarts_bitwise
 
-    # AdamW state lives on the servers only; 2 servers of 2 ranks: each holds part of it
-    ps = ["parallel=param_server", "parallel.servers=2"]
-    done = run(ps, tmp_path / "straight")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = run([*ps, "fault_tolerance.max_restarts=1", *signal_at(KILL_AT, 0, signal.SIGKILL)], tmp_path / "killed")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert logged_losses(tmp_path / "killed") == logged_losses(tmp_path / "straight")
-    assert_same_weights(tmp_path / "killed", tmp_path / "straight")
+    # AdamW state lives on the servers only; 2 servers of 2 ranks: each holds part of it; rank 0 (a server) dies
+    assert_killed_run_restarts_bitwise(["parallel=param_server", "parallel.servers=2"], 0, tmp_path)
 
 
 def test_bad_parameter_server_settings_are_refused(tmp_path):

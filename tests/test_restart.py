@@ -21,6 +21,7 @@ from tests.fault_runs import (
     KILL_AT,
     RUN,
     STEPS,
+    assert_killed_run_restarts_bitwise,
     assert_no_orphans,
     assert_same_weights,
     logged_losses,
@@ -143,12 +144,4 @@ def test_sigterm_at_ten_random_moments_restarts_and_finishes_bitwise(tmp_path):
 def test_a_restarted_run_with_compressed_gradients_continues_the_residuals_bitwise(tmp_path, codec):
     # both are deterministic, and their state (error-feedback residuals; PowerSGD's step count and warm-started
     # factors) changes every step's update
-    reference = tmp_path / "straight"
-    done = run(["parallel=ddp", f"comm={codec}"], reference)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = tmp_path / "killed"
-    done = run(["parallel=ddp", f"comm={codec}", "fault_tolerance.max_restarts=1",
-                *signal_at(KILL_AT, 1, signal.SIGKILL)], run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert logged_losses(run_dir) == logged_losses(reference)
-    assert_same_weights(run_dir, reference)
+    assert_killed_run_restarts_bitwise(["parallel=ddp", f"comm={codec}"], 1, tmp_path)
