@@ -36,7 +36,9 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn: Callab
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     try:
-        results.put((rank, True, fn(*args)))
+        # Plain pickle copies tensors into bytes; torch's queue would share them by file descriptor, which
+        # the parent cannot open once this process has exited.
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException as exc:  # noqa: BLE001  (every failure is reported to the parent)
         text = traceback.format_exc()
         try:
@@ -83,7 +85,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
             if not ok:
                 text, exc = payload
                 raise RankError(f"rank {rank} of {world_size} failed:\n{text}") from exc
-            values[rank] = payload
+            values[rank] = pickle.loads(payload)  # noqa: S301  (bytes this test's own ranks pickled)
         for p in procs:
             p.join(timeout=30)
     finally:
