@@ -22,6 +22,7 @@ from disttrain.console import quiet_noise, run_summary
 from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import StepAgreement, StepDecisions
 from disttrain.fault.watchdog import RankWatchdog
+from disttrain.federated.plot import write_round_plot
 from disttrain.launch import (
     external_environment,
     init_process_group,
@@ -99,10 +100,14 @@ def run_rank(run: RunConfig) -> float | None:
             task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement,
                                 pipeline=slot, accumulation=run.batch.accumulation,
                                 clip=cfg.trainer.gradient_clip_val, loss_ranks=plan.loss_ranks)
+        elif cfg.federated.enabled:
+            task, datamodule = federated_task(run, datamodule, task_args, agreement)
         else:
             task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
-        trainer = build_trainer(run, task, slot, meter, datamodule.num_train_samples // run.batch.global_size,
+        steps_per_epoch = cfg.federated.rounds if cfg.federated.enabled \
+            else datamodule.num_train_samples // run.batch.global_size
+        trainer = build_trainer(run, task, slot, meter, steps_per_epoch,
                                 [watchdog, RandomStates(), StepDecisions(agreement)])
         comm_meter = comm_meter_of(cfg.comm, trainer.strategy)
         outer = OuterSteps(cfg.parallel.sync_every, cfg.parallel.outer, trainer.strategy.comm_counter)
@@ -126,9 +131,14 @@ def run_rank(run: RunConfig) -> float | None:
                 logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
         strategy = trainer.strategy
-        results["comm"] = comm_meter.result
+        if not cfg.federated.enabled:  # clients' updates are counted in results["federated"]
+            results["comm"] = comm_meter.result
         if cfg.parallel.servers:
             results["param_server"] = traffic.result
+        if cfg.federated.enabled:
+            results["federated"] = task.summary()
+            if trainer.is_global_zero:
+                write_round_plot(results["federated"]["history"], Path(cfg.run_dir) / "plots")
         if cfg.parallel.sync_every:
             results["outer_steps"] = {"sync_every": cfg.parallel.sync_every, "count": outer.syncs}
         results["checkpoints"] = {"saves": strategy.checkpoint_saves,
@@ -145,6 +155,18 @@ def run_rank(run: RunConfig) -> float | None:
     finally:
         watchdog.stop()
         shutdown_process_group()
+
+
+def federated_task(run: RunConfig, datamodule: Any, task_args: tuple, agreement: StepAgreement) -> tuple[Any, Any]:
+    """The task whose training step is a federated round, and the data module that counts rounds."""
+    from disttrain.federated.task import FederatedTask, RoundsData, client_partitions
+
+    cfg = run.train
+    train_set = datamodule.datasets["train"]
+    parts, _ = client_partitions(cfg.federated, train_set, cfg.seed)
+    task = FederatedTask(*task_args, fed=cfg.federated, train_set=train_set, parts=parts,
+                         clip=cfg.trainer.gradient_clip_val, seed=cfg.seed, agreement=agreement)
+    return task, RoundsData(datamodule, cfg.federated.rounds)
 
 
 def pipeline_slot(plan: ExecutionPlan) -> Any:

@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 
 from disttrain.comm.config import CommConfig
 from disttrain.fault.config import FaultToleranceConfig
+from disttrain.federated.config import FederatedConfig
 from disttrain.parallel.config import ParallelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
@@ -134,6 +135,8 @@ class TrainConfig:
     """How the run is spread over ranks."""
     comm: CommConfig = field(default_factory=CommConfig)
     """What data-parallel gradients are sent as (comm group)."""
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
+    """Federated learning (``parallel=federated``): clients, rounds, strategy, partition, privacy."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Lightning Trainer options."""
     batch: BatchConfig = field(default_factory=BatchConfig)

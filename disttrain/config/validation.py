@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +21,7 @@ from disttrain.config.plan import ExecutionPlan, check_model_plan, execution_pla
 from disttrain.config.schema import PRECISIONS, TrainConfig, TrainerConfig
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
+from disttrain.federated.checks import check_federated
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
@@ -124,8 +125,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     net = model_on_meta(model, datamodule.spec)
     check_model_plan(model.name, net, p, dims, batch.micro_size)
     top.comm.check_model(net)
-    notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
+    notices += check_federated(top, cfg, dims.world_size, dims.dp_replicate, datamodule)
+    if not top.federated.enabled:
+        notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
     plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
+    if top.federated.enabled:  # clients clip their own local steps
+        plan = replace(plan, trainer_clip=None)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices), plan,
                      datamodule)
 

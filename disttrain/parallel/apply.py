@@ -58,7 +58,7 @@ def apply_parallelism(
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
         )
-    if dims.dp_enabled and (parallel.sync_every or parallel.servers):  # replicas without DDP's all-reduce
+    if dims.dp_enabled and parallel.exchanges_outside_ddp:  # replicas without DDP's all-reduce
         broadcast_module(model, dims.dp_mesh(mesh).get_group())
         return model
     if dims.dp_enabled:

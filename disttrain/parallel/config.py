@@ -108,6 +108,17 @@ class ParallelConfig:
     timeout_s: int = 1800
     """Seconds a collective may wait before the run fails."""
 
+    @property
+    def federated(self) -> bool:
+        """Ranks simulate federated clients (``parallel=federated``; the ``federated`` node holds the options):
+        the model is not wrapped in DDP, clients exchange whole updates once a round."""
+        return self.name == "federated"
+
+    @property
+    def exchanges_outside_ddp(self) -> bool:
+        """Data-parallel replicas that exchange parameters or gradients by disttrain's own code, not DDP's."""
+        return bool(self.sync_every or self.servers or self.federated)
+
     def fewest_ranks(self) -> int:
         """The smallest world size this preset runs on: its fixed degrees, and 2 for a degree of -1."""
         fewest = 1

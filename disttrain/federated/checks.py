@@ -1,0 +1,60 @@
+"""Checks of a federated run against the layout and the data, before any rank starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from disttrain.errors import ConfigError
+from disttrain.federated.partition import empty_clients
+
+
+def check_federated(top: Any, cfg: DictConfig, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
+    """Refuse impossible federated settings; set ``trainer.max_steps`` to the rounds; notices for the user."""
+    from disttrain.federated.task import client_partitions
+
+    fed, p = top.federated, top.parallel
+    fed.validate()
+    if not fed.enabled:
+        if p.federated:
+            raise ConfigError("federated.clients", fed.clients, "a positive number of clients with parallel=federated")
+        return []
+    if not p.federated:
+        raise ConfigError("federated.clients", fed.clients, f"0 unless parallel=federated (parallel is {p.name})")
+    if dp_replicate != world_size or p.zero_stage or p.sync_every or p.servers:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate, "-1 with parallel=federated, and no zero_stage, "
+                          "sync_every, servers, tp or pp: every rank simulates clients on the whole model")
+    if top.comm.name != "none":
+        raise ConfigError("comm.name", top.comm.name, "none with parallel=federated (client updates travel whole)")
+    if top.trainer.precision not in ("32-true", "32"):
+        raise ConfigError("trainer.precision", top.trainer.precision, "32-true with parallel=federated")
+    if top.trainer.max_steps not in (-1, fed.rounds):
+        raise ConfigError("trainer.max_steps", top.trainer.max_steps,
+                          f"-1 with parallel=federated (federated.rounds={fed.rounds} sets the length)")
+    top.trainer.max_steps = fed.rounds
+    OmegaConf.update(cfg, "trainer.max_steps", fed.rounds)
+    if fed.dp.noise_multiplier:
+        try:
+            import opacus  # noqa: F401
+        except ImportError:
+            raise ConfigError("federated.dp.noise_multiplier", fed.dp.noise_multiplier,
+                              "0 unless Opacus is installed (pip install 'disttrain[federated]'): its accountant "
+                              "reports the privacy spent") from None
+    train_set = datamodule.datasets["train"]
+    if len(train_set) < fed.clients:
+        raise ConfigError("federated.clients", fed.clients, f"at most the {len(train_set)} training samples")
+    parts, _ = client_partitions(fed, train_set, top.seed)
+    empty = empty_clients(parts)
+    eligible = fed.clients - len(empty)
+    if fed.per_round > eligible:
+        raise ConfigError("federated.clients_per_round", fed.clients_per_round,
+                          f"at most the {eligible} clients that hold samples ({len(empty)} of {fed.clients} are empty "
+                          f"under partition={fed.partition})")
+    sizes = [len(part) for part in parts if len(part)]
+    local = f"{fed.local_epochs} local epochs" if fed.local_epochs else f"{fed.local_steps} local steps"
+    notices = [f"federated: {fed.clients} clients ({fed.partition}, {min(sizes)}-{max(sizes)} samples each), "
+               f"{fed.per_round} per round, {fed.rounds} rounds of {local}, {fed.strategy}"]
+    if empty:
+        notices.append(f"federated.partition={fed.partition}: clients {empty} hold no samples and are never drawn")
+    return notices

@@ -1,0 +1,160 @@
+"""Schema of the ``federated`` node: clients, rounds, local training, server strategy, partition, privacy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disttrain import checks
+from disttrain.errors import ConfigError
+
+STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedyogi")
+PARTITIONS = ("iid", "dirichlet", "shards")
+WEIGHTINGS = ("auto", "samples", "uniform")
+
+
+@dataclass
+class ServerOptions:
+    """The server's step on the aggregated update ``delta`` (the clients' weighted mean change).
+
+    fedavg / fedprox: ``w += lr * delta``. fedadam / fedyogi (Reddi et al., 2021, as Flower computes them):
+    moments of ``delta`` with ``beta1`` and ``beta2``, ``w += lr * m / (sqrt(v) + tau)``; FedAdam's ``lr`` is
+    bias-corrected by the round number.
+    """
+
+    lr: float | None = None
+    """Server learning rate; null: 1.0 for fedavg and fedprox (the new model is the clients' mean), 0.01 for
+    fedadam and fedyogi (Flower's default)."""
+    beta1: float = 0.9
+    """First-moment decay of fedadam / fedyogi."""
+    beta2: float = 0.99
+    """Second-moment decay of fedadam / fedyogi."""
+    tau: float = 1e-3
+    """Adaptivity floor added to sqrt(v) by fedadam / fedyogi."""
+
+    def resolved_lr(self, strategy: str) -> float:
+        """The server learning rate of ``strategy``."""
+        if self.lr is not None:
+            return self.lr
+        return 1.0 if strategy in ("fedavg", "fedprox") else 0.01
+
+
+@dataclass
+class PrivacyConfig:
+    """Client-level differential privacy (DP-FedAvg, McMahan et al., 2018): each sampled client's update is
+    clipped to L2 norm ``clip``, the uniform mean of the clipped updates gets Gaussian noise of standard
+    deviation ``noise_multiplier * clip / clients_per_round``, and Opacus' RDP accountant tracks epsilon."""
+
+    clip: float | None = None
+    """Bound on each client's update norm; null: no clipping, no privacy."""
+    noise_multiplier: float = 0.0
+    """Noise standard deviation in units of the clipped sensitivity (needs ``clip``)."""
+    delta: float = 1e-5
+    """The delta at which epsilon is reported."""
+
+    @property
+    def enabled(self) -> bool:
+        """Updates are clipped (and perhaps noised)."""
+        return self.clip is not None
+
+
+@dataclass
+class FederatedConfig:
+    """A federated run (``parallel=federated``): ``clients`` simulated clients spread over the ranks, each
+    holding one partition of the training split; every round ``clients_per_round`` of them, drawn with the
+    run's seed, train locally from the global model, and the server aggregates their updates."""
+
+    clients: int = 0
+    """Simulated clients (several per rank); 0: not a federated run."""
+    clients_per_round: int = 0
+    """Clients drawn each round (seeded, without replacement); 0: every client every round."""
+    rounds: int = 30
+    """Rounds of training (each one optimiser step of the global model: sets trainer.max_steps)."""
+    local_steps: int = 10
+    """Optimiser steps each client takes per round (when ``local_epochs`` is 0)."""
+    local_epochs: int = 0
+    """Passes over its own data each client makes per round; 0: ``local_steps`` steps instead."""
+    batch_size: int = 32
+    """Samples per local step of a client."""
+    strategy: str = "fedavg"
+    """fedavg, fedprox (local proximal term ``mu``), fedadam or fedyogi (adaptive server steps)."""
+    mu: float = 0.0
+    """FedProx: weight of the proximal term ``mu / 2 * ||w - w_global||^2`` in each local step."""
+    server: ServerOptions = field(default_factory=ServerOptions)
+    """The server's step on the aggregated update."""
+    partition: str = "iid"
+    """How the training split is divided: iid (a seeded shuffle cut into equal parts), dirichlet (each class
+    spread over clients by Dirichlet(alpha) proportions) or shards (sorted by label, cut into
+    ``clients * classes_per_client`` shards, each client takes ``classes_per_client``)."""
+    alpha: float = 0.5
+    """Dirichlet concentration: small is skewed (0.1: most clients see one or two classes), large is iid."""
+    classes_per_client: int = 2
+    """Shards per client with ``partition=shards``."""
+    weighting: str = "auto"
+    """Weights of client updates: samples (by their sample counts, FedAvg), uniform, or auto: samples, and
+    uniform under differential privacy (whose noise is calibrated to one client's share of a uniform mean)."""
+    dp: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """Client-level differential privacy."""
+    secure_aggregation: bool = False
+    """Clients add pairwise masks that cancel in the sum (Bonawitz et al., 2017, without dropout recovery), so
+    no rank sees a client's update in the clear."""
+    eval_batches: int = 4
+    """Batches of its own data each sampled client evaluates the global model on (client accuracy)."""
+
+    @property
+    def enabled(self) -> bool:
+        """This is a federated run."""
+        return self.clients > 0
+
+    @property
+    def per_round(self) -> int:
+        """Clients drawn each round."""
+        return self.clients_per_round or self.clients
+
+    @property
+    def resolved_weighting(self) -> str:
+        """samples or uniform."""
+        if self.weighting != "auto":
+            return self.weighting
+        return "uniform" if self.dp.enabled else "samples"
+
+    def validate(self) -> None:
+        """Checks that need no data."""
+        if self.clients < 0:
+            raise ConfigError("federated.clients", self.clients, "a positive number of clients (0: not federated)")
+        if not self.enabled:
+            return
+        if not 0 <= self.clients_per_round <= self.clients:
+            raise ConfigError("federated.clients_per_round", self.clients_per_round,
+                              f"between 1 and federated.clients={self.clients} (0: every client)")
+        checks.positive("federated.rounds", self.rounds)
+        checks.positive("federated.batch_size", self.batch_size)
+        checks.positive("federated.eval_batches", self.eval_batches)
+        checks.non_negative("federated.local_epochs", self.local_epochs)
+        if self.local_epochs == 0:
+            checks.positive("federated.local_steps", self.local_steps)
+        for key, value, allowed in (("strategy", self.strategy, STRATEGIES), ("partition", self.partition, PARTITIONS),
+                                    ("weighting", self.weighting, WEIGHTINGS)):
+            if value not in allowed:
+                raise ConfigError(f"federated.{key}", value, f"one of {list(allowed)}")
+        checks.non_negative("federated.mu", self.mu)
+        if self.mu and self.strategy != "fedprox":
+            raise ConfigError("federated.mu", self.mu, "0 unless federated.strategy=fedprox (mu is FedProx's "
+                              f"proximal weight; strategy is {self.strategy})")
+        if self.partition == "dirichlet" and not self.alpha > 0:
+            raise ConfigError("federated.alpha", self.alpha, "a positive Dirichlet concentration")
+        checks.positive("federated.classes_per_client", self.classes_per_client)
+        checks.positive("federated.server.lr", self.server.lr, optional=True)
+        checks.unit_interval("federated.server.beta1", self.server.beta1)
+        checks.unit_interval("federated.server.beta2", self.server.beta2)
+        checks.positive("federated.server.tau", self.server.tau)
+        dp = self.dp
+        checks.positive("federated.dp.clip", dp.clip, optional=True)
+        checks.non_negative("federated.dp.noise_multiplier", dp.noise_multiplier)
+        if dp.noise_multiplier and not dp.enabled:
+            raise ConfigError("federated.dp.noise_multiplier", dp.noise_multiplier,
+                              "0 unless federated.dp.clip is set (noise is calibrated to the clipped update norm)")
+        if not 0 < dp.delta < 1:
+            raise ConfigError("federated.dp.delta", dp.delta, "a probability strictly between 0 and 1")
+        if dp.enabled and self.weighting == "samples":
+            raise ConfigError("federated.weighting", self.weighting, "uniform or auto with federated.dp.clip set "
+                              "(the privacy noise is calibrated to one client's share of a uniform mean)")

@@ -1,0 +1,190 @@
+"""One federated round over the ranks: draw clients, train each locally, aggregate, take the server step.
+
+Every rank holds the global model and simulates the drawn clients whose slot in the round falls to it
+(slot ``i`` on rank ``i mod world``). What crosses ranks is one model-sized vector per round (each rank's sum
+of its clients' weighted updates, plus the weight: masked residues under secure aggregation) and one small
+table of client metrics; no data. All ranks then hold the same aggregate and take the same server step, so
+the global model stays identical everywhere without a broadcast.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from disttrain.federated import privacy, secure
+from disttrain.federated.client import ClientData, copy_state, evaluate, generator, train_locally
+from disttrain.federated.config import FederatedConfig
+
+METRIC_COLUMNS = 4  # accuracy, evaluated loss, evaluated targets, training loss
+
+
+@dataclass
+class RoundStats:
+    """What one round did, the same on every rank."""
+
+    round: int
+    clients: list[int]
+    """The clients drawn."""
+    train_loss: float
+    """Mean local training loss of the drawn clients."""
+    client_acc_mean: float
+    """Mean accuracy of the global model (as received) on each drawn client's own data."""
+    client_acc_std: float
+    """Spread (standard deviation) of those accuracies."""
+    client_loss_mean: float
+    """Mean loss of the received global model on the clients' own data."""
+    bytes_up: int
+    """Bytes the drawn clients sent to the server (one update each)."""
+    bytes_down: int
+    """Bytes the server sent to them (the global model each)."""
+    update_norms: list[float] = field(default_factory=list)
+    """This rank's clients' update norms before privacy clipping."""
+
+
+def state_tensors(net: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """The global model's trained parameters and its floating-point buffers (both aggregated)."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    buffers = [b for b in net.buffers() if b.is_floating_point()]
+    return params, buffers
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One fp32 vector of ``tensors``."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+class FederatedRounds:
+    """Runs the rounds of ``cfg`` on the global model ``net`` over ``group`` (None: this process alone)."""
+
+    def __init__(self, net: nn.Module, dataset: Dataset, parts: list[torch.Tensor], cfg: FederatedConfig,
+                 optim_cfg: Any, clip: float | None, seed: int, group: dist.ProcessGroup | None,
+                 device: torch.device) -> None:
+        self.net, self.cfg, self.optim_cfg, self.clip, self.seed = net, cfg, optim_cfg, clip, seed
+        self.group, self.device = group, device
+        self.data = [ClientData(dataset, part, client, cfg.batch_size, seed) for client, part in enumerate(parts)]
+        self.eligible = [client for client, part in enumerate(parts) if len(part)]
+        self.mean_size = sum(len(part) for part in parts) / len(parts)
+        self.worker = copy.deepcopy(net)  # the drawn clients train in turn on this copy
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+
+    @property
+    def sample_rate(self) -> float:
+        """The chance that a client is drawn in a round."""
+        return self.cfg.per_round / len(self.eligible)
+
+    def drawn(self, round_index: int) -> list[int]:
+        """The clients of round ``round_index`` (ascending), drawn from the seed and the round alone."""
+        count = self.cfg.per_round
+        if count >= len(self.eligible):
+            return list(self.eligible)
+        order = torch.randperm(len(self.eligible), generator=generator(self.seed, 3, round_index))
+        return sorted(self.eligible[int(i)] for i in order[:count])
+
+    def batches(self, client: int, round_index: int) -> list[Any]:
+        """Client ``client``'s local batches of the round."""
+        data = self.data[client]
+        if self.cfg.local_epochs:
+            indices = data.epoch_batches(round_index, self.cfg.local_epochs)
+        else:
+            indices = data.step_batches(round_index, self.cfg.local_steps)
+        return [data.collate(batch) for batch in indices]
+
+    def client_update(self, client: int, round_index: int, start: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """Train client ``client`` from the global model; its update (params then float buffers, fp32) and its
+        metrics row (accuracy, loss and count on its own data before training, mean training loss)."""
+        params, buffers = state_tensors(self.worker)
+        global_params, global_buffers = state_tensors(self.net)
+        copy_state([*global_params, *global_buffers], [*params, *buffers])
+        data = self.data[client]
+        evaluated = [data.collate(batch) for batch in data.eval_batches(self.cfg.eval_batches)]
+        correct, loss_sum, count = evaluate(self.worker, evaluated, self.device)
+        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator(self.seed, 4, round_index, client))))
+        anchor = [p.detach() for p in global_params] if self.cfg.mu else None
+        train_loss = train_locally(self.worker, self.batches(client, round_index), self.optim_cfg, self.clip,
+                                   self.cfg.mu, anchor, self.device)
+        update = flat([*params, *buffers]) - start
+        return update, [correct / max(count, 1), loss_sum / max(count, 1), float(count), train_loss]
+
+    def weight(self, client: int) -> float:
+        """The client's weight in the aggregate: its samples relative to the mean partition, or 1."""
+        if self.cfg.resolved_weighting == "uniform":
+            return 1.0
+        return len(self.data[client]) / self.mean_size
+
+    def run(self, round_index: int) -> tuple[torch.Tensor, RoundStats]:
+        """Train this rank's share of the round's clients and aggregate over all ranks: the global model's
+        weighted mean update (params then float buffers, fp32, on the model's device) and the round's stats."""
+        clients = self.drawn(round_index)
+        params, buffers = state_tensors(self.net)
+        start = flat([*params, *buffers])
+        secure_sum = self.cfg.secure_aggregation
+        total = torch.zeros(start.numel() + 1, dtype=torch.int64 if secure_sum else torch.float32,
+                            device="cpu" if secure_sum else start.device)
+        metrics = torch.zeros(len(clients), METRIC_COLUMNS, dtype=torch.float64)
+        norms = []
+        dp = self.cfg.dp
+        for slot, client in enumerate(clients):
+            if slot % self.world != self.rank:
+                continue
+            update, row = self.client_update(client, round_index, start)
+            if dp.enabled:
+                update, norm = privacy.clip_update(update, dp.clip)
+                norms.append(norm)
+            weight = self.weight(client)
+            contribution = torch.cat([update * weight, update.new_tensor([weight])])
+            if secure_sum:
+                masked = secure.mask(secure.encode(contribution.cpu()), client, clients, self.seed, round_index)
+                total = torch.remainder(total + masked, secure.MODULUS)
+            else:
+                total += contribution
+            metrics[slot] = torch.tensor(row, dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+            dist.all_reduce(metrics, group=self.group)
+        summed = secure.decode(total).float().to(start.device) if secure_sum else total
+        mean_update = summed[:-1] / summed[-1]
+        if dp.noise_multiplier:
+            std = dp.noise_multiplier * dp.clip / len(clients)
+            mean_update += privacy.gaussian_noise(mean_update.numel(), std, self.seed, round_index).to(mean_update)
+        return mean_update, self._stats(round_index, clients, metrics, start.numel(), norms)
+
+    def apply(self, mean_update: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Hand the parameters' share of the update to the server optimiser (as a negated gradient) and set the
+        float buffers to the clients' weighted mean."""
+        params, buffers = state_tensors(self.net)
+        offset = 0
+        with torch.no_grad():
+            for param in params:
+                param.grad = -mean_update[offset:offset + param.numel()].view_as(param).to(param.dtype)
+                offset += param.numel()
+            for buffer in buffers:
+                buffer.add_(mean_update[offset:offset + buffer.numel()].view_as(buffer).to(buffer.dtype))
+                offset += buffer.numel()
+
+    def _stats(self, round_index: int, clients: list[int], metrics: torch.Tensor, numel: int,
+               norms: list[float]) -> RoundStats:
+        accuracies = metrics[:, 0]
+        element = 8 if self.cfg.secure_aggregation else 4
+        return RoundStats(
+            round=round_index, clients=clients, train_loss=float(metrics[:, 3].mean()),
+            client_acc_mean=float(accuracies.mean()),
+            client_acc_std=float(accuracies.std(unbiased=False)) if len(clients) > 1 else 0.0,
+            client_loss_mean=float(metrics[:, 1].mean()),
+            bytes_up=len(clients) * (numel + 1) * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
+        )
+
+
+def rounds_epsilon(cfg: FederatedConfig, sample_rate: float, rounds: int) -> float:
+    """Privacy spent after ``rounds`` rounds (inf when clipping adds no noise; nan without privacy)."""
+    if not cfg.dp.enabled:
+        return math.nan
+    return privacy.epsilon(cfg.dp.noise_multiplier, sample_rate, rounds, cfg.dp.delta)
