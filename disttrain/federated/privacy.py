@@ -17,10 +17,14 @@ _SEED_BITS = (1 << 63) - 1
 
 def clip_update(update: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:
     """``update`` scaled to L2 norm at most ``clip``, and its norm before clipping."""
-    norm = float(torch.linalg.vector_norm(update))
+    norm = float(torch.linalg.vector_norm(update, dtype=torch.float64))
     if norm <= clip:
         return update, norm
-    return update * (clip / (norm + 1e-6)), norm  # as Opacus: the clipped norm stays strictly below clip
+    clipped = (update.double() * (clip / norm)).to(update.dtype)
+    rounded = float(torch.linalg.vector_norm(clipped, dtype=torch.float64))
+    if rounded > clip:  # rounding to the update's precision may land a hair above the bound: step inside it
+        clipped = clipped * (clip / rounded * (1 - 1e-6))
+    return clipped, norm
 
 
 def gaussian_noise(numel: int, std: float, seed: int, round_index: int) -> torch.Tensor:
