@@ -73,14 +73,35 @@ def _exchange_line(results: dict[str, Any]) -> str | None:
     return "; ".join(parts)
 
 
+def _federated_line(fed: dict[str, Any]) -> str:
+    """Clients' accuracy on their own data, traffic per round and the privacy spent."""
+    parts = []
+    if fed.get("client_acc_mean") is not None:
+        parts.append(f"clients' own-data accuracy {fed['client_acc_mean']:.4f} ± {fed['client_acc_std']:.4f} "
+                     "(last round, before local training)")
+    if fed.get("bytes_up_per_round"):
+        parts.append(f"{fed['bytes_up_per_round'] / 1e6:.2f} MB up, {fed['bytes_down_per_round'] / 1e6:.2f} MB down "
+                     "per round")
+    privacy = fed.get("privacy")
+    if privacy:
+        parts.append(f"epsilon {privacy['epsilon']:.3g} at delta {privacy['delta']:g}")
+    return "  federated: " + "; ".join(parts)
+
+
 def run_summary(results: dict[str, Any], results_path: Path) -> str:
     """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
     where everything is. Every figure is the one in ``results.json``, rounded for reading."""
     rate = f", {results['samples_per_sec']:g} samples/s" if results.get("samples_per_sec") else ""
     if results.get("tokens_per_sec"):
         rate += f", {results['tokens_per_sec']:g} tokens/s"
-    lines = [f"Run complete: {results['global_steps']} steps on {results['world_size']} rank(s), "
-             f"{results['wall_time_s']:g} s of training{rate}"]
+    fed = results.get("federated")
+    if fed:
+        rate = f", {fed['client_samples_per_sec']:.0f} client samples/s" if fed.get("client_samples_per_sec") else ""
+        done = (f"{results['global_steps']} rounds of {fed['clients_per_round']} of {fed['clients']} clients "
+                f"({fed['strategy']}, {fed['partition']})")
+    else:
+        done = f"{results['global_steps']} steps"
+    lines = [f"Run complete: {done} on {results['world_size']} rank(s), {results['wall_time_s']:g} s of training{rate}"]
     best = results.get("best")
     if best:
         where = Path(results["best_checkpoint"]).relative_to(results_path.parent) if results["best_checkpoint"] else ""
@@ -88,6 +109,8 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
     tests = {k: v for k, v in results["metrics"].items() if k.startswith("test/")}
     if tests:
         lines.append("  test: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tests.items())))
+    if fed:
+        lines.append(_federated_line(fed))
     exchange = _exchange_line(results)
     if exchange:
         lines.append(exchange)

@@ -137,6 +137,7 @@ def run_rank(run: RunConfig) -> float | None:
             results["param_server"] = traffic.result
         if cfg.federated.enabled:
             results["federated"] = task.summary()
+            results["samples_per_sec"] = None  # global batches do not apply: see federated.client_samples_per_sec
             if trainer.is_global_zero:
                 write_round_plot(results["federated"]["history"], Path(cfg.run_dir) / "plots")
         if cfg.parallel.sync_every:

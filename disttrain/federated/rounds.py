@@ -23,7 +23,7 @@ from disttrain.federated import privacy, secure
 from disttrain.federated.client import ClientData, copy_state, evaluate, generator, train_locally
 from disttrain.federated.config import FederatedConfig
 
-METRIC_COLUMNS = 4  # accuracy, evaluated loss, evaluated targets, training loss
+METRIC_COLUMNS = 5  # accuracy, evaluated loss, evaluated targets, training loss, samples trained on
 
 
 @dataclass
@@ -41,6 +41,8 @@ class RoundStats:
     """Spread (standard deviation) of those accuracies."""
     client_loss_mean: float
     """Mean loss of the received global model on the clients' own data."""
+    samples: int
+    """Samples the drawn clients trained on (counted once per local step)."""
     bytes_up: int
     """Bytes the drawn clients sent to the server (one update each)."""
     bytes_down: int
@@ -100,7 +102,7 @@ class FederatedRounds:
 
     def client_update(self, client: int, round_index: int, start: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         """Train client ``client`` from the global model; its update (params then float buffers, fp32) and its
-        metrics row (accuracy, loss and count on its own data before training, mean training loss)."""
+        metrics row (accuracy, loss and count on its own data before training, mean training loss, samples)."""
         params, buffers = state_tensors(self.worker)
         global_params, global_buffers = state_tensors(self.net)
         copy_state([*global_params, *global_buffers], [*params, *buffers])
@@ -109,10 +111,11 @@ class FederatedRounds:
         correct, loss_sum, count = evaluate(self.worker, evaluated, self.device)
         torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator(self.seed, 4, round_index, client))))
         anchor = [p.detach() for p in global_params] if self.cfg.mu else None
-        train_loss = train_locally(self.worker, self.batches(client, round_index), self.optim_cfg, self.clip,
-                                   self.cfg.mu, anchor, self.device)
+        batches = self.batches(client, round_index)
+        train_loss = train_locally(self.worker, batches, self.optim_cfg, self.clip, self.cfg.mu, anchor, self.device)
         update = flat([*params, *buffers]) - start
-        return update, [correct / max(count, 1), loss_sum / max(count, 1), float(count), train_loss]
+        samples = float(sum(len(targets) for _, targets in batches))
+        return update, [correct / max(count, 1), loss_sum / max(count, 1), float(count), train_loss, samples]
 
     def weight(self, client: int) -> float:
         """The client's weight in the aggregate: its samples relative to the mean partition, or 1."""
@@ -178,7 +181,7 @@ class FederatedRounds:
             round=round_index, clients=clients, train_loss=float(metrics[:, 3].mean()),
             client_acc_mean=float(accuracies.mean()),
             client_acc_std=float(accuracies.std(unbiased=False)) if len(clients) > 1 else 0.0,
-            client_loss_mean=float(metrics[:, 1].mean()),
+            client_loss_mean=float(metrics[:, 1].mean()), samples=int(metrics[:, 4].sum()),
             bytes_up=len(clients) * (numel + 1) * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
         )
 

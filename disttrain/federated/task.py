@@ -9,6 +9,7 @@ number is the global step, so a run resumed from a checkpoint continues at the n
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -64,6 +65,8 @@ class FederatedTask(TrainTask):
         self.automatic_optimization = False
         self.fed, self.train_set, self.parts, self.clip, self.seed = fed, train_set, parts, clip, seed
         self.rounds: FederatedRounds | None = None
+        self.seconds = 0.0
+        """Wall time of this process's rounds (local training and aggregation, not validation)."""
         self.history: list[dict[str, Any]] = []
         """Per round: the clients' metrics, bytes, privacy spent, and the global model's validation metrics."""
 
@@ -76,20 +79,22 @@ class FederatedTask(TrainTask):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One round: local training of the drawn clients, aggregation, the server's step."""
-        round_index = self.global_step
-        mean_update, stats = self.rounds.run(round_index)
+        started = time.perf_counter()
+        mean_update, stats = self.rounds.run(self.global_step)
         optimizer = self.optimizers()
         self.rounds.apply(mean_update, optimizer.optimizer)
         self._record(stats)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.seconds += time.perf_counter() - started
 
     def _record(self, stats: RoundStats) -> None:
         loss = self.agreement.reduce_loss(torch.tensor(stats.train_loss, device=self.device), self.trainer.world_size)
         epsilon = rounds_epsilon(self.fed, self.rounds.sample_rate, stats.round + 1)
         row = {"round": stats.round + 1, "train_loss": stats.train_loss, "client_acc_mean": stats.client_acc_mean,
                "client_acc_std": stats.client_acc_std, "client_loss_mean": stats.client_loss_mean,
-               "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "clients": stats.clients}
+               "samples": stats.samples, "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
+               "clients": stats.clients}
         if not math.isnan(epsilon):
             row["epsilon"] = epsilon
         self.history.append(row)
@@ -129,6 +134,8 @@ class FederatedTask(TrainTask):
             "weighting": self.fed.resolved_weighting, "secure_aggregation": self.fed.secure_aggregation,
             "bytes_up_per_round": last.get("bytes_up"), "bytes_down_per_round": last.get("bytes_down"),
             "client_acc_mean": last.get("client_acc_mean"), "client_acc_std": last.get("client_acc_std"),
+            "client_samples_per_sec": (sum(row["samples"] for row in self.history) / self.seconds
+                                       if self.seconds else None),
             "history": [{k: v for k, v in row.items() if k != "clients"} for row in self.history],
         }
         if self.fed.dp.enabled:
