@@ -376,3 +376,36 @@ def test_iid_fedavg_reaches_centralised_accuracy_within_two_points_in_30_rounds(
     # measured: 0.9916 federated, 0.9944 centralised
     assert fed["metrics"]["test/acc"] >= central["metrics"]["test/acc"] - 0.02
     assert (tmp_path / "fed" / "plots" / "federated_accuracy.png").is_file()
+
+
+def test_a_flower_client_app_trains_exactly_as_the_simulated_client(tmp_path, make_config, monkeypatch):
+    pytest.importorskip("flwr")
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.serverapp.strategy import FedProx
+    from flwr.supercore.task_identity import TaskIdentity
+    from omegaconf import OmegaConf
+
+    from disttrain.federated.flower import FlowerClient, client_app, flower_strategy, load_run
+
+    config_path = tmp_path / "config.yaml"
+    cfg = make_config(["parallel=federated", "trainer.devices=1", "federated.partition=dirichlet",
+                       "federated.strategy=fedprox", "federated.mu=0.1", "federated.local_steps=3"])
+    config_path.write_text(OmegaConf.to_yaml(cfg))
+    run = load_run(config_path)
+    assert isinstance(flower_strategy(run.train.federated), FedProx)
+    reference = FlowerClient(run)
+    start = {k: v.clone() for k, v in reference.rounds.net.state_dict().items()}
+    expected, weight, _ = reference.train(start, server_round=2, client=7)
+    assert weight == pytest.approx(len(reference.rounds.data[7]))
+    for name in ("_run_id", "_node_id", "_task_id"):  # what Flower's runtime sets in a node's process
+        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
+    message = Message(content=RecordDict({"arrays": ArrayRecord(start), "config": ConfigRecord({"server-round": 2})}),
+                      dst_node_id=7, message_type="train")
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 7, "num-partitions": 20}, state=RecordDict(),
+                      run_config={})
+    reply = client_app(config_path)(message, context)
+    trained = reply.content["arrays"].to_torch_state_dict()
+    assert reply.content["metrics"]["num-examples"] == pytest.approx(weight)
+    for name, value in expected.items():
+        assert torch.equal(trained[name], value), name
+    assert any(not torch.equal(start[name], value) for name, value in expected.items())
