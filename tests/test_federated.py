@@ -17,7 +17,7 @@ from disttrain.errors import ConfigError
 from disttrain.federated import privacy, secure
 from disttrain.federated.config import FederatedConfig, PrivacyConfig
 from disttrain.federated.partition import labels_of, partition
-from disttrain.federated.rounds import FederatedRounds, flat, state_tensors
+from disttrain.federated.rounds import METRIC_COLUMNS, FederatedRounds, flat, state_tensors
 from disttrain.federated.server import ServerOptimizer
 from disttrain.optim.torch_optims import SGDConfig
 from tests.dist_utils import run_on_ranks
@@ -127,8 +127,18 @@ def test_flower_fedprox_with_mu_zero_is_fedavg_on_the_server():
 # ---- rounds over ranks --------------------------------------------------------------------------------------
 
 
-def _two_rounds(options: dict) -> dict:
-    """Two rounds over the ranks; the global model after each, and every payload that crossed ranks."""
+SETTINGS = {
+    "plain": {}, "secure": {"secure_aggregation": True},
+    "prox0": {"strategy": "fedprox", "mu": 0.0}, "prox5": {"strategy": "fedprox", "mu": 5.0},
+    "dp_unbound": {"dp": PrivacyConfig(clip=1e9, noise_multiplier=0.0)}, "uniform": {"weighting": "uniform"},
+    "dp_clipped": {"dp": PrivacyConfig(clip=0.05, noise_multiplier=0.0)},
+    "dp_noisy": {"dp": PrivacyConfig(clip=0.05, noise_multiplier=1.0)},
+}
+
+
+def _two_rounds_each() -> dict[str, dict]:
+    """Two rounds over the ranks under every setting: the global model after each, and every payload that
+    crossed ranks (one spawn of the ranks for all settings)."""
     sent: list[tuple[str, tuple, torch.dtype, torch.Tensor]] = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather", "send", "isend",
                                                          "reduce", "gather", "scatter", "all_to_all_single")}
@@ -142,17 +152,27 @@ def _two_rounds(options: dict) -> dict:
 
     for name in originals:
         setattr(dist, name, wrapped(name))
-    fed = _fed(**options)
-    rounds = _rounds(fed, dist.group.WORLD)
-    server = ServerOptimizer([p for p in rounds.net.parameters()], "avg", 1.0)
-    states, stats = [], []
-    for r in range(2):
-        update, round_stats = rounds.run(r)
-        rounds.apply(update, server)
-        server.step()
-        states.append(flat([*state_tensors(rounds.net)[0], *state_tensors(rounds.net)[1]]))
-        stats.append(round_stats)
-    return {"states": states, "stats": stats, "sent": sent, "numel": states[0].numel()}
+    results = {}
+    for setting, options in SETTINGS.items():
+        sent.clear()
+        rounds = _rounds(_fed(**options), dist.group.WORLD)
+        server = ServerOptimizer([p for p in rounds.net.parameters()], "avg", 1.0)
+        states, stats = [], []
+        for r in range(2):
+            update, round_stats = rounds.run(r)
+            rounds.apply(update, server)
+            server.step()
+            states.append(flat([*state_tensors(rounds.net)[0], *state_tensors(rounds.net)[1]]))
+            stats.append(round_stats)
+        results[setting] = {"states": states, "stats": stats, "sent": list(sent), "numel": states[0].numel()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranked() -> dict[str, list[dict]]:
+    """``{setting: [rank 0's result, rank 1's result]}`` of ``_two_rounds_each`` on 2 ranks."""
+    by_rank = run_on_ranks(_two_rounds_each, 2)
+    return {setting: [rank[setting] for rank in by_rank] for setting in SETTINGS}
 
 
 def _simulated(options: dict) -> list[torch.Tensor]:
@@ -180,8 +200,8 @@ def _simulated(options: dict) -> list[torch.Tensor]:
     return states
 
 
-def test_the_aggregate_is_the_sample_weighted_mean_of_non_iid_client_models():
-    by_rank = run_on_ranks(_two_rounds, 2, {})
+def test_the_aggregate_is_the_sample_weighted_mean_of_non_iid_client_models(ranked):
+    by_rank = ranked["plain"]
     expected = _simulated({})
     sizes = {len(p) for p in _rounds(_fed()).data}
     assert len(sizes) > 3  # Dirichlet clients of different sizes: a uniform mean would differ
@@ -191,13 +211,14 @@ def test_the_aggregate_is_the_sample_weighted_mean_of_non_iid_client_models():
     assert torch.equal(by_rank[0]["states"][1], by_rank[1]["states"][1])  # one global model on every rank
 
 
-def test_only_model_shaped_updates_and_client_metrics_cross_ranks():
-    result = run_on_ranks(_two_rounds, 2, {"secure_aggregation": True})[0]
+def test_only_model_shaped_updates_and_client_metrics_cross_ranks(ranked):
+    result = ranked["secure"][0]
     numel, drawn = result["numel"], _fed().per_round
     data = _digits().images.reshape(len(_digits()), -1)
     for name, shape, dtype, payload in result["sent"]:
         assert name == "all_reduce"
-        assert shape in ((numel + 1,), (drawn, 4)), shape  # one update vector, one row of metrics per client
+        # one update vector (and its weight), one row of metrics per client
+        assert shape in ((numel + 1,), (drawn, METRIC_COLUMNS)), shape
         if shape == (numel + 1,):
             assert dtype == torch.int64  # masked residues
         values = payload.reshape(-1).float()
@@ -205,9 +226,9 @@ def test_only_model_shaped_updates_and_client_metrics_cross_ranks():
             assert not torch.equal(values[:64], row)
 
 
-def test_secure_aggregation_equals_the_plain_sum_and_hides_each_update():
-    plain = run_on_ranks(_two_rounds, 2, {})[0]
-    masked = run_on_ranks(_two_rounds, 2, {"secure_aggregation": True})
+def test_secure_aggregation_equals_the_plain_sum_and_hides_each_update(ranked):
+    plain = ranked["plain"][0]
+    masked = ranked["secure"]
     for ours, theirs in zip(masked[0]["states"], plain["states"], strict=True):
         assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
     # what rank 1 sent in round 0: the sum of its clients' masked updates; decoded alone it is noise
@@ -231,10 +252,8 @@ def test_secure_masks_cancel_exactly_in_the_modular_sum():
     assert torch.allclose(secure.decode(total), sum(v.double() for v in values), atol=5 * 2.0 ** -24)
 
 
-def test_fedprox_with_mu_zero_is_fedavg_and_a_positive_mu_pulls_clients_back():
-    avg = run_on_ranks(_two_rounds, 2, {})[0]["states"][1]
-    prox0 = run_on_ranks(_two_rounds, 2, {"strategy": "fedprox", "mu": 0.0})[0]["states"][1]
-    prox = run_on_ranks(_two_rounds, 2, {"strategy": "fedprox", "mu": 5.0})[0]["states"][1]
+def test_fedprox_with_mu_zero_is_fedavg_and_a_positive_mu_pulls_clients_back(ranked):
+    avg, prox0, prox = (ranked[setting][0]["states"][1] for setting in ("plain", "prox0", "prox5"))
     assert torch.equal(prox0, avg)
     params = flat(state_tensors(_net())[0])  # the proximal term acts on parameters (buffers are statistics)
     moved, pulled = (avg[:params.numel()] - params).norm(), (prox[:params.numel()] - params).norm()
@@ -263,18 +282,17 @@ def test_epsilon_is_the_accountants_for_the_same_rate_noise_and_rounds():
     assert privacy.epsilon(0.0, 0.25, 25, 1e-5) == float("inf")
 
 
-def test_private_rounds_clip_each_update_and_noise_zero_is_the_non_private_run():
-    private = run_on_ranks(_two_rounds, 2, {"dp": PrivacyConfig(clip=1e9, noise_multiplier=0.0)})[0]
-    uniform = run_on_ranks(_two_rounds, 2, {"weighting": "uniform"})[0]
+def test_private_rounds_clip_each_update_and_noise_zero_is_the_non_private_run(ranked):
+    private, uniform = ranked["dp_unbound"][0], ranked["uniform"][0]
     for ours, theirs in zip(private["states"], uniform["states"], strict=True):
         assert torch.equal(ours, theirs)
-    clipped = run_on_ranks(_two_rounds, 2, {"dp": PrivacyConfig(clip=0.05, noise_multiplier=0.0)})
+    clipped = ranked["dp_clipped"]
     norms = [n for rank in clipped for s in rank["stats"] for n in s.update_norms]
     assert min(norms) > 0.05  # the bound binds on every client
-    expected = _simulated({"dp": PrivacyConfig(clip=0.05, noise_multiplier=0.0)})
+    expected = _simulated(SETTINGS["dp_clipped"])
     for ours, theirs in zip(clipped[0]["states"], expected, strict=True):
         assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-6)
-    noisy = run_on_ranks(_two_rounds, 2, {"dp": PrivacyConfig(clip=0.05, noise_multiplier=1.0)})[0]
+    noisy = ranked["dp_noisy"][0]
     assert not torch.allclose(noisy["states"][0], clipped[0]["states"][0], atol=1e-4)
 
 
