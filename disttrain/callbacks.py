@@ -26,6 +26,13 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         """Save points kept: ``last.ckpt`` and up to ``keep_last - 1`` earlier ones (``last-step<N>.ckpt``)."""
         self.last_step_written = -1
         """The global step of the newest ``last.ckpt`` this run wrote (-1: none yet)."""
+        self.blocking_s = 0.0
+        """Seconds this process's saves held training up (gathering the state and writing or staging it)."""
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        started = time.perf_counter()
+        super()._save_checkpoint(trainer, filepath)
+        self.blocking_s += time.perf_counter() - started
 
     def save_newest(self, trainer: pl.Trainer) -> None:
         """Write ``last.ckpt`` now (a preemption's save point), also when ``save_last`` is off."""
@@ -78,21 +85,37 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
 
 
 class ThroughputMeter(pl.Callback):
-    """Measures training samples/s and tokens/s over the whole fit, excluding validation and the first step.
+    """Measures training throughput over the whole fit, and where the rest of the wall time went.
 
-    Lightning's ThroughputMonitor logs windowed rates straight to the loggers; the run's results need
-    one whole-run figure, so this keeps its own totals (a handful of clock reads per step).
+    Training time runs from the end of the first (warm-up) optimiser step and leaves out validation and the
+    time checkpoint saves blocked training (Lightning saves after validation ends, and at epoch ends).
+    Lightning's ThroughputMonitor logs windowed rates straight to the loggers; the run's results need one
+    whole-run figure and the breakdown, so this keeps its own totals (a handful of clock reads per step).
     """
 
     def __init__(self, global_batch: int, tokens_per_sample: int = 1) -> None:
+        from disttrain.timing import command_start_time
+
         self.global_batch = global_batch
         self.tokens_per_sample = tokens_per_sample
         self.steps = 0
         self.seconds = 0.0
-        self._origin: tuple[float, int] | None = None
+        """Training seconds since the first step (validation and checkpoint saves left out)."""
+        self.validation_s = 0.0
+        """Seconds this process spent validating."""
+        self.command_start = command_start_time()
+        """Wall-clock time the user's command started."""
+        self.time_to_first_step_s: float | None = None
+        """From the command to the first training batch of this process."""
+        self.startup_s: float | None = None
+        """From the command to the start of fit (imports, config, data, model, process group)."""
+        self.start_step = 0
+        """The global step this process's training started from."""
+        self._origin: tuple[float, int, float] | None = None  # clock, step, checkpoint seconds at the origin
         self._paused = 0.0
         self._pause_start = 0.0
         self._fit_start = time.perf_counter()
+        self._fit_end: float | None = None
         self.earlier_wall_time_s = 0.0
         """Wall time of the run's earlier processes, up to the checkpoint this one resumed from."""
 
@@ -104,6 +127,11 @@ class ThroughputMeter(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start this process's clock."""
         self._fit_start = time.perf_counter()
+        self.startup_s = time.time() - self.command_start
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Stop this process's fit clock (testing comes after)."""
+        self._fit_end = time.perf_counter()
 
     def state_dict(self) -> dict[str, float]:
         """Saved with every checkpoint, so a resumed run's wall time counts the time before it."""
@@ -113,14 +141,23 @@ class ThroughputMeter(pl.Callback):
         """Continue the clock of the checkpoint's run."""
         self.earlier_wall_time_s = float(state_dict.get("wall_time_s", 0.0))
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Note the step training starts from (after a resumed checkpoint's)."""
+        self.start_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if self.time_to_first_step_s is None:
+            self.time_to_first_step_s = time.time() - self.command_start
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         now = time.perf_counter()
+        saving = _checkpoint_seconds(trainer)
         if self._origin is None:
             if trainer.global_step >= 1:  # the clock starts after the first (warm-up) optimiser step
-                self._origin = (now, trainer.global_step)
+                self._origin = (now, trainer.global_step, saving)
             return
         self.steps = trainer.global_step - self._origin[1]
-        self.seconds = now - self._origin[0] - self._paused
+        self.seconds = now - self._origin[0] - self._paused - (saving - self._origin[2])
         if trainer.global_step % trainer.log_every_n_steps == 0 and self.seconds > 0:
             pl_module.log_dict({"train/samples_per_sec": self.samples_per_sec,
                                 "train/tokens_per_sec": self.tokens_per_sec}, on_step=True, on_epoch=False)
@@ -129,8 +166,10 @@ class ThroughputMeter(pl.Callback):
         self._pause_start = time.perf_counter()
 
     def on_validation_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        paused = time.perf_counter() - self._pause_start
+        self.validation_s += paused
         if self._origin is not None:
-            self._paused += time.perf_counter() - self._pause_start
+            self._paused += paused
 
     @property
     def samples_per_sec(self) -> float:
@@ -141,6 +180,28 @@ class ThroughputMeter(pl.Callback):
     def tokens_per_sec(self) -> float:
         """Global training tokens per second (equal to samples/s for image tasks)."""
         return self.samples_per_sec * self.tokens_per_sample
+
+    def breakdown(self, trainer: pl.Trainer, steps_done: int, test_s: float) -> dict[str, Any]:
+        """This process's wall time from the command on, split into startup, training, validation, checkpoint
+        saves, test and the rest (Lightning's loop, callbacks, teardown), and the end-to-end throughput."""
+        total = time.time() - self.command_start
+        fit = (self._fit_end or time.perf_counter()) - self._fit_start
+        saving = _checkpoint_seconds(trainer)
+        parts = {"startup": self.startup_s or 0.0, "training": max(fit - self.validation_s - saving, 0.0),
+                 "validation": self.validation_s, "checkpoints": saving, "test": test_s}
+        parts["other"] = max(total - sum(parts.values()), 0.0)
+        return {
+            "end_to_end_samples_per_sec": round(steps_done * self.global_batch / total, 3) if total > 0 else None,
+            "time_to_first_step_s": round(self.time_to_first_step_s, 3) if self.time_to_first_step_s else None,
+            "wall_time_s": round(total, 3),
+            "seconds": {name: round(value, 3) for name, value in parts.items()},
+            "shares": {name: round(value / total, 4) for name, value in parts.items()} if total > 0 else {},
+        }
+
+
+def _checkpoint_seconds(trainer: pl.Trainer) -> float:
+    """Seconds checkpoint saves have blocked training in this process (each checkpoint callback times its own)."""
+    return float(sum(getattr(callback, "blocking_s", 0.0) for callback in trainer.checkpoint_callbacks))
 
 
 class SummaryWithoutFlops(ModelSummary):

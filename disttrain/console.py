@@ -101,7 +101,7 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
                 f"({fed['strategy']}, {fed['partition']})")
     else:
         done = f"{results['global_steps']} steps"
-    lines = [f"Run complete: {done} on {results['world_size']} rank(s), {results['wall_time_s']:g} s of training{rate}"]
+    lines = [f"Run complete: {done} on {results['world_size']} rank(s), {results['wall_time_s']:g} s in fit{rate}"]
     best = results.get("best")
     if best:
         where = Path(results["best_checkpoint"]).relative_to(results_path.parent) if results["best_checkpoint"] else ""
@@ -109,6 +109,12 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
     tests = {k: v for k, v in results["metrics"].items() if k.startswith("test/")}
     if tests:
         lines.append("  test: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(tests.items())))
+    timing = results.get("throughput") or {}
+    if timing.get("shares"):
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in timing["shares"].items() if share >= 0.005)
+        lines.append(f"  wall time {timing['wall_time_s']:g} s from the command: {shares}; first step after "
+                     f"{timing['time_to_first_step_s']:g} s; {timing['end_to_end_samples_per_sec']:g} samples/s end "
+                     "to end")
     if fed:
         lines.append(_federated_line(fed))
     exchange = _exchange_line(results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from disttrain.launch import (
 )
 from disttrain.parallel.local_sgd import OuterSteps
 from disttrain.parallel.param_server import ServerTraffic
+from disttrain.timing import record_command_start
 
 CONFIG_FILE = "config.yaml"
 RESULTS_FILE = "results.json"
@@ -53,6 +55,7 @@ def train(cfg: DictConfig) -> float | None:
         if env.global_rank() == 0:
             (Path(run.train.run_dir) / CONFIG_FILE).write_text(run.yaml)
         return run_rank(run)
+    record_command_start()
     run = validate(cfg)
     run_dir = Path(run.train.run_dir)
     for notice in run.notices:
@@ -122,14 +125,18 @@ def run_rank(run: RunConfig) -> float | None:
         fit_seconds = meter.wall_time_s
         metrics = _scalars(trainer.callback_metrics)  # the test below replaces Lightning's metrics
         checkpoint = trainer.checkpoint_callback
+        steps_done = trainer.global_step - meter.start_step
+        test_started = time.perf_counter()
         if cfg.trainer.run_test:
             best = checkpoint.best_model_path if checkpoint is not None else ""
             trainer.test(task, datamodule=datamodule, ckpt_path=best or None, verbose=False)
             metrics.update(_scalars(trainer.callback_metrics))
+        test_s = time.perf_counter() - test_started
         for logger in trainer.loggers:  # close runs that would report at interpreter exit, after the summary
             if trainer.is_global_zero and hasattr(logger.experiment, "finish"):
                 logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
+        results["throughput"] = meter.breakdown(trainer, steps_done, test_s)
         strategy = trainer.strategy
         if not cfg.federated.enabled:  # clients' updates are counted in results["federated"]
             results["comm"] = comm_meter.result

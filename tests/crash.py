@@ -129,3 +129,13 @@ class SleepAtStep(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank and restart_count() == 0:
             threading.Event().wait()
+
+
+class SlowCheckpointState(pl.Callback):
+    """Adds ``seconds`` to every checkpoint save (its state is gathered while the save blocks training)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_save_checkpoint(self, *_: Any) -> None:
+        time.sleep(self.seconds)

@@ -113,3 +113,20 @@ def test_resume_mid_epoch_continues_bitwise(make_config, tmp_path):
     train(make_config([*every6, f"resume={step6}"], tmp_path / "resumed"))
     straight, resumed = step_losses(tmp_path / "straight"), step_losses(tmp_path / "resumed")
     assert len(straight) == 12 and resumed == straight[6:]
+
+
+def test_training_throughput_leaves_out_checkpoint_saves_and_the_wall_time_is_accounted_for(make_config, tmp_path):
+    run_dir = tmp_path / "run"
+    train(make_config(["trainer.max_epochs=2", "logger=csv", "callbacks=none",
+                       "+callbacks.slow._target_=tests.crash.SlowCheckpointState", "+callbacks.slow.seconds=0.4"],
+                      run_dir))
+    results = json.loads((run_dir / "results.json").read_text())
+    timing = results["throughput"]
+    seconds, saves = timing["seconds"], len(list((run_dir / "checkpoints").glob("*.ckpt")))
+    assert saves >= 2 and seconds["checkpoints"] >= 0.4 * saves  # two epochs: a best and a last save each
+    # the sleeping saves are not training: throughput is steps x batch over the training seconds alone
+    trained = (results["global_steps"] - 1) * results["batch"]["global"]
+    assert results["samples_per_sec"] == pytest.approx(trained / seconds["training"], rel=0.2)
+    assert sum(seconds.values()) == pytest.approx(timing["wall_time_s"], rel=0.02)
+    assert 0 < timing["time_to_first_step_s"] <= seconds["startup"] + seconds["validation"] + 1.0
+    assert timing["end_to_end_samples_per_sec"] < results["samples_per_sec"]
