@@ -11,6 +11,7 @@ import time
 
 COMMAND_START_VARIABLE = "DISTTRAIN_COMMAND_START"
 _IMPORTED = time.time()
+_runs_recorded = 0
 
 
 def process_start_time() -> float:
@@ -34,5 +35,9 @@ def command_start_time() -> float:
 
 
 def record_command_start() -> None:
-    """Called in the job process before it starts ranks (a launcher's ranks keep their own start)."""
-    os.environ.setdefault(COMMAND_START_VARIABLE, repr(process_start_time()))
+    """Called by the job process as a run begins, before it starts ranks (a launcher's ranks keep their own
+    start). The process's first run counts from the process's start (its imports are the run's); a later
+    run of the same process (the next job of a sweep) from this call."""
+    global _runs_recorded
+    os.environ[COMMAND_START_VARIABLE] = repr(process_start_time() if _runs_recorded == 0 else time.time())
+    _runs_recorded += 1
