@@ -79,6 +79,16 @@ def describe_exit(code: int | None) -> str:
     return f"{MEANINGS[code]} (exit {code})" if code in MEANINGS else f"exited with code {code}"
 
 
+def threads_per_rank(ranks: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for ranks sharing this machine's cores, unless the user set it: each rank's default
+    (every core) oversubscribes them, and small steps then spend their time in threads waiting on each other
+    (torchrun sets 1 for the same reason)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"OMP_NUM_THREADS": str(max(1, cores // ranks))}
+
+
 class Supervisor:
     """Runs ``world_size`` worker ranks of one run, restarting all of them up to ``max_restarts`` times."""
 
@@ -122,7 +132,8 @@ class Supervisor:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(self.world_size),
                 "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(self.world_size), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+                "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+                **threads_per_rank(self.world_size)}
         self._procs = [self._start(rank, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, attempt)
                        for rank in range(self.world_size)]
         try:
