@@ -12,3 +12,13 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
+
+
+def cpu_features() -> str:
+    """The instruction sets that decide the fast precision here: native bf16 (AVX512-BF16, AMX) or not."""
+    import torch
+
+    found = [name for name, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"),
+                                      ("AVX512", "_is_avx512_supported"), ("AVX2", "_is_avx2_supported"))
+             if getattr(torch.cpu, probe, lambda: False)()]
+    return ", ".join(found) if found else "no AVX2"

@@ -106,7 +106,8 @@ def run_rank(run: RunConfig) -> float | None:
         elif cfg.federated.enabled:
             task, datamodule = federated_task(run, datamodule, task_args, agreement)
         else:
-            task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement)
+            task = TrainTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement,
+                             gradients_agree=not cfg.parallel.exchanges_outside_ddp)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         steps_per_epoch = cfg.federated.rounds if cfg.federated.enabled \
             else datamodule.num_train_samples // run.batch.global_size
@@ -229,7 +230,7 @@ def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMet
         devices=devices,
         num_nodes=num_nodes,
         strategy=DistTrainStrategy(cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False),
-                                   pipeline, cfg.checkpoint.async_save, cfg.comm),
+                                   pipeline, cfg.checkpoint.async_save, cfg.comm, t.compile),
         max_steps=t.max_steps,
         # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
         max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),

@@ -17,7 +17,7 @@ from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.optim import build_optimizer, build_scheduler
-from disttrain.parallel.clip import clip_grad_norm
+from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.param_server import ParameterServerOptimizer
 
 LN2 = math.log(2.0)
@@ -33,10 +33,14 @@ class TrainTask(pl.LightningModule):
     """
 
     def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int,
-                 agreement: StepAgreement | None = None):
+                 agreement: StepAgreement | None = None, gradients_agree: bool = False):
         super().__init__()
         self.agreement = agreement or StepAgreement()
-        """Per-step agreement of all ranks: preemption requests and non-finite numbers."""
+        """Agreement of all ranks on preemption requests and non-finite numbers."""
+        self.gradients_agree = gradients_agree
+        """After backward every rank holds the same gradients (DDP) or shards of them (ZeRO, TP), so their global
+        norm is the same number everywhere and decides a non-finite step without a collective of its own; the
+        loss and the preemption flag are then reduced on logged steps only. False: every step reduces them."""
         self.net = net
         self.spec = spec
         self.optim_cfg = optim_cfg
@@ -76,9 +80,16 @@ class TrainTask(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log the optimiser step's loss: the mean over its micro-batches and all ranks (one small reduce that
-        also carries the preemption flag); a non-finite loss stops or skips the step on every rank."""
+        also carries the preemption flag); a non-finite loss stops or skips the step on every rank.
+
+        When gradients agree across ranks the reduce happens on logged steps only: a collective per step is a
+        synchronisation point that costs most where ranks share cores, and the gradient norm checked in
+        ``configure_gradient_clipping`` already catches a non-finite step on every rank alike.
+        """
         local = torch.stack(self._step_loss).mean()
         self._step_loss.clear()
+        if self.gradients_agree and not self.logs_this_step():
+            return
         loss = self.agreement.reduce_loss(local, self.trainer.world_size)
         self._log_step_row(loss, optimizer)
         self.agreement.check_finite("the training loss", loss, self.global_step + 1)
@@ -179,12 +190,17 @@ class TrainTask(pl.LightningModule):
         if isinstance(server, ParameterServerOptimizer) and server.clips_averaged_gradients:
             server.clip_value = gradient_clip_val
             return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if gradient_clip_val:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = clip_grad_norm(params, gradient_clip_val)
             if self.logs_this_step():
                 self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-            self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
+        elif self.gradients_agree:  # the loss is not reduced on this step: the norm guards it
+            norm = grad_norm(params)
+        else:
+            return
+        # one scalar read per step, as torch.amp's GradScaler does to skip a step with inf/NaN gradients
+        self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""

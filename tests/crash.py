@@ -139,3 +139,41 @@ class SlowCheckpointState(pl.Callback):
 
     def on_save_checkpoint(self, *_: Any) -> None:
         time.sleep(self.seconds)
+
+
+class CountCollectives(pl.Callback):
+    """Count the all-reduces our Python code issues inside each training step (DDP's gradient all-reduce runs
+    in C++ and is not seen); each rank writes ``collectives-rank<r>.json``: a list, one count per step."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.original: Any = None
+        self.inside = False
+
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        import torch.distributed as dist
+
+        self.original = dist.all_reduce
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.inside:
+                self.counts[-1] += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_reduce = counted
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self.counts.append(0)
+        self.inside = True
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self.inside = False
+
+    def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        dist.all_reduce = self.original
+        out = Path(trainer.default_root_dir) / f"collectives-rank{trainer.global_rank}.json"
+        out.write_text(json.dumps(self.counts))

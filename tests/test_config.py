@@ -60,6 +60,8 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["trainer.limit_test_batches=-1"], "trainer.limit_test_batches", "a count of batches >= 0"),
         (["trainer.val_check_interval=0"], "trainer.val_check_interval", "a count of batches >= 1"),
         (["trainer.limit_val_batches=all"], "trainer.limit_val_batches", "a count of batches (an int)"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "trainer.compile=true"], "trainer.compile",
+         "pipeline"),
     ],
 )
 def test_bad_input_is_one_clear_line(make_config, overrides, key, allowed):
@@ -147,3 +149,19 @@ def test_a_batch_limit_keeps_count_or_fraction(make_config, value, expected):
     """As in Lightning: ``1`` is one batch, ``1.0`` all of them."""
     limit = validate(make_config([f"trainer.limit_val_batches={value}"])).train.trainer.limit_val_batches
     assert limit == expected and type(limit) is type(expected)
+
+
+@pytest.mark.parametrize(("probes", "chosen", "says"), [
+    ({"_is_amx_tile_supported": True, "_is_avx512_bf16_supported": True}, "bf16-mixed", "AMX and AVX512-BF16"),
+    ({"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": True}, "bf16-mixed", "AVX512-BF16"),
+    ({"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": False}, "32-true", "no bf16 instructions"),
+])
+def test_precision_auto_asks_what_the_cpu_computes_natively(make_config, monkeypatch, probes, chosen, says):
+    import torch
+
+    for name, answer in probes.items():
+        monkeypatch.setattr(torch.cpu, name, lambda answer=answer: answer)
+    cfg = make_config(["trainer.precision=auto", "trainer.accelerator=cpu"])
+    run = validate(cfg)
+    assert run.train.trainer.precision == chosen and cfg.trainer.precision == chosen  # workers read the choice
+    assert f"trainer.precision=auto: {chosen} (this CPU has {says})" in run.notices

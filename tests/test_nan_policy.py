@@ -33,6 +33,21 @@ def test_stop_keeps_the_last_good_checkpoint_and_exits_with_its_code(tmp_path, p
     assert_no_orphans(run_dir)
 
 
+@pytest.mark.parametrize("preset,clip", [("ddp", "1.0"), ("zero2", "null")])
+def test_a_step_that_is_not_logged_is_guarded_by_the_gradient_norm(tmp_path, preset, clip):
+    # rows every 4 steps: the loss is reduced on steps 4, 8, ... only, so the NaN of step 6 reaches every rank
+    # through the all-reduced gradients' norm (computed also without clipping)
+    run_dir = tmp_path / "run"
+    done = run([f"parallel={preset}", "trainer.log_every_n_steps=4", f"trainer.gradient_clip_val={clip}", *NAN],
+               run_dir)
+    assert done.returncode == NON_FINITE_EXIT, done.stderr[-3000:]
+    assert f"the gradient norm is nan at step {BAD_STEP}" in done.stderr
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert load_metadata(last)["global_step"] == 4
+    assert all(torch.isfinite(w).all() for w in consolidated_weights(last).values())
+    assert_no_orphans(run_dir)
+
+
 def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     run_dir = tmp_path / "run"
     done = run(["parallel=ddp", "fault_tolerance.nan_policy=skip", "checkpoint.keep_last=20",

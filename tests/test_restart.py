@@ -118,6 +118,21 @@ def test_sigterm_to_one_rank_saves_the_current_step_and_resume_is_bitwise(refere
     assert_no_orphans(run_dir)
 
 
+def test_with_sparse_rows_ranks_agree_on_logged_steps_only_and_still_stop_together(reference, tmp_path):
+    # rows every 4 steps: no collective of ours on other steps; the signal after step 5 is acted on at step 8
+    run_dir = tmp_path / "preempted"
+    sparse = ["parallel=ddp", "trainer.log_every_n_steps=4", "+callbacks.count._target_=tests.crash.CountCollectives"]
+    done = run([*sparse, *signal_at(5, 1, signal.SIGTERM)], run_dir)
+    assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
+    assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 8
+    resumed = run([*sparse, "resume=auto"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    counts = json.loads((run_dir / "collectives-rank1.json").read_text())  # the resumed steps 9..12
+    assert counts == [0, 0, 0, 1], counts
+    assert_same_weights(run_dir, reference)
+    assert_no_orphans(run_dir)
+
+
 def test_sigterm_at_ten_random_moments_restarts_and_finishes_bitwise(tmp_path):
     # ten attempts, each with SIGTERM to a rank drawn at random after a random delay (in a step, a collective
     # or a checkpoint), over a run long enough for most of them to land before training ends

@@ -1,8 +1,9 @@
 """Plain functions that apply parallelism to a model over a mesh, in one fixed order.
 
-Order: tensor parallelism, activation checkpointing, then either FSDP2 sharding (ZeRO-2/3, hybrid sharding), DDP
-replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy) or replicas whose
-exchange is not DDP's (Local SGD and DiLoCo between outer steps, a parameter server in the optimiser step).
+Order: tensor parallelism, activation checkpointing, compilation, then either FSDP2 sharding (ZeRO-2/3, hybrid
+sharding), DDP replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy) or
+replicas whose exchange is not DDP's (Local SGD and DiLoCo between outer steps, a parameter server in the
+optimiser step).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from disttrain.comm.counter import ByteCounter
 from disttrain.comm.hooks import register_compression, wire_dtype
 from disttrain.comm.state import ExchangeState
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from disttrain.parallel.compile import compile_model
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
@@ -40,15 +42,18 @@ def apply_parallelism(
     comm: CommConfig | None = None,
     counter: ByteCounter | None = None,
     exchange: ExchangeState | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper). ``comm``:
     what data-parallel gradients are sent as, with the bytes counted in ``counter`` and what carries over
-    between steps kept in ``exchange``."""
+    between steps kept in ``exchange``. ``compile``: torch.compile the model (or each unit when sharded)."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model, units)
+    if compile:
+        compile_model(model, units, per_unit=dims.tp_enabled or parallel.zero_stage in (2, 3))
     if parallel.zero_stage in (2, 3):
         return apply_fsdp(
             model,

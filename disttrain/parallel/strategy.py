@@ -54,6 +54,7 @@ class DistTrainStrategy(ModelParallelStrategy):
     def __init__(
         self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False,
         pipeline: PipelineSlot | None = None, async_save: bool = False, comm: CommConfig | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=dims.dp,
@@ -72,6 +73,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Write checkpoints in the background (one save in flight)."""
         self.comm = comm
         """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
+        self.compile = compile
+        """torch.compile the model once its layout is applied."""
         self.comm_counter = ByteCounter()
         """Bytes this rank sent through disttrain's gradient exchange."""
         self.comm_state = ExchangeState()
@@ -117,7 +120,7 @@ class DistTrainStrategy(ModelParallelStrategy):
             else:
                 task.net = apply_parallelism(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
-                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state,
+                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile,
                 )
             self._parallelised = True
         self.barrier()

@@ -1,0 +1,16 @@
+"""``trainer.compile``: torch.compile applied to the model in place, after the parallel layout is set up.
+
+Compiled in place (``nn.Module.compile``), so parameter names, checkpoints and exports stay those of the
+eager model. Under FSDP2 or tensor parallelism each unit (transformer block) is compiled on its own, as
+their hooks sit between the units; elsewhere the whole model is one graph.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def compile_model(model: nn.Module, units: list[nn.Module], per_unit: bool) -> None:
+    """Compile ``model`` in place: each of ``units`` on its own when ``per_unit`` (and there are any), else whole."""
+    for module in units if per_unit and units else [model]:
+        module.compile()
