@@ -64,7 +64,8 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 def plain_loop(
     rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict, wrap: str = "ddp"
 ) -> None:
-    """A hand-written loop: model, DistributedSampler, AdamW, clipping, cosine schedule; DDP or FSDP2 (zero3)."""
+    """A hand-written loop: model, DistributedSampler, AdamW, clipping, cosine schedule; ``wrap``: ddp, fsdp
+    (FSDP2 resharding after forward, ZeRO-3) or fsdp_keep (parameters kept gathered after forward, ZeRO-2)."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -87,14 +88,14 @@ def plain_loop(
     model = build_model(CNNConfig() if cnn else GPTConfig(flavour=flavour), datamodule.spec)
     if world > 1 and wrap == "ddp":
         model = DistributedDataParallel(model)
-    elif world > 1:  # FSDP2 per transformer block, then the root, resharding after forward (ZeRO-3)
+    elif world > 1:  # FSDP2 per transformer block (the CNN: whole), then the root; ZeRO-3 reshards after forward
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        for block in getattr(model, "blocks", []):
+            fully_shard(block, mesh=mesh, reshard_after_forward=wrap == "fsdp")
+        fully_shard(model, mesh=mesh, reshard_after_forward=wrap == "fsdp")
     optimizer = build_optimizer(AdamWConfig(lr=3e-3), model)
     scheduler = build_scheduler(SchedulerConfig(warmup_fraction=0.05), optimizer, steps)
     dataset = datamodule.datasets["train"]
@@ -119,8 +120,6 @@ def plain_loop(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        if world > 1 and not cnn:  # disttrain logs the global loss each step; this GPT loop pays the same reduce
-            dist.all_reduce(loss.detach())
     elapsed = time.perf_counter() - start
     if rank == 0:
         out["steps_per_sec"] = (steps - 1) / elapsed

@@ -317,6 +317,8 @@ def _results(run: RunConfig, trainer: pl.Trainer, metrics: dict[str, float], sec
         "batch": {"global": run.batch.global_size, "micro": run.batch.micro_size,
                   "accumulation": run.batch.accumulation},
         "device": str(trainer.strategy.root_device),
+        "precision": cfg.trainer.precision,
+        "compiled": cfg.trainer.compile,
         "torch": torch.__version__,
         "config_hash": run.config_hash,
         "best_checkpoint": (checkpoint.best_model_path or None) if checkpoint is not None else None,

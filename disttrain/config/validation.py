@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from disttrain import checks
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.plan import ExecutionPlan, check_model_plan, execution_plan, model_on_meta
+from disttrain.config.precision import resolve_precision
 from disttrain.config.schema import PRECISIONS, TrainConfig, TrainerConfig
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
@@ -78,29 +79,6 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
                     "on (trainer.devices=N for another number)")
 
 
-def native_bf16(accelerator: str) -> tuple[bool, str]:
-    """Whether the device computes bf16 natively (a GPU that supports it; a CPU with AMX or AVX512-BF16),
-    and what was found. Emulated bf16 is slower than fp32 (0.33x measured on an AVX512 CPU without it)."""
-    import torch
-
-    if _uses_gpu(accelerator):
-        supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return supported, f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'the GPU'} " + \
-            ("supports bf16" if supported else "has no bf16")
-    found = [name for name, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
-             if getattr(torch.cpu, probe, lambda: False)()]
-    return bool(found), f"this CPU has {' and '.join(found)}" if found else "this CPU has no bf16 instructions"
-
-
-def resolve_precision(trainer: TrainerConfig) -> tuple[str, str | None]:
-    """``trainer.precision`` as Lightning's name, and a one-line notice when ``auto`` chose it."""
-    if trainer.precision != "auto":
-        return trainer.precision, None
-    native, found = native_bf16(trainer.accelerator)
-    chosen = "bf16-mixed" if native else "32-true"
-    return chosen, f"trainer.precision=auto: {chosen} ({found})"
-
-
 def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input."""
     from disttrain.data import DATA, build_datamodule
@@ -127,11 +105,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if top.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
-    top.trainer.precision, precision_notice = resolve_precision(top.trainer)
-    notices += [notice for notice in (devices_notice, precision_notice) if notice]
-    # workers read what auto chose
-    OmegaConf.update(cfg, "trainer.devices", top.trainer.devices)
-    OmegaConf.update(cfg, "trainer.precision", top.trainer.precision)
+    notices += [devices_notice] if devices_notice else []
+    OmegaConf.update(cfg, "trainer.devices", top.trainer.devices)  # workers read the number, not auto
     if getattr(model, "sync_batchnorm", False) and not _uses_gpu(top.trainer.accelerator):
         raise ConfigError("model.sync_batchnorm", True,
                           "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
@@ -150,6 +125,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
+    top.trainer.precision, precision_notice = resolve_precision(
+        top.trainer.precision, _uses_gpu(top.trainer.accelerator), model, datamodule.spec, batch.micro_size)
+    notices += [precision_notice] if precision_notice else []
+    OmegaConf.update(cfg, "trainer.precision", top.trainer.precision)  # workers read what auto chose
     net = model_on_meta(model, datamodule.spec)
     check_model_plan(model.name, net, p, dims, batch.micro_size)
     top.comm.check_model(net)
