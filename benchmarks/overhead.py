@@ -124,6 +124,10 @@ def plain_loop(
     if rank == 0:
         out["steps_per_sec"] = (steps - 1) / elapsed
     if world > 1:
+        # drain gloo's queue and drop DDP's reducer while the group lives: freeing both at once at exit
+        # deadlocked here (the group's destructor waited on its worker thread, which waited for the GIL)
+        dist.barrier()
+        del model, optimizer, scheduler
         dist.destroy_process_group()
 
 
