@@ -10,7 +10,7 @@ from torch import nn
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.optim import OPTIMIZERS
-from disttrain.optim.groups import param_groups
+from disttrain.optim.groups import kernel_options, param_groups
 
 
 @dataclass
@@ -40,11 +40,10 @@ class AdamWConfig:
 
 @OPTIMIZERS.register("adamw", AdamWConfig)
 def build_adamw(cfg: AdamWConfig, model: nn.Module) -> torch.optim.AdamW:
-    """AdamW over the (possibly wrapped) model's trainable parameters; fused/foreach as torch decides."""
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm),
-        lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, weight_decay=cfg.weight_decay,
-    )
+    """AdamW over the (possibly wrapped) model's trainable parameters, with torch's fused kernel where it applies."""
+    groups = param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, **kernel_options(groups))
 
 
 @dataclass
@@ -75,8 +74,7 @@ class SGDConfig:
 
 @OPTIMIZERS.register("sgd", SGDConfig)
 def build_sgd(cfg: SGDConfig, model: nn.Module) -> torch.optim.SGD:
-    """SGD over the (possibly wrapped) model's trainable parameters; fused/foreach as torch decides."""
-    return torch.optim.SGD(
-        param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm),
-        lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-    )
+    """SGD over the (possibly wrapped) model's trainable parameters, with torch's fused kernel where it applies."""
+    groups = param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                           weight_decay=cfg.weight_decay, **kernel_options(groups))
