@@ -142,8 +142,9 @@ class SlowCheckpointState(pl.Callback):
 
 
 class CountCollectives(pl.Callback):
-    """Count the all-reduces our Python code issues inside each training step (DDP's gradient all-reduce runs
-    in C++ and is not seen); each rank writes ``collectives-rank<r>.json``: a list, one count per step."""
+    """Count the all-reduces and broadcasts that Python code (ours and Lightning's) issues inside each training
+    step (DDP's gradient all-reduce runs in C++ and is not seen); each rank writes ``collectives-rank<r>.json``:
+    a list, one count per step."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []
@@ -153,27 +154,38 @@ class CountCollectives(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
         import torch.distributed as dist
 
-        self.original = dist.all_reduce
+        self.original = {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.inside:
-                self.counts[-1] += 1
-            return self.original(*args, **kwargs)
+        def counting(name: str) -> Any:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                if self.inside:
+                    self.counts[-1] += 1
+                return self.original[name](*args, **kwargs)
+            return counted
 
-        dist.all_reduce = counted
-
-    def on_train_batch_start(self, *_: Any) -> None:
+        for name in self.original:
+            setattr(dist, name, counting(name))
         self.counts.append(0)
         self.inside = True
 
+    # a step's count runs from the end of the step before it (Lightning's own per-step collectives come
+    # before on_train_batch_start), validation left out
     def on_train_batch_end(self, *_: Any) -> None:
+        self.counts.append(0)
+
+    def on_validation_start(self, *_: Any) -> None:
         self.inside = False
+
+    def on_validation_end(self, *_: Any) -> None:
+        self.inside = True
 
     def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
         import json
 
         import torch.distributed as dist
 
-        dist.all_reduce = self.original
+        for name, original in self.original.items():
+            setattr(dist, name, original)
+        self.counts.pop()  # opened after the last step
         out = Path(trainer.default_root_dir) / f"collectives-rank{trainer.global_rank}.json"
         out.write_text(json.dumps(self.counts))
