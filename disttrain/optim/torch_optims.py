@@ -43,7 +43,7 @@ def build_adamw(cfg: AdamWConfig, model: nn.Module) -> torch.optim.AdamW:
     """AdamW over the (possibly wrapped) model's trainable parameters, with torch's fused kernel where it applies."""
     groups = param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, **kernel_options(groups))
+                             weight_decay=cfg.weight_decay, **kernel_options(groups, fused_dtensor=True))
 
 
 @dataclass
@@ -77,4 +77,4 @@ def build_sgd(cfg: SGDConfig, model: nn.Module) -> torch.optim.SGD:
     """SGD over the (possibly wrapped) model's trainable parameters, with torch's fused kernel where it applies."""
     groups = param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                           weight_decay=cfg.weight_decay, **kernel_options(groups))
+                           weight_decay=cfg.weight_decay, **kernel_options(groups, fused_dtensor=False))
