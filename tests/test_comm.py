@@ -206,9 +206,10 @@ def test_compressed_runs_with_error_feedback_reach_the_uncompressed_accuracy(
 def test_onebit_without_error_feedback_is_measurably_worse(tmp_path_factory):
     with_feedback = digits_run(tmp_path_factory, "onebit-ef", ["comm=onebit"])
     without = digits_run(tmp_path_factory, "onebit-no-ef", ["comm=onebit", "comm.error_feedback=false"])
-    # measured test loss: 0.045 with error feedback, 0.125 without (accuracy 0.9889 and 0.9861: AdamW normalises
-    # the biased signs well enough on this small task, the loss shows the bias)
-    assert without["metrics"]["test/loss"] > 2 * with_feedback["metrics"]["test/loss"]
+    # measured test loss: 0.045 with error feedback, 0.125 without (2.8x) with torch's per-tensor AdamW; 0.043 and
+    # 0.084 (1.95x) with its fused kernel, whose last bits differ (accuracy ~0.99 either way: AdamW normalises the
+    # biased signs well enough on this small task, the loss shows the bias)
+    assert without["metrics"]["test/loss"] > 1.5 * with_feedback["metrics"]["test/loss"]
 
 
 # PowerSGD: a model with matrices that compress at rank 4 (40 x 24, 40 x 40), one that does not (3 x 40:
