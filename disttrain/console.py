@@ -115,6 +115,10 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
         lines.append(f"  wall time {timing['wall_time_s']:g} s from the command: {shares}; first step after "
                      f"{timing['time_to_first_step_s']:g} s; {timing['end_to_end_samples_per_sec']:g} samples/s end "
                      "to end")
+    energy = results.get("energy") or {}
+    if energy.get("joules") is not None:
+        how = f"estimated by {energy['source']}" if energy["estimated"] else f"measured by {energy['source']}"
+        lines.append(f"  energy {energy['joules']:,.0f} J in fit ({how}), {energy['per_step']:.3g} J per step")
     if fed:
         lines.append(_federated_line(fed))
     exchange = _exchange_line(results)

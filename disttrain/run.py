@@ -20,6 +20,7 @@ from disttrain.comm.meter import comm_meter_of
 from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
 from disttrain.console import quiet_noise, run_summary
+from disttrain.energy import EnergyMeter
 from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import StepAgreement, StepDecisions
 from disttrain.fault.watchdog import RankWatchdog
@@ -116,7 +117,8 @@ def run_rank(run: RunConfig) -> float | None:
         comm_meter = comm_meter_of(cfg.comm, trainer.strategy)
         outer = OuterSteps(cfg.parallel.sync_every, cfg.parallel.outer, trainer.strategy.comm_counter)
         traffic = ServerTraffic(cfg.parallel.servers, Path(cfg.run_dir) / "logs")
-        trainer.callbacks += [*([outer] if cfg.parallel.sync_every else []),
+        energy = EnergyMeter(cfg.trainer.log_every_n_steps)
+        trainer.callbacks += [*([energy] if cfg.energy else []), *([outer] if cfg.parallel.sync_every else []),
                               *([traffic] if cfg.parallel.servers else []), comm_meter,
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
@@ -138,6 +140,8 @@ def run_rank(run: RunConfig) -> float | None:
                 logger.experiment.finish()
         results = _results(run, trainer, metrics, fit_seconds, meter)
         results["throughput"] = meter.breakdown(trainer, steps_done, test_s)
+        if cfg.energy:
+            results["energy"] = energy.result(steps_done, run.batch.global_size)
         strategy = trainer.strategy
         if not cfg.federated.enabled:  # clients' updates are counted in results["federated"]
             results["comm"] = comm_meter.result

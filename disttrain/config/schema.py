@@ -154,6 +154,9 @@ class TrainConfig:
     """Loggers to instantiate (each a ``_target_`` node)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks to instantiate (each a ``_target_`` node)."""
+    energy: bool = True
+    """Meter the energy of fit into results.json: RAPL counters or a GPU's NVML counter where readable, else
+    CodeCarbon's estimate (labelled ``estimated``) when the energy extra is installed."""
     seed: int = 0
     """Seed of model init, data order and dropout."""
     resume: str | None = None
