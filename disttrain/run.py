@@ -36,6 +36,7 @@ from disttrain.launch import (
 )
 from disttrain.parallel.local_sgd import OuterSteps
 from disttrain.parallel.param_server import ServerTraffic
+from disttrain.plots import write_run_plots
 from disttrain.timing import record_command_start
 
 CONFIG_FILE = "config.yaml"
@@ -150,7 +151,7 @@ def run_rank(run: RunConfig) -> float | None:
         if cfg.federated.enabled:
             results["federated"] = task.summary()
             results["samples_per_sec"] = None  # global batches do not apply: see federated.client_samples_per_sec
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and cfg.plots:
                 write_round_plot(results["federated"]["history"], Path(cfg.run_dir) / "plots")
         if cfg.parallel.sync_every:
             results["outer_steps"] = {"sync_every": cfg.parallel.sync_every, "count": outer.syncs}
@@ -163,6 +164,8 @@ def run_rank(run: RunConfig) -> float | None:
         if trainer.is_global_zero:
             results_path = Path(cfg.run_dir) / RESULTS_FILE
             results_path.write_text(json.dumps(results, indent=2) + "\n")
+            if cfg.plots:
+                write_run_plots(Path(cfg.run_dir), results)
             print(run_summary(results, results_path), flush=True)
         return results["objective"]
     finally:

@@ -154,6 +154,9 @@ class TrainConfig:
     """Loggers to instantiate (each a ``_target_`` node)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks to instantiate (each a ``_target_`` node)."""
+    plots: bool = True
+    """Draw the run's pictures into ``plots/`` after training (loss curves, where the wall time went); needs
+    matplotlib, and the CSV logger for the loss curves."""
     energy: bool = True
     """Meter the energy of fit into results.json: RAPL counters or a GPU's NVML counter where readable, else
     CodeCarbon's estimate (labelled ``estimated``) when the energy extra is installed."""

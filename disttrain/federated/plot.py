@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from disttrain.plots import pyplot, save
+
 PLOT_FILE = "federated_accuracy.png"
 
 
@@ -14,12 +16,8 @@ def write_round_plot(history: list[dict[str, Any]], folder: Path) -> Path | None
     rows = [row for row in history if "client_acc_mean" in row]
     if not rows:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rounds = [row["round"] for row in rows]
     mean = [row["client_acc_mean"] for row in rows]
@@ -35,8 +33,4 @@ def write_round_plot(history: list[dict[str, Any]], folder: Path) -> Path | None
     axes.set_ylabel("accuracy")
     axes.legend()
     axes.grid(alpha=0.3)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / PLOT_FILE
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return save(figure, plt, folder / PLOT_FILE)
