@@ -332,9 +332,8 @@ def test_the_fused_kernel_is_taken_only_where_torch_runs_it(monkeypatch):
     from disttrain.optim.groups import kernel_options
 
     plain = [{"params": [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))]}]
-    assert kernel_options(plain, fused_dtensor=False) == {"fused": True}
-    assert kernel_options([{"params": [nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)]}],
-                          fused_dtensor=True) == {}
+    assert kernel_options(plain) == {"fused": True}
+    assert kernel_options([{"params": [nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)]}]) == {}
 
     class FakeDTensor(nn.Parameter):  # stands in for a DTensor: only the type is looked at
         pass
@@ -342,9 +341,8 @@ def test_the_fused_kernel_is_taken_only_where_torch_runs_it(monkeypatch):
     monkeypatch.setattr(groups_module, "DTensor", FakeDTensor)
     sharded = [{"params": [FakeDTensor(torch.zeros(2, 2))]}]
     mixed = [{"params": [FakeDTensor(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))]}]
-    assert kernel_options(sharded, fused_dtensor=True) == {"fused": True}  # AdamW's fused op has a DTensor rule
-    assert kernel_options(sharded, fused_dtensor=False) == {}  # SGD's has none
-    assert kernel_options(mixed, fused_dtensor=True) == {}  # one fused call cannot take both kinds
+    assert kernel_options(sharded) == {"fused": True}  # AdamW's fused op has a DTensor rule
+    assert kernel_options(mixed) == {}  # one fused call cannot take both kinds
 
 
 def test_built_optimisers_are_fused_on_a_cpu():

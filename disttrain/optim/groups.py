@@ -38,17 +38,15 @@ def param_groups(
     return groups
 
 
-def kernel_options(groups: list[dict[str, Any]], fused_dtensor: bool) -> dict[str, bool]:
-    """``{"fused": True}`` where torch's fused optimiser kernel applies to every parameter, else ``{}`` (torch's
+def kernel_options(groups: list[dict[str, Any]]) -> dict[str, bool]:
+    """``{"fused": True}`` where torch's fused AdamW kernel applies to every parameter, else ``{}`` (torch's
     default). On a CPU torch defaults to one small kernel per tensor and operation: 2.8 ms of a 28 ms step
     of a 0.8M-parameter GPT, 0.3 ms fused. Fused needs one device type it supports, float parameters, and
-    either plain tensors only or, where DTensor has a rule for the fused operator (``fused_dtensor``: AdamW
-    has, SGD has not), DTensors only (the fused call takes all of a group's tensors at once)."""
+    plain tensors only or DTensors only (one fused call takes all of a group's tensors)."""
     params = [p for group in groups for p in group["params"]]
     devices = {p.device.type for p in params}
     distributed = {isinstance(p, DTensor) for p in params}
-    layouts = ({False}, {True}) if fused_dtensor else ({False},)
-    if len(devices) == 1 and devices <= set(FUSED_DEVICES) and distributed in layouts \
+    if len(devices) == 1 and devices <= set(FUSED_DEVICES) and len(distributed) == 1 \
             and all(p.dtype in FUSED_DTYPES for p in params):
         return {"fused": True}
     return {}
