@@ -32,6 +32,13 @@ def test_ddp_sweep_leaves_one_directory_per_job(tmp_path):
     assert len(lrs) == 2
     # nothing else was created: no second multirun folder from a worker re-running Hydra
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+    # the summary: one row per job with its swept value and objective, and the objective drawn against it
+    table = (sweep / "summary.csv").read_text().splitlines()
+    objectives = [json.loads((sweep / j / "results.json").read_text())["objective"] for j in jobs]
+    assert table[0] == "job,optim.lr,val/acc"
+    assert [row.split(",")[:2] for row in table[1:]] == [["0", "0.001"], ["1", "0.003"]]
+    assert [float(row.split(",")[2]) for row in table[1:]] == objectives
+    assert (sweep / "objective.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_optuna_sweeper_runs_trials(tmp_path):
