@@ -58,8 +58,9 @@ def _exchange_line(results: dict[str, Any]) -> str | None:
         return None
     how = "counted" if comm["counted"] else "from the layout's formula"
     ratio = comm["compression_ratio"]
-    parts = [f"  exchange: {comm['bytes_sent_per_step']:,} bytes per rank and step ({ratio:g}x fewer than an fp32 "
-             f"all-reduce, {how})"]
+    versus = "an fp32 all-reduce" if ratio == 1 else (f"{ratio:g}x fewer than an fp32 all-reduce" if ratio > 1
+                                                       else f"{1 / ratio:.3g}x more than an fp32 all-reduce")
+    parts = [f"  exchange: {comm['bytes_sent_per_step']:,} bytes per rank and step ({versus}, {how})"]
     outer = results.get("outer_steps")
     if outer:
         parts.append(f"{outer['count']} outer steps, every {outer['sync_every']}")
