@@ -95,5 +95,6 @@ class SweepSummary(Callback):
             return
         keys = swept_keys(rows)
         write_table(rows, keys, sweep_dir)
-        if self.plots:
-            write_objective_plot(rows, keys, sweep_dir)
+        plot = write_objective_plot(rows, keys, sweep_dir) if self.plots else None
+        print(f"\nSweep of {len(rows)} job(s) in {sweep_dir}:\n{(sweep_dir / MARKDOWN_FILE).read_text()}"
+              + (f"objective against each swept value: {plot.name}" if plot else ""), flush=True)

@@ -21,8 +21,8 @@ def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def test_ddp_sweep_leaves_one_directory_per_job(tmp_path):
     sweep = tmp_path / "sweep"
-    run_cli(["-m", "optim.lr=1e-3,3e-3", "parallel=ddp", "trainer.devices=2", *FAST,
-             f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    shown = run_cli(["-m", "optim.lr=1e-3,3e-3", "parallel=ddp", "trainer.devices=2", *FAST,
+                     f"hydra.sweep.dir={sweep}"], cwd=tmp_path).stdout
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert jobs == ["0", "1"]
     for job in jobs:
@@ -39,6 +39,7 @@ def test_ddp_sweep_leaves_one_directory_per_job(tmp_path):
     assert [row.split(",")[:2] for row in table[1:]] == [["0", "0.001"], ["1", "0.003"]]
     assert [float(row.split(",")[2]) for row in table[1:]] == objectives
     assert (sweep / "objective.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"Sweep of 2 job(s) in {sweep}:\n| job | optim.lr | val/acc |" in shown
 
 
 def test_optuna_sweeper_runs_trials(tmp_path):
