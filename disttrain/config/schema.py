@@ -59,8 +59,8 @@ class TrainerConfig:
     """Epochs to train for when max_steps is -1."""
     precision: str = "32-true"
     """Lightning precision: 32-true, bf16-mixed (bf16 autocast), bf16-true or 16-true (parameters in that type);
-    auto: bf16-mixed where the device computes bf16 natively (a GPU with bf16; a CPU with AMX or AVX512-BF16),
-    else 32-true."""
+    auto: bf16-mixed on a GPU with bf16, and on a CPU with AMX or AVX512-BF16 where bf16 autocast also measures
+    at least 1.05x fp32 on the run's own model (timed before ranks start); else 32-true."""
     compile: bool = False
     """torch.compile the model (in place, after its parallel layout): a slower first step (tens of seconds),
     faster steps after it; each transformer block on its own under ZeRO-2/3 or tensor parallelism."""
