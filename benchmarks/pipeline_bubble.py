@@ -15,11 +15,11 @@ Times are per rank per microbatch: a rank holding ``v`` stages gives each ``F/v`
 every schedule does the same work per rank. Note that torch runs nothing in the first stage's ``I`` action
 (its input needs no gradient) and the whole backward in its ``W`` action.
 
-Each stage's ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk`` are wrapped to
-record action start and end (monotonic clock, shared by the processes of this machine). After a warm-up
-step with the sleeps off (shape inference), ``--steps`` timed steps are run and the fastest kept: ``step
-time`` is from a barrier to the last rank's end, ``idle = 1 - busy / step time`` per rank, and the table
-shows the mean over ranks.
+Each stage's ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk`` are timed by
+disttrain's ``ActionRecorder`` (the recorder of ``parallel.pipeline.timeline=true``; wall clock, shared by
+the processes of this machine). After a warm-up step with the sleeps off (shape inference), ``--steps``
+timed steps are run and the fastest kept: ``step time`` is from a barrier to the last rank's end,
+``idle = 1 - busy / step time`` per rank, and the table shows the mean over ranks.
 
 Theory (equal stages, no communication cost), p ranks, m microbatches, v stages per rank:
 
@@ -49,6 +49,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from disttrain.parallel.pipeline.split import build_schedule, placement, stage_indices  # noqa: E402
+from disttrain.parallel.pipeline.timeline import ActionRecorder  # noqa: E402
+from disttrain.plots import draw_pipeline_timeline  # noqa: E402
 from tests.dist_utils import run_on_ranks  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -120,34 +122,6 @@ class MLPStage(nn.Module):
         return x
 
 
-def _instrument(stage, events: list) -> None:
-    """Record (kind, stage, microbatch, start, end) of every compute action of ``stage``."""
-    fwd, bwd, bww = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
-
-    def forward_one_chunk(chunk, *args, **kwargs):
-        t0 = time.monotonic()
-        out = fwd(chunk, *args, **kwargs)
-        events.append(("F", stage.stage_index, chunk, t0, time.monotonic()))
-        return out
-
-    def backward_one_chunk(chunk, *args, **kwargs):
-        t0 = time.monotonic()
-        out = bwd(chunk, *args, **kwargs)
-        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        events.append(("B" if full else "I", stage.stage_index, chunk, t0, time.monotonic()))
-        return out
-
-    def backward_weight_one_chunk(chunk, *args, **kwargs):
-        t0 = time.monotonic()
-        out = bww(chunk, *args, **kwargs)
-        events.append(("W", stage.stage_index, chunk, t0, time.monotonic()))
-        return out
-
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    stage.backward_weight_one_chunk = backward_weight_one_chunk
-
-
 def _run_config(schedule: str, m: int, make_stage, steps: int, batch_per_mb: int = 2) -> dict:
     """One schedule on this rank: a warm-up step without sleeps, then ``steps`` timed steps; the fastest is
     kept (the same one on every rank, since the step time is all-reduced), which filters out load spikes from
@@ -158,27 +132,26 @@ def _run_config(schedule: str, m: int, make_stage, steps: int, batch_per_mb: int
     v = SCHEDULES[schedule]
     indices = stage_indices(rank, pp, v, placement(schedule))
     modules = [make_stage(v) for _ in indices]
-    events: list = []
     stages = [PipelineStage(mod, i, pp * v, torch.device("cpu")) for mod, i in zip(modules, indices, strict=True)]
     sched = build_schedule(schedule, stages, m, lambda out, tgt: out.pow(2).mean())
     x = torch.randn(m * batch_per_mb, WIDTH if isinstance(modules[0], SleepStage) else modules[0].width)
     _SCALE[0] = 0.0
     sched.step(x, target=torch.zeros_like(x))
     _SCALE[0] = 1.0
-    for st in stages:
-        _instrument(st, events)
+    recorder = ActionRecorder(stages)
     result: dict = {}
     for _ in range(steps):
-        events.clear()
         dist.barrier()
-        t0 = time.monotonic()
-        sched.step(x, target=torch.zeros_like(x))
-        end = torch.tensor(time.monotonic() - t0, dtype=torch.float64)
+        t0 = recorder.clock()
+        with recorder.recording():
+            sched.step(x, target=torch.zeros_like(x))
+        end = torch.tensor(recorder.clock() - t0, dtype=torch.float64)
         dist.all_reduce(end, op=dist.ReduceOp.MAX)
-        busy = sum(e[4] - e[3] for e in events)
+        busy = sum(a["end_s"] - a["start_s"] for a in recorder.actions)
         if not result or end.item() < result["step"]:
-            result = {"step": end.item(), "busy": busy, "idle": 1 - busy / end.item(),
-                      "events": [(k, s, c, a - t0, b - t0) for k, s, c, a, b in events]}
+            result = {"step": end.item(), "busy": busy, "idle": 1 - busy / end.item(), "stages": indices,
+                      "actions": [{**a, "start_s": a["start_s"] - t0, "end_s": a["end_s"] - t0}
+                                  for a in recorder.actions]}
         for mod in modules:
             for p in mod.parameters():
                 p.grad = None
@@ -222,38 +195,11 @@ def theory(schedule: str, p: int, m: int, v: int) -> float:
     return 0.0
 
 
-def _plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
-    names = {"F": "forward", "B": "backward (full)", "I": "backward, input grad", "W": "backward, weight grad"}
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 1.1 + 0.55 * sum(len(r) for _, r in panels)),
-                             squeeze=False)
-    for ax, (title, ranks) in zip(axes[:, 0], panels, strict=True):
-        step = max(r["step"] for r in ranks)
-        for rank, res in enumerate(ranks):
-            ax.broken_barh([(0, step)], (rank - 0.4, 0.8), facecolors="#eeeeee")  # idle background
-            for kind, stage, chunk, a, b in res["events"]:
-                ax.broken_barh([(a, b - a)], (rank - 0.4, 0.8), facecolors=colours[kind], edgecolor="white",
-                               linewidth=0.5)
-                if b - a > step / 60:
-                    ax.text((a + b) / 2, rank, f"{stage}.{chunk}", ha="center", va="center", fontsize=6,
-                            color="white")
-        idle = sum(r["idle"] for r in ranks) / len(ranks)
-        ax.set_title(f"{title}: step {step:.2f} s, idle {idle:.2f} (labels: stage.microbatch)", fontsize=9)
-        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
-        ax.invert_yaxis()
-        ax.set_xlim(0, step)
-    axes[-1, 0].set_xlabel("seconds from step start")
-    handles = [Patch(color=c, label=names[k]) for k, c in colours.items()] + [Patch(color="#eeeeee", label="idle")]
-    fig.legend(handles=handles, loc="upper right", ncol=5, fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+def _timeline(ranks: list[dict]) -> dict:
+    """One config's per-rank results as a timeline for ``draw_pipeline_timeline``: the step is from the barrier
+    to the last rank's end."""
+    return {"step_s": max(r["step"] for r in ranks), "bubble_fraction": sum(r["idle"] for r in ranks) / len(ranks),
+            "ranks": [{"stages": r["stages"], "actions": r["actions"]} for r in ranks]}
 
 
 def main() -> None:
@@ -295,9 +241,9 @@ def main() -> None:
     pp_plot, m_plot = (2, 4) if args.quick else (4, 8)
     panels = [(f"{s} pp={pp_plot} m={m_plot}", timelines[(s, pp_plot, m_plot)]) for s in SCHEDULES
               if (s, pp_plot, m_plot) in timelines]
-    png = OUT / "pipeline_timeline.png"
-    _plot(panels, png)
-    print(f"timeline: {png} ({time.monotonic() - started:.0f} s in all)")
+    png = draw_pipeline_timeline([(title, _timeline(ranks)) for title, ranks in panels],
+                                 OUT / "pipeline_timeline.png")
+    print(f"timeline: {png or 'not drawn (no matplotlib)'} ({time.monotonic() - started:.0f} s in all)")
     one = next(r for r in rows if r[:4] == ("sleep", "1f1b", 2, 4))
     zb = next(r for r in rows if r[:4] == ("sleep", "zero_bubble", 2, 4))
     print(f"1F1B idle fraction vs theory: {one[5]:.2f} vs {one[6]:.2f} (pp=2, m=4); "

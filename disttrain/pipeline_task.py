@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,9 @@ class PipelineTask(TrainTask):
 
     Losses exist on the last stage only; they are summed over the world and divided by the number of
     last-stage ranks (data-parallel x tensor-parallel size) to log the global mean.
+
+    With ``parallel.pipeline.timeline`` the first batch of the second optimiser step (the first has paid
+    for warm-up) is timed, and the timeline is gathered and written after training (``on_train_end``).
     """
 
     def __init__(self, *args: Any, pipeline: PipelineSlot, accumulation: int, clip: float | None, loss_ranks: int,
@@ -27,6 +31,8 @@ class PipelineTask(TrainTask):
         self.accumulation = accumulation
         self.clip = clip
         self.loss_ranks = loss_ranks
+        self._train_batches = 0
+        self._timed_step: int | None = None
 
     def _global_mean(self, local_sum: torch.Tensor | None) -> torch.Tensor:
         value = local_sum.detach().clone() if local_sum is not None else torch.zeros((), device=self.device)
@@ -34,7 +40,12 @@ class PipelineTask(TrainTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""
-        result = self.pipeline.run(batch[0], batch[1], train=True)
+        # the first batch of the second optimiser step: the first step paid for allocations and set-up
+        record = self._train_batches == self.accumulation
+        if record:
+            self._timed_step = self.global_step + 1
+        self._train_batches += 1
+        result = self.pipeline.run(batch[0], batch[1], train=True, record=record)
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
         batch_loss = self._global_mean(result[0] if result else None) * self.accumulation
         self._step_loss.append(batch_loss)
@@ -64,6 +75,25 @@ class PipelineTask(TrainTask):
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
 
+    def on_train_end(self) -> None:
+        """With ``parallel.pipeline.timeline``: rank 0 gathers the timed step from its pipeline's ranks and
+        writes it into ``plots/`` (once, after training, so no other step waits for it)."""
+        from disttrain.parallel.pipeline.timeline import gather_timeline, write_timeline
+
+        pipeline = self.pipeline.pipeline
+        if pipeline is None or pipeline.recorder is None:
+            return
+        timeline = gather_timeline(pipeline.recorder, pipeline.pp_group)
+        if not self.trainer.is_global_zero:
+            return
+        if timeline is None:
+            print("disttrain: no pipeline timeline: the run took fewer than 2 optimiser steps", flush=True)
+            return
+        run_dir = Path(self.trainer.default_root_dir)
+        written = write_timeline({"step": self._timed_step, **timeline}, run_dir / "plots", _draws_plots(run_dir))
+        print(f"disttrain: pipeline timeline, bubble {timeline['bubble_fraction']:.2f}: "
+              f"{', '.join(map(str, written))}", flush=True)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's loss is already global here (see training_step); nothing to reduce."""
 
@@ -73,3 +103,14 @@ class PipelineTask(TrainTask):
             scaled, logits = result
             loss_sum = scaled.detach() * self.accumulation * batch[1].numel()
             self._update_eval_metrics(stage, loss_sum, logits.detach(), batch[1])
+
+
+def _draws_plots(run_dir: Path) -> bool:
+    """The run's ``plots`` switch, from the config the runner wrote into the run directory (the task is not
+    given the run's config)."""
+    from omegaconf import OmegaConf
+
+    from disttrain.run import CONFIG_FILE
+
+    path = run_dir / CONFIG_FILE
+    return not path.is_file() or bool(OmegaConf.load(path).get("plots", True))

@@ -62,6 +62,11 @@ def train(cfg: DictConfig) -> float | None:
     run_dir = Path(run.train.run_dir)
     for notice in run.notices:
         print(notice, flush=True)
+    if run.train.mode == "plan":
+        from disttrain.plan.planner import print_plan
+
+        print_plan(run)
+        return None
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / CONFIG_FILE
     config_path.write_text(run.yaml)

@@ -183,8 +183,8 @@ def test_precision_auto_takes_bf16_where_native_and_measured_faster(make_config,
 def test_the_precision_probe_times_real_steps():
     import torch
 
-    from disttrain.config.precision import example_batch, step_seconds
-    from disttrain.data.spec import DataSpec
+    from disttrain.config.precision import step_seconds
+    from disttrain.data.spec import DataSpec, example_batch
     from disttrain.models.cnn import CNNConfig, build_cnn
 
     spec = DataSpec(kind="image", num_classes=10, in_channels=1, image_size=8)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from disttrain.data.spec import DataSpec
+from disttrain.data.spec import DataSpec, example_batch
 
 PROBE_STEPS = 3
 """Timed forward and backward passes per precision (after one untimed warm-up)."""
@@ -31,15 +31,6 @@ def native_bf16(uses_gpu: bool) -> tuple[bool, str]:
     found = [name for name, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
              if getattr(torch.cpu, probe, lambda: False)()]
     return bool(found), f"this CPU has {' and '.join(found)}" if found else "this CPU has no bf16 instructions"
-
-
-def example_batch(spec: DataSpec, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets shaped like ``size`` samples of ``spec`` (values do not change the timing)."""
-    if spec.kind == "text":
-        tokens = torch.randint(0, spec.vocab_size or 2, (size, spec.block_size))
-        return tokens, tokens
-    images = torch.randn(size, spec.in_channels, spec.image_size, spec.image_size)
-    return images, torch.randint(0, spec.num_classes or 2, (size,))
 
 
 def step_seconds(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bf16: bool) -> float:

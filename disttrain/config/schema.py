@@ -125,6 +125,19 @@ class ExpectConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The planner's options (``mode=plan`` and ``parallel=auto``)."""
+
+    profile: str = "machine"
+    """Hardware predicted for: machine (this machine; ``python -m disttrain.plan --calibrate`` measures it), or
+    a stated profile: h100_sxm, a100_80gb."""
+    memory_gb: float | None = None
+    """Memory per device in GB, in place of the profile's (what-if plans; parallel=auto fits to it)."""
+    alternatives: int = 3
+    """Runner-up layouts ``parallel=auto`` prints beside its choice."""
+
+
+@dataclass
 class TrainConfig:
     """Schema of a whole run. ``model``, ``data`` and ``optim`` are checked against their registry schema."""
 
@@ -154,6 +167,11 @@ class TrainConfig:
     """Loggers to instantiate (each a ``_target_`` node)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning callbacks to instantiate (each a ``_target_`` node)."""
+    mode: str = "train"
+    """train: fit, then test; plan: print the plan of this config per rank (memory, communication, pipeline
+    bubble, predicted step time and energy), write plan.json, and stop without training."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The planner's hardware profile and options."""
     plots: bool = True
     """Draw the run's pictures into ``plots/`` after training (loss curves, where the wall time went); needs
     matplotlib, and the CSV logger for the loss curves."""

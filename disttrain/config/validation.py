@@ -114,6 +114,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         top.resume = checkpoint_folder(top.resume)
         OmegaConf.update(cfg, "resume", top.resume)
     world = world_size if world_size is not None else world_size_of(top.trainer)
+    if top.mode not in ("train", "plan"):
+        raise ConfigError("mode", top.mode, "train (fit and test) or plan (print the plan and stop)")
+    if top.parallel.name == "auto":
+        notices.append(_choose_parallel(top, cfg, model, data, optim, world))
     p = top.parallel
     dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
     p.check_dims(dims)
@@ -125,6 +129,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
+    if top.mode == "plan":  # a plan does not run the measured probe (its model may not fit here)
+        from disttrain.plan.hardware import resolve_profile
+        from disttrain.plan.planner import planned_precision
+
+        top.trainer.precision = planned_precision(top.trainer.precision,
+                                                  resolve_profile(top.plan.profile, top.plan.memory_gb))
     top.trainer.precision, precision_notice = resolve_precision(
         top.trainer.precision, _uses_gpu(top.trainer.accelerator), model, datamodule.spec, batch.micro_size)
     notices += [precision_notice] if precision_notice else []
@@ -140,6 +150,25 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         plan = replace(plan, trainer_clip=None)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices), plan,
                      datamodule)
+
+
+def _choose_parallel(top: TrainConfig, cfg: DictConfig, model: Any, data: Any, optim: Any, world: int) -> str:
+    """``parallel=auto``: put the chosen degrees, options and micro-batch into ``top`` and ``cfg`` (workers read
+    the choice, not auto) and return the notice that says why."""
+    from disttrain.data import build_datamodule
+    from disttrain.plan.planner import apply_layout, choose_parallel
+
+    if top.batch.global_size is None:
+        raise ConfigError("batch.global_size", None, "a number of samples per step with parallel=auto (it picks the "
+                          "micro-batch and accumulation)")
+    spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
+    layout, notice = choose_parallel(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel,
+                                     optim, top.trainer.precision, top.plan)
+    top.parallel = apply_layout(top.parallel, layout)
+    top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation
+    OmegaConf.update(cfg, "parallel", OmegaConf.structured(top.parallel), merge=False)
+    OmegaConf.update(cfg, "batch", OmegaConf.structured(top.batch), merge=False)
+    return notice
 
 
 def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class DataSpec:
@@ -21,3 +23,13 @@ class DataSpec:
     """Number of distinct token ids (text data)."""
     block_size: int | None = None
     """Length of the token sequences the data yields (text data)."""
+
+
+def example_batch(spec: DataSpec, size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets shaped like ``size`` samples of ``spec`` (for probes and plans: the values are
+    random, and on the meta device there are none)."""
+    if spec.kind == "text":
+        tokens = torch.randint(0, spec.vocab_size or 2, (size, spec.block_size), device=device)
+        return tokens, tokens
+    images = torch.randn(size, spec.in_channels, spec.image_size, spec.image_size, device=device)
+    return images, torch.randint(0, spec.num_classes or 2, (size,), device=device)

@@ -34,6 +34,10 @@ class PipelineOptions:
     """Stages each rank holds: 1 for gpipe/1f1b, 2 or more for the interleaved schedules, 2 for zbv."""
     split_points: list[int] | None = None
     """Pipeline-unit index where each stage after the first starts; null: balanced by parameter count."""
+    timeline: bool = False
+    """Time each forward and backward action per microbatch and stage during one training step after
+    warm-up (the first batch of the second optimiser step) and write it after training as
+    ``plots/pipeline_timeline.json`` and, unless ``plots=false``, ``plots/pipeline_timeline.png``."""
 
 
 @dataclass

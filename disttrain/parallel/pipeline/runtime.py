@@ -31,6 +31,7 @@ from disttrain.parallel.pipeline.split import (
     stage_indices,
     unit_split_points,
 )
+from disttrain.parallel.pipeline.timeline import ActionRecorder, records_on
 from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
 from disttrain.parallel.tp import apply_tp
 
@@ -44,14 +45,21 @@ class Pipeline:
     has_last: bool
     pp_group: dist.ProcessGroup
     losses: list[torch.Tensor] = field(default_factory=list)
+    recorder: ActionRecorder | None = None
+    """Times the actions of a recorded step (``pipeline.timeline``, on the pipeline of global rank 0)."""
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[torch.Tensor, Any] | None:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
+            record: bool = False) -> tuple[torch.Tensor, Any] | None:
         """One step (train) or forward-only pass of the schedule over the batch; on the last stage the summed
-        microbatch losses and the merged outputs, None elsewhere."""
+        microbatch losses and the merged outputs, None elsewhere. ``record``: time this training step's
+        actions (where the pipeline has a recorder)."""
         self.losses.clear()
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": self.losses} if self.has_last else {}
-        if train:
+        if train and record and self.recorder is not None:
+            with self.recorder.recording():
+                outputs = self.schedule.step(*args, **kwargs)
+        elif train:
             outputs = self.schedule.step(*args, **kwargs)
         else:
             with forward_only(self.schedule):
@@ -71,11 +79,12 @@ class PipelineSlot:
     pipeline: Pipeline | None = None
     """This rank's part, once the strategy has built it."""
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> tuple[torch.Tensor, Any] | None:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
+            record: bool = False) -> tuple[torch.Tensor, Any] | None:
         """``Pipeline.run`` of the built pipeline."""
         if self.pipeline is None:
             raise RuntimeError("the pipeline is built by the strategy's setup, which has not run")
-        return self.pipeline.run(inputs, targets, train)
+        return self.pipeline.run(inputs, targets, train, record)
 
 
 def scaled_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: int) -> torch.Tensor:
@@ -148,7 +157,10 @@ def build_pipeline(
     # whose scaling would also divide gradients accumulated over earlier batches.
     schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
     owned = UnitStage(model, [name for m in modules for name in m.unit_names])
-    return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group)
+    recorder = ActionRecorder(stages, schedule=options.schedule, microbatches=options.microbatches,
+                              num_stages=num_stages, pp=dims.pp) \
+        if options.timeline and records_on(pp_group) else None
+    return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group, recorder=recorder)
 
 
 def stage_examples(stages: list[nn.Module], first_input: torch.Tensor) -> list[torch.Tensor]:

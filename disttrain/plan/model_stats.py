@@ -1,0 +1,228 @@
+"""What a plan needs to know of a model, read from one forward and backward pass on the meta device.
+
+The pass allocates nothing and takes well under a second for a 7B model, so a plan of any size runs here.
+What it records, for one micro-batch:
+
+- every parameter's element count and the unit that owns it (pipeline and sharding units);
+- the bytes of the tensors autograd saves for backward (the activations), per unit: a storage is counted
+  once, at the unit that first saved it; parameters and the input batch are not activations;
+- forward FLOPs per unit and forward plus backward FLOPs in all (``torch.utils.flop_counter``);
+- attention as the fused kernels of CPUs and GPUs run it (they save the output and the log-sum-exp, not the
+  attention matrix the meta device's reference path would keep);
+- the output bytes of every pipeline unit (what crosses a stage boundary) and the activation bytes the
+  tensor-parallel plan communicates: each row-wise layer's output (all-reduced in forward) and each
+  input of a column-wise layer (all-reduced in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+
+from disttrain.data.spec import DataSpec, example_batch
+
+ROOT = ""
+"""Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
+
+
+@dataclass
+class ModelStats:
+    """Sizes of one model at one micro-batch (see the module docstring)."""
+
+    micro_size: int
+    """Samples per micro-batch the pass ran with; activations and FLOPs scale linearly with it."""
+    tokens_per_sample: int
+    """Tokens per sample (sequence length for text, 1 for images)."""
+    param_numel: dict[str, int]
+    """Parameter name -> element count (a tied parameter once, under its first name)."""
+    param_unit: dict[str, str]
+    """Parameter name -> the innermost tracked unit that owns it (``ROOT`` if none)."""
+    units: list[str]
+    """Tracked unit names in forward order (pipeline units, then sharding units not among them)."""
+    pipeline_units: list[str]
+    """Pipeline units in order (empty: the model has none)."""
+    shard_units: list[str]
+    """Sharding / activation-checkpointing units."""
+    saved_bytes: dict[str, int]
+    """Unit name (or ``ROOT``) -> bytes autograd saved while it ran, counted at the innermost unit."""
+    unit_input_bytes: dict[str, int]
+    """Unit name -> bytes of its input (what a checkpointed unit keeps, and a stage boundary carries)."""
+    unit_output_bytes: dict[str, int]
+    """Unit name -> bytes of its output."""
+    forward_flops: dict[str, int]
+    """Unit name (or ``ROOT``) -> forward FLOPs counted while it ran (innermost unit)."""
+    total_flops: int
+    """Forward plus backward FLOPs of the micro-batch."""
+    output_bytes: int
+    """Bytes of the model's output (logits), which the loss keeps."""
+    tp_forward_bytes: int = 0
+    """Bytes all-reduced in forward under tensor parallelism (row-wise layers' outputs), whole size."""
+    tp_backward_bytes: int = 0
+    """Bytes all-reduced in backward under tensor parallelism (column-wise layers' inputs)."""
+    tp_sharded: dict[str, bool] = field(default_factory=dict)
+    """Parameter name -> split by the tensor-parallel plan (column- or row-wise)."""
+
+    @property
+    def params(self) -> int:
+        """Parameters of the model (tied ones once)."""
+        return sum(self.param_numel.values())
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes saved for backward in all, for one micro-batch."""
+        return sum(self.saved_bytes.values())
+
+
+def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_units: list[str] | None = None,
+                  shard_units: list[str] | None = None, tp_plan: dict[str, str] | None = None) -> ModelStats:
+    """One forward and backward of ``net`` (on the meta device; a model on the CPU is moved there first, and
+    is left unchanged) on a micro-batch of ``micro_size``, recorded as ``ModelStats``."""
+    if any(p.device.type != "meta" for p in net.parameters()):
+        net = _meta_copy(net)
+    pipeline_units, shard_units = list(pipeline_units or []), list(shard_units or [])
+    units = pipeline_units + [u for u in shard_units if u not in pipeline_units]
+    param_numel, param_unit = _parameters(net, units)
+    recorder = _Recorder(net, units, tp_plan or {})
+    inputs, targets = example_batch(spec, micro_size, "meta")
+    skip = {inputs.untyped_storage()._cdata, targets.untyped_storage()._cdata}
+    skip |= {p.untyped_storage()._cdata for p in net.parameters()}
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    mapping = {fused.default: sdpa_flop, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+               sdpa_backward_flop}
+    with recorder, FlopCounterMode(display=False, custom_mapping=mapping) as flops, _FusedAttention(), \
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
+        recorder.flops = flops
+        logits = net(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        recorder.done_forward()
+        loss.backward()
+    tokens = spec.block_size if spec.kind == "text" else 1
+    sharded = {name: any(fnmatchcase(name.rsplit(".", 1)[0], pattern) for pattern, style in (tp_plan or {}).items()
+                         if style in ("colwise", "rowwise")) for name in param_numel}
+    return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
+                      recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_flops,
+                      flops.get_total_flops(), _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded)
+
+
+def _meta_copy(net: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(net).to("meta")
+
+
+def _parameters(net: nn.Module, units: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    numel, owner, seen = {}, {}, set()
+    for name, param in net.named_parameters():  # named_parameters yields a tied parameter once
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        numel[name] = param.numel()
+        inside = [u for u in units if name.startswith(u + ".")]
+        owner[name] = max(inside, key=len) if inside else ROOT
+    return numel, owner
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _Recorder:
+    """Module hooks that keep the stack of running units and charge saved bytes and FLOPs to its top."""
+
+    def __init__(self, net: nn.Module, units: list[str], tp_plan: dict[str, str]) -> None:
+        self.net, self.units, self.tp_plan = net, units, tp_plan
+        self.stack: list[str] = [ROOT]
+        self.saved: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
+        self.forward_flops: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
+        self.inputs: dict[str, int] = {}
+        self.outputs: dict[str, int] = {}
+        self.tp_forward = self.tp_backward = 0
+        self.flops: FlopCounterMode | None = None
+        self._seen: set[int] = set()
+        self._in_forward, self._handles, self._mark = True, [], 0
+
+    def pack(self, skip: set[int]):
+        def hook(tensor: torch.Tensor) -> torch.Tensor:
+            key = tensor.untyped_storage()._cdata
+            if self._in_forward and key not in skip and key not in self._seen:
+                self._seen.add(key)
+                self.saved[self.stack[-1]] += tensor.untyped_storage().nbytes()
+            return tensor
+        return hook
+
+    def _charge_flops(self) -> None:
+        total = self.flops.get_total_flops() if self.flops is not None else 0
+        self.forward_flops[self.stack[-1]] += total - self._mark
+        self._mark = total
+
+    def __enter__(self) -> _Recorder:
+        for name in self.units:
+            module = self.net.get_submodule(name)
+            self._handles.append(module.register_forward_pre_hook(self._enter_unit(name)))
+            self._handles.append(module.register_forward_hook(self._leave_unit(name)))
+        for pattern, style in self.tp_plan.items():
+            if style not in ("colwise", "rowwise"):
+                continue
+            for name, module in self.net.named_modules():
+                if fnmatchcase(name, pattern):
+                    self._handles.append(module.register_forward_hook(self._tp_hook(style)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def done_forward(self) -> None:
+        """Forward ended: later saves (in backward) are not activations."""
+        self._charge_flops()
+        self._in_forward = False
+
+    def _enter_unit(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._charge_flops()
+            self.inputs[name] = _nbytes(args)
+            self.stack.append(name)
+        return hook
+
+    def _leave_unit(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self._charge_flops()
+            self.stack.pop()
+            self.outputs[name] = _nbytes(output)
+        return hook
+
+    def _tp_hook(self, style: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if style == "rowwise":
+                self.tp_forward += _nbytes(output)
+                return
+            # each column-wise module turns its input's gradient from partial sums into a whole one by its own
+            # all-reduce (q, k and v separately: they are separate layers here)
+            self.tp_backward += _nbytes(args[0])
+        return hook
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Runs ``scaled_dot_product_attention`` as the fused CPU kernel, whose meta implementation saves what
+    fused kernels save (on the meta device the dispatcher would pick the reference path)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or kwargs.get("enable_gqa"):
+            return func(*args, **kwargs)
+        names = ("attn_mask", "dropout_p", "is_causal", "scale")
+        options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
+            attn_mask=options.get("attn_mask"), scale=options.get("scale"))
+        return out

@@ -1,0 +1,154 @@
+"""A validated run as the planner sees it: its model measured on the meta device, its layout and profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from disttrain.plan.estimate import Estimate, Layout, StateBytes, estimate, state_bytes
+from disttrain.plan.hardware import HardwareProfile
+from disttrain.plan.model_stats import ModelStats, measure_model
+
+
+@dataclass
+class PlanInputs:
+    """What a plan needs besides the layout: the measured model, the state bytes, precision and profile."""
+
+    stats: ModelStats
+    """The model at one micro-batch (activations and FLOPs scale with the layout's micro-batch)."""
+    state: StateBytes
+    """Bytes per parameter element of model state."""
+    bf16: bool
+    """bf16-mixed precision (activations and compute in bf16)."""
+    profile: HardwareProfile
+    """The hardware predicted for."""
+    has_tp_plan: bool
+    """The model (or config) declares a tensor-parallel plan."""
+    num_heads: int | None = None
+    """Attention heads, where the model says (tp must divide them)."""
+
+    def estimate(self, layout: Layout) -> Estimate:
+        """The prediction for ``layout``."""
+        return estimate(self.stats, layout, self.profile, self.state, self.bf16)
+
+
+def module_names(net: nn.Module, modules: list[nn.Module]) -> list[str]:
+    """Qualified names of ``modules`` inside ``net``."""
+    names = {id(m): name for name, m in net.named_modules()}
+    return [names[id(m)] for m in modules]
+
+
+def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim: Any, precision: str,
+                profile: HardwareProfile) -> PlanInputs:
+    """Measure ``net`` (built on the meta device) for a plan of a run with these options."""
+    from disttrain.parallel.plan import pipeline_units_of, shard_units_of, tp_plan_of
+
+    pipeline = pipeline_units_of(net, parallel.pipeline_units) or []
+    shards = module_names(net, shard_units_of(net, parallel.shard_units, parallel.min_params_per_unit))
+    tp_plan = tp_plan_of(net, parallel.tp_plan)
+    stats = measure_model(net, spec, micro_size, pipeline, shards, tp_plan)
+    state = state_bytes(getattr(optim, "name", ""), getattr(optim, "momentum", 0.0) or 0.0)
+    heads = getattr(getattr(net, "dims", None), "n_head", None)
+    return PlanInputs(stats, state, precision.startswith("bf16"), profile, bool(tp_plan), heads)
+
+
+def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
+    """The layout of a validated run (its resolved degrees, options and batch)."""
+    pipe = parallel.pipeline
+    return Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, parallel.zero_stage,
+                  parallel.activation_checkpointing, parallel.sequence_parallel, batch.micro_size, batch.accumulation,
+                  pipe.microbatches if dims.pp > 1 else 1, pipe.schedule, pipe.stages_per_rank if dims.pp > 1 else 1)
+
+
+
+def planned_precision(precision: str, profile: HardwareProfile) -> str:
+    """``trainer.precision`` for a plan: ``auto`` becomes bf16-mixed on a stated GPU profile and on a CPU with
+    bf16 instructions (a plan does not run the measured probe a training run makes)."""
+    if precision != "auto":
+        return precision
+    from disttrain.config.precision import native_bf16
+
+    return "bf16-mixed" if not profile.cpu or native_bf16(uses_gpu=False)[0] else "32-true"
+
+
+def preset_name(layout: Layout) -> str:
+    """The preset a layout corresponds to (what a run chosen by ``parallel=auto`` is called)."""
+    if layout.pp > 1:
+        return "pipeline"
+    if layout.tp > 1:
+        return "tp" if layout.dp == 1 else "hybrid"
+    if layout.dp_replicate > 1 and layout.dp_shard > 1:
+        return "hsdp"
+    if layout.zero_stage:
+        return f"zero{layout.zero_stage}"
+    return "ddp" if layout.dp_replicate > 1 else "single"
+
+
+def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
+                    precision: str, plan_cfg: Any) -> tuple[Layout, str]:
+    """``parallel=auto``: the chosen layout and the lines that say why (ConfigError if nothing fits)."""
+    from disttrain.config.plan import check_model_plan
+    from disttrain.errors import ConfigError
+    from disttrain.parallel.dims import ParallelDims
+    from disttrain.plan.auto import choose
+    from disttrain.plan.hardware import resolve_profile
+
+    profile = resolve_profile(plan_cfg.profile, plan_cfg.memory_gb)
+    inputs = plan_inputs(net, spec, 1, parallel, optim, planned_precision(precision, profile), profile)
+
+    def valid(layout: Layout) -> bool:
+        candidate = apply_layout(parallel, layout)
+        dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+        try:
+            candidate.check_dims(dims)
+            check_model_plan("model", net, candidate, dims, layout.micro_size)
+        except ConfigError:
+            return False
+        return True
+
+    choice = choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid)
+    why = choice.reason(plan_cfg.alternatives)
+    if choice.best is None:
+        raise ConfigError("parallel", "auto", f"a layout that fits {world} rank(s) of {profile.name} with "
+                          f"{human(profile.memory_bytes)} per device: {why}")
+    return choice.best.layout, f"parallel=auto ({profile.name}, {world} rank(s)): {why}"
+
+
+def human(n: float) -> str:
+    """Bytes in GB."""
+    return f"{n / 1e9:.3g} GB"
+
+
+def apply_layout(parallel: Any, layout: Layout) -> Any:
+    """A copy of ``parallel`` with the degrees and options of ``layout``."""
+    from dataclasses import replace
+
+    pipeline = replace(parallel.pipeline, microbatches=layout.microbatches if layout.pp > 1 else
+                       parallel.pipeline.microbatches, schedule=layout.schedule if layout.pp > 1 else
+                       parallel.pipeline.schedule)
+    return replace(parallel, name=preset_name(layout), dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
+                   tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage,
+                   activation_checkpointing=layout.activation_checkpointing,
+                   sequence_parallel=layout.sequence_parallel, pipeline=pipeline)
+
+
+def print_plan(run: Any) -> Estimate:
+    """``mode=plan``: print the plan of a validated run, write plan.json (and its picture); return it."""
+    from pathlib import Path
+
+    from disttrain.config.plan import model_on_meta
+    from disttrain.plan.hardware import resolve_profile
+    from disttrain.plan.report import render, write_plan
+
+    cfg = run.train
+    profile = resolve_profile(cfg.plan.profile, cfg.plan.memory_gb)
+    net = model_on_meta(run.model, run.datamodule.spec)
+    inputs = plan_inputs(net, run.datamodule.spec, run.batch.micro_size, cfg.parallel, run.optim,
+                         planned_precision(cfg.trainer.precision, profile), profile)
+    est = inputs.estimate(layout_of(run.dims, cfg.parallel, run.batch))
+    print(render(est, profile, inputs.stats.params, run.model.name), flush=True)
+    for path in write_plan(est, profile, Path(cfg.run_dir), cfg.plots):
+        print(f"wrote {path}")
+    return est

@@ -1,0 +1,100 @@
+"""A plan as the terminal, ``plan.json`` and ``plots/plan_memory.png`` show it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from disttrain.plan.estimate import Estimate
+from disttrain.plan.hardware import HardwareProfile
+
+TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimiser state", "activations": "activations",
+         "transient": "transient (gathered units, unreduced gradients)"}
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps a number >= 1 (decimal units, as memory is sold)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> str:
+    """The plan as text: memory terms, collectives, bubble and predicted time."""
+    lay = e.layout
+    lines = [f"plan: {model} ({params / 1e6:.4g}M parameters) on {lay.world_size} rank(s): {lay.describe()}",
+             f"profile: {profile.name} ({profile.source})", "",
+             "memory per rank (the most loaded rank)", "| term | bytes |", "|---|---|"]
+    for key, label in TERMS.items():
+        value = human_bytes(e.memory[key])
+        if key == "activations":
+            other, figure = (("without", e.activations_plain) if lay.activation_checkpointing
+                             else ("with", e.activations_checkpointed))
+            value += f" ({other} activation checkpointing: {human_bytes(figure)})"
+        lines.append(f"| {label} | {value} |")
+    verdict = "fits" if e.fits else f"DOES NOT FIT: {e.overflow()}"
+    lines += [f"| total | {human_bytes(e.total_bytes)} of {human_bytes(e.capacity)}: {verdict} |", ""]
+    if e.collectives:
+        lines += ["communication per optimiser step (ring model, bytes this rank sends)",
+                  "| collective | over | ranks | buffer | calls | sent | time |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {c.kind} | {c.group} | {c.size} | {human_bytes(c.buffer_bytes)} | {c.calls} | "
+                  f"{human_bytes(c.sent_bytes)} | {c.seconds * 1e3:.3g} ms |" for c in e.collectives]
+        lines.append("")
+    else:
+        lines += ["communication: none", ""]
+    if lay.pp > 1:
+        lines.append(f"pipeline bubble: {e.bubble:.3f} of a step ({lay.schedule}, {lay.microbatches} microbatches)")
+    energy = e.joules_per_token
+    lines.append(f"predicted step: compute {e.compute_s * 1e3:.3g} ms"
+                 + (f" / (1 - bubble {e.bubble:.2f})" if e.bubble else "")
+                 + f" + exposed communication {e.exposed_comm_s * 1e3:.3g} ms = {e.step_s * 1e3:.3g} ms; "
+                 f"{e.tokens_per_s:,.0f} tokens/s over {lay.world_size} rank(s)"
+                 + (f"; {energy * 1e3:.3g} mJ per token at {profile.watts:.0f} W per device" if energy else
+                    "; energy per token: unknown (the profile has no power figure)"))
+    return "\n".join(lines)
+
+
+def as_json(e: Estimate, profile: HardwareProfile) -> dict[str, Any]:
+    """Everything the report shows, as plain JSON values."""
+    return {"layout": asdict(e.layout), "memory_bytes": e.memory, "total_bytes": e.total_bytes,
+            "capacity_bytes": e.capacity, "fits": e.fits, "overflow": e.overflow() or None,
+            "activations_plain": e.activations_plain, "activations_checkpointed": e.activations_checkpointed,
+            "collectives": [asdict(c) for c in e.collectives], "bubble": e.bubble, "compute_s": e.compute_s,
+            "exposed_comm_s": e.exposed_comm_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
+            "joules_per_token": e.joules_per_token, "profile": asdict(profile)}
+
+
+def write_plan(e: Estimate, profile: HardwareProfile, run_dir: Path, plots: bool) -> list[Path]:
+    """``plan.json`` and, with ``plots``, ``plots/plan_memory.png`` in ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "plan.json"
+    path.write_text(json.dumps(as_json(e, profile), indent=2))
+    written = [path]
+    if plots:
+        png = draw_memory(e, run_dir / "plots" / "plan_memory.png")
+        written += [png] if png else []
+    return written
+
+
+def draw_memory(e: Estimate, path: Path) -> Path | None:
+    """A stacked bar of the per-rank memory terms against the capacity (None without matplotlib)."""
+    from disttrain.plots import pyplot, save
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    figure, axes = plt.subplots(figsize=(6, 4))
+    bottom = 0.0
+    for key, label in TERMS.items():
+        value = e.memory[key] / 1e9
+        axes.bar([0], [value], bottom=[bottom], label=f"{label.split(' (')[0]} {value:.3g} GB")
+        bottom += value
+    axes.axhline(e.capacity / 1e9, color="black", linestyle="--", label=f"capacity {e.capacity / 1e9:.3g} GB")
+    axes.set_xticks([0], [e.layout.describe()])
+    axes.set_ylabel("GB per rank")
+    axes.set_title("fits" if e.fits else "does not fit")
+    axes.legend(fontsize=8)
+    return save(figure, plt, path)
