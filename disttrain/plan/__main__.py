@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         save_profile(profile, path)
         print(f"profile {profile.name}: " + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s per core"
                                                       for k, v in profile.flops.items())
+              + f"; memory {profile.memory_bandwidth / 1e9:.3g} GB/s; {profile.op_overhead * 1e6:.3g} us per operator"
               + f"; gloo loopback {profile.intra_node.bandwidth / 1e9:.3g} GB/s, "
               f"{profile.intra_node.latency * 1e6:.3g} us per message")
         print(f"written to {path} (plan.profile=machine uses it)")

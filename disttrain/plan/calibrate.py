@@ -1,5 +1,5 @@
-"""Measure this machine for the planner: FLOP/s of a model-shaped workload per core and dtype, and the
-bandwidth and latency of gloo collectives between two local processes.
+"""Measure this machine for the planner: matrix-multiply FLOP/s per core and dtype, memory bandwidth, the
+overhead each operator costs, and the bandwidth and latency of gloo collectives between two local processes.
 
     python -m disttrain.plan --calibrate
 """
@@ -14,7 +14,6 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from disttrain.plan.hardware import HardwareProfile, Link
 
@@ -38,45 +37,74 @@ def total_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _workload(width: int = 256) -> nn.Module:
-    # a transformer block's MLP and a projection: the matmul shapes a small GPT spends its time in
-    return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.LayerNorm(width))
-
-
 def measure_compute(seconds: float = 1.0, threads: int = 1) -> dict[str, float]:
-    """FLOP/s of forward plus backward of a block-shaped workload on ``threads`` threads, per dtype
-    (``bf16`` under CPU autocast, only where the CPU has native bf16)."""
+    """Matrix-multiply FLOP/s on ``threads`` threads per dtype (``bf16`` only measured where the CPU computes
+    it natively; elsewhere a third of fp32, what emulated bf16 measured on such CPUs)."""
     from disttrain.config.precision import native_bf16
 
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        model, x = _workload(), torch.randn(16 * 64, 256)
-        rates = {"fp32": _rate(model, x, seconds, None)}
-        if native_bf16(uses_gpu=False)[0]:
-            rates["bf16"] = _rate(model, x, seconds, torch.bfloat16)
-        else:
-            rates["bf16"] = rates["fp32"] / 3  # emulated bf16 on CPUs without it measured ~0.3x fp32
-        return rates
-    finally:
-        torch.set_num_threads(saved_threads)
+    with _threads(threads):
+        rates = {"fp32": _matmul_rate(torch.float32, seconds)}
+        native = native_bf16(uses_gpu=False)[0]
+        rates["bf16"] = _matmul_rate(torch.bfloat16, seconds) if native else rates["fp32"] / 3
+    return rates
 
 
-def _rate(model: nn.Module, x: torch.Tensor, seconds: float, dtype: torch.dtype | None) -> float:
-    def step() -> None:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = F.mse_loss(model(x).float(), x)
-        loss.backward()
+class _threads:
+    def __init__(self, n: int) -> None:
+        self.n, self.saved = n, torch.get_num_threads()
 
-    with FlopCounterMode(display=False) as counter:
-        step()
-    flops, runs = counter.get_total_flops(), 0
-    step()  # warm-up
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        step()
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.saved)
+
+
+def _timed(fn, seconds: float) -> float:
+    """Mean seconds per call of ``fn`` over about ``seconds`` (after one untimed call)."""
+    fn()
+    runs, start = 0, time.perf_counter()
+    while runs < 3 or time.perf_counter() - start < seconds:
+        fn()
         runs += 1
-    return flops * runs / (time.perf_counter() - start)
+    return (time.perf_counter() - start) / runs
+
+
+def _matmul_rate(dtype: torch.dtype, seconds: float, n: int = 1024) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _timed(lambda: a @ b, seconds)
+
+
+def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
+    """Bytes per second that element-wise work moves: forward and backward of GELU, LayerNorm and a residual
+    add on a 1024 x 512 activation, bytes counted operator by operator as a plan counts them (on a CPU these
+    operators are bound by their arithmetic as much as by DRAM, so a plain copy would overstate them)."""
+    from disttrain.plan.model_stats import count_ops
+
+    norm, x = nn.LayerNorm(512), torch.randn(1024, 512, requires_grad=True)
+
+    def step() -> None:
+        (F.gelu(norm(x)) + x).sum().backward()
+
+    ops = count_ops(step)
+    with _threads(threads):
+        return sum(b for f, b in ops if f == 0) / _timed(step, seconds)
+
+
+def measure_op_overhead(seconds: float = 0.5) -> float:
+    """Seconds per operator of forward plus backward through tiny layers (no work, all overhead): what a
+    small model pays per operator (dispatch, autograd nodes, the backward engine)."""
+    from disttrain.plan.model_stats import count_ops
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)])
+    x = torch.randn(2, 4)
+
+    def step() -> None:
+        F.mse_loss(model(x), x).backward()
+
+    with _threads(1):
+        per_step = _timed(step, seconds)
+    return per_step / len(count_ops(step))
 
 
 def _link_rank(rank: int, init_file: str, sizes: list[int], out: dict) -> None:
@@ -122,16 +150,17 @@ def measure_link() -> Link:
     return Link(bandwidth=sizes[1] / max(large - small, 1e-9), latency=latency)
 
 
-def this_machine(flops_per_core: dict[str, float], links: Link | None, source: str) -> HardwareProfile:
+def this_machine(flops_per_core: dict[str, float], bandwidth: float, overhead: float, links: Link | None,
+                 source: str) -> HardwareProfile:
     """This machine as a profile whose device is one core (CPU ranks share the cores; see ``estimate``)."""
     cores = os.cpu_count() or 1
     link = links or DEFAULT_LOOPBACK
-    return HardwareProfile(f"machine ({cpu_model()}, {cores} cores)", flops_per_core, total_memory_bytes() / cores,
-                           link, link, cores, None, source, cpu=True)
+    return HardwareProfile(f"machine ({cpu_model()}, {cores} cores)", flops_per_core, bandwidth, overhead,
+                           total_memory_bytes() / cores, link, link, cores, None, source, cpu=True)
 
 
 def calibrate(seconds: float = 1.0) -> HardwareProfile:
-    """Measure compute per core and the loopback link; the profile of this machine."""
-    compute = measure_compute(seconds)
-    link = measure_link()
-    return this_machine(compute, link, f"calibrated {time.strftime('%Y-%m-%d %H:%M')}")
+    """Measure compute per core, memory bandwidth, per-operator overhead and the loopback link."""
+    return this_machine(measure_compute(seconds), measure_memory_bandwidth(seconds / 2),
+                        measure_op_overhead(seconds / 2), measure_link(),
+                        f"calibrated {time.strftime('%Y-%m-%d %H:%M')}")

@@ -97,8 +97,8 @@ class Layout:
 
 
 def model_state(params: float, layout: Layout, state: StateBytes) -> dict[str, float]:
-    """Bytes per rank of parameters, gradients and optimiser state for ``params`` elements on this rank before
-    data-parallel sharding (the rank's tensor-parallel and pipeline share)."""
+    """Bytes per rank of parameters, gradients and optimiser state (each at its largest during a step) for
+    ``params`` elements on this rank before data-parallel sharding (its tensor-parallel and pipeline share)."""
     shard = layout.dp_shard if layout.zero_stage else 1
     p = params * state.param
     if layout.zero_stage == 3:
@@ -110,6 +110,17 @@ def model_state(params: float, layout: Layout, state: StateBytes) -> dict[str, f
     # accumulating micro-batches without syncing keeps whole gradients until the step's last micro-batch
     grads = params * state.grad / (shard if layout.zero_stage >= 2 and layout.accumulation == 1 else 1)
     return {"params": held, "grads": grads, "optimizer": params * state.optim / shard}
+
+
+def state_peak(params: float, layout: Layout, state: StateBytes) -> dict[str, float]:
+    """Model state at the two moments it peaks: after forward (ZeRO-2 holds whole parameters; gradients exist
+    only while accumulating) and after backward (ZeRO-2 has resharded; every gradient exists)."""
+    terms = model_state(params, layout, state)
+    shard = layout.dp_shard if layout.zero_stage else 1
+    resharded = params * state.param / shard if layout.zero_stage == 2 and state.zero2_keeps_shards else terms["params"]
+    carried = terms["grads"] if layout.accumulation > 1 else 0.0
+    return {"after_forward": terms["params"] + carried + terms["optimizer"],
+            "after_backward": resharded + terms["grads"] + terms["optimizer"]}
 
 
 @dataclass
@@ -145,7 +156,11 @@ class Estimate:
     layout: Layout
     """The layout."""
     memory: dict[str, float]
-    """Per-rank bytes of the most loaded rank: params, grads, optimizer, activations, transient."""
+    """Per-rank bytes of the most loaded rank, each term at its largest: params, grads, optimizer,
+    activations, transient."""
+    phases: dict[str, float]
+    """Bytes in use at the moments memory peaks: after forward (model state, activations and transient
+    buffers) and after backward (model state)."""
     activations_plain: float
     """Activation bytes of this layout without activation checkpointing."""
     activations_checkpointed: float
@@ -170,7 +185,7 @@ class Estimate:
     @property
     def total_bytes(self) -> float:
         """Peak bytes of the most loaded rank."""
-        return sum(self.memory.values())
+        return max(self.phases.values())
 
     @property
     def fits(self) -> bool:
@@ -241,8 +256,10 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     checkpointed, plain = _activations(stats, ranks[0], layout, scale * act_dtype)
     memory["activations"] = checkpointed if layout.activation_checkpointing else plain
     memory["transient"] = _transient(stats, layout, state)
+    phases = state_peak(params, layout, state)
+    phases["after_forward"] += memory["activations"] + memory["transient"]
     collectives = _collectives(stats, layout, state, params, ranks, scale * act_dtype, profile)
-    compute = _compute_seconds(stats, layout, ranks, scale, profile, bf16)
+    compute = _compute_seconds(stats, layout, ranks, profile, state, params, bf16)
     shared_cpu = profile.cpu
     dp_time = sum(c.seconds for c in collectives if c.group.startswith("dp"))
     other = sum(c.seconds for c in collectives if not c.group.startswith("dp"))
@@ -250,7 +267,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     exposed = other + (dp_time if shared_cpu else max(0.0, dp_time - compute * 2 / 3))
     capacity = profile.memory_bytes * (_threads_per_rank(profile, layout.world_size) if profile.cpu else 1)
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
-    return Estimate(layout, memory, plain, checkpointed, capacity, collectives,
+    return Estimate(layout, memory, phases, plain, checkpointed, capacity, collectives,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
                     compute, exposed, tokens, profile.watts)
 
@@ -372,23 +389,47 @@ def _threads_per_rank(profile: HardwareProfile, world: int) -> int:
     return max(1, profile.devices_per_node // min(world, profile.devices_per_node))
 
 
-def _compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | None], scale: float,
-                     profile: HardwareProfile, bf16: bool) -> float:
-    """Forward and backward FLOPs of the busiest rank over the profile's rate."""
-    forward_total = sum(stats.forward_flops.values()) or 1
-    backward_ratio = stats.total_flops / forward_total  # backward is ~2x forward for matmuls
+def _op_seconds(ops: list[tuple[int, int]], split: float, rate: float, bandwidth: float, overhead: float,
+                overlapped: bool) -> float:
+    """Roofline time of ``ops`` (each FLOPs and bytes divided by ``split``): the slower of compute and memory,
+    plus the per-operator overhead (on a GPU the launch overlaps the work of the kernels before it)."""
+    total = 0.0
+    for flops, nbytes in ops:
+        work = max(flops / split / rate, nbytes / split / bandwidth)
+        total += max(work, overhead) if overlapped else work + overhead
+    return total
+
+
+def _in_block(unit: str, blocks: set[str]) -> bool:
+    return unit in blocks or any(unit.startswith(b + ".") for b in blocks)
+
+
+def _compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | None], profile: HardwareProfile,
+                     state: StateBytes, params: float, bf16: bool) -> float:
+    """Forward, backward, recompute and optimiser step of the busiest rank: per-operator roofline times of the
+    measured pass (tensor parallelism splits the work of the blocks; embeddings and head are replicated);
+    backward is charged to units in proportion to their forward time."""
+    threads = _threads_per_rank(profile, layout.world_size) if profile.cpu else 1
+    rate = profile.flops["bf16" if bf16 else "fp32"] * threads
+    bandwidth = profile.memory_bandwidth * threads * (2 if bf16 else 1)  # bf16 halves the bytes moved
     blocks = set(stats.shard_units)
+
+    def seconds(ops: list[tuple[int, int]], split: float) -> float:
+        return _op_seconds(ops, split, rate, bandwidth, profile.op_overhead, not profile.cpu)
+
+    whole = sum(seconds(ops, 1) for ops in stats.forward_ops.values()) or 1.0
+    forward = {u: seconds(ops, layout.tp if _in_block(u, blocks) else 1) for u, ops in stats.forward_ops.items()}
+    backward = seconds(stats.backward_ops, 1)
+    passes = layout.accumulation * (layout.microbatches if layout.pp > 1 else 1)
+    scale = layout.micro_size / (layout.microbatches if layout.pp > 1 else 1) / stats.micro_size
     worst = 0.0
     for units in ranks:
-        flops = 0.0
-        for unit, f in stats.forward_flops.items():
-            if units is not None and not any(unit == u or unit.startswith(u + ".") for u in units):
-                continue
-            inside_block = unit in blocks or any(unit.startswith(b + ".") for b in blocks)
-            per = f / layout.tp if inside_block else f  # embeddings and head are replicated under tp
-            flops += per * backward_ratio + (per if layout.activation_checkpointing and inside_block else 0)
-        worst = max(worst, flops)
-    rate = profile.flops["bf16" if bf16 else "fp32"]
-    if profile.cpu:
-        rate *= _threads_per_rank(profile, layout.world_size)
-    return worst * scale * layout.accumulation / rate
+        mine = {u: t for u, t in forward.items()
+                if units is None or (u == ROOT and stats.pipeline_units[-1] in units)
+                or any(u == x or u.startswith(x + ".") for x in units)}
+        own_backward = backward * sum(mine.values()) / whole  # this rank's share of the whole model's forward
+        recompute = sum(t for u, t in mine.items() if _in_block(u, blocks)) if layout.activation_checkpointing else 0
+        worst = max(worst, sum(mine.values()) + own_backward + recompute)
+    shard = layout.dp_shard if layout.zero_stage else 1
+    optimiser = params / shard * (2 * state.param + state.grad + 2 * state.optim) / bandwidth
+    return worst * scale * passes + optimiser

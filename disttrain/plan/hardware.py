@@ -32,8 +32,12 @@ class HardwareProfile:
     name: str
     """Profile name (``plan.profile``)."""
     flops: dict[str, float]
-    """Achievable FLOP/s per device by compute dtype (``fp32``, ``bf16``): peak x ``efficiency`` for stated
-    specs, measured on a model-shaped workload for a calibrated machine."""
+    """Achievable matrix-multiply FLOP/s per device by compute dtype (``fp32``, ``bf16``): peak x
+    ``EFFICIENCY`` for stated specs, measured on large matrix products for a calibrated machine."""
+    memory_bandwidth: float
+    """Achievable memory bytes per second per device (shared by the ranks of a CPU)."""
+    op_overhead: float
+    """Seconds each operator costs beyond its work (dispatch, autograd; a kernel launch on a GPU)."""
     memory_bytes: float
     """Memory per device a run may fill (bytes)."""
     intra_node: Link
@@ -54,15 +58,16 @@ class HardwareProfile:
 GB = 1e9
 # Stated specs: NVIDIA H100 SXM5 and A100 SXM4 80GB datasheets (dense bf16 989 / 312 TFLOP/s, fp32 67 / 19.5,
 # TF32 on tensor cores 495 / 156), NVLink 4 / 3 (900 / 600 GB/s both directions), 8 GPUs per HGX node, one
-# 400 / 200 Gb/s InfiniBand NIC per GPU. Achievable fraction 0.5 of peak: what torchtitan and Megatron report as
-# MFU for well-tuned dense LLM training on these parts (40-55%).
+# 400 / 200 Gb/s InfiniBand NIC per GPU, HBM3 3.35 TB/s and HBM2e 2.04 TB/s (0.8 of it achievable). Achievable
+# fraction 0.5 of peak FLOP/s: what torchtitan and Megatron report as MFU for well-tuned dense LLM training on
+# these parts (40-55%); 5 us per kernel launch.
 EFFICIENCY = 0.5
 PROFILES: dict[str, HardwareProfile] = {
     "h100_sxm": HardwareProfile(
-        "h100_sxm", {"bf16": 989e12 * EFFICIENCY, "fp32": 495e12 * EFFICIENCY}, 80 * GB,
+        "h100_sxm", {"bf16": 989e12 * EFFICIENCY, "fp32": 495e12 * EFFICIENCY}, 3.35e12 * 0.8, 5e-6, 80 * GB,
         Link(450 * GB, 3e-6), Link(50 * GB, 10e-6), 8, 700.0, "NVIDIA H100 SXM5 datasheet x 0.5, NDR 400 Gb/s"),
     "a100_80gb": HardwareProfile(
-        "a100_80gb", {"bf16": 312e12 * EFFICIENCY, "fp32": 156e12 * EFFICIENCY}, 80 * GB,
+        "a100_80gb", {"bf16": 312e12 * EFFICIENCY, "fp32": 156e12 * EFFICIENCY}, 2.04e12 * 0.8, 5e-6, 80 * GB,
         Link(300 * GB, 3e-6), Link(25 * GB, 10e-6), 8, 400.0, "NVIDIA A100 SXM4 80GB datasheet x 0.5, HDR 200 Gb/s"),
 }
 """Stated profiles by name."""
@@ -113,7 +118,7 @@ def resolve_profile(name: str, memory_gb: float | None = None) -> HardwareProfil
 
 
 def _quick_machine_profile() -> HardwareProfile:
-    from disttrain.plan.calibrate import measure_compute, this_machine
+    from disttrain.plan.calibrate import measure_compute, measure_memory_bandwidth, measure_op_overhead, this_machine
 
-    return this_machine(measure_compute(seconds=0.3), links=None,
-                        source="quick measurement (run python -m disttrain.plan --calibrate for links)")
+    return this_machine(measure_compute(0.2), measure_memory_bandwidth(0.1), measure_op_overhead(0.1), links=None,
+                        source="quick measurement; python -m disttrain.plan --calibrate also measures the links")

@@ -6,7 +6,8 @@ What it records, for one micro-batch:
 - every parameter's element count and the unit that owns it (pipeline and sharding units);
 - the bytes of the tensors autograd saves for backward (the activations), per unit: a storage is counted
   once, at the unit that first saved it; parameters and the input batch are not activations;
-- forward FLOPs per unit and forward plus backward FLOPs in all (``torch.utils.flop_counter``);
+- every operator's FLOPs (``torch.utils.flop_counter``'s formulas) and the bytes of its inputs and outputs
+  (views move none), forward ops per unit and backward ops in one list, for a roofline step time;
 - attention as the fused kernels of CPUs and GPUs run it (they save the output and the log-sum-exp, not the
   attention matrix the meta device's reference path would keep);
 - the output bytes of every pipeline unit (what crosses a stage boundary) and the activation bytes the
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from disttrain.data.spec import DataSpec, example_batch
 
@@ -55,10 +58,10 @@ class ModelStats:
     """Unit name -> bytes of its input (what a checkpointed unit keeps, and a stage boundary carries)."""
     unit_output_bytes: dict[str, int]
     """Unit name -> bytes of its output."""
-    forward_flops: dict[str, int]
-    """Unit name (or ``ROOT``) -> forward FLOPs counted while it ran (innermost unit)."""
-    total_flops: int
-    """Forward plus backward FLOPs of the micro-batch."""
+    forward_ops: dict[str, list[tuple[int, int]]]
+    """Unit name (or ``ROOT``) -> (FLOPs, bytes) of each operator that ran in forward inside it (innermost)."""
+    backward_ops: list[tuple[int, int]]
+    """(FLOPs, bytes) of each operator of backward."""
     output_bytes: int
     """Bytes of the model's output (logits), which the loss keeps."""
     tp_forward_bytes: int = 0
@@ -72,6 +75,16 @@ class ModelStats:
     def params(self) -> int:
         """Parameters of the model (tied ones once)."""
         return sum(self.param_numel.values())
+
+    @property
+    def forward_flops(self) -> dict[str, int]:
+        """Unit name -> forward FLOPs."""
+        return {unit: sum(f for f, _ in ops) for unit, ops in self.forward_ops.items()}
+
+    @property
+    def total_flops(self) -> int:
+        """Forward plus backward FLOPs of the micro-batch."""
+        return sum(self.forward_flops.values()) + sum(f for f, _ in self.backward_ops)
 
     @property
     def activation_bytes(self) -> int:
@@ -92,12 +105,12 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     inputs, targets = example_batch(spec, micro_size, "meta")
     skip = {inputs.untyped_storage()._cdata, targets.untyped_storage()._cdata}
     skip |= {p.untyped_storage()._cdata for p in net.parameters()}
-    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    mapping = {fused.default: sdpa_flop, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-               sdpa_backward_flop}
-    with recorder, FlopCounterMode(display=False, custom_mapping=mapping) as flops, _FusedAttention(), \
+    aten = torch.ops.aten  # the CPU kernel's FLOPs are those of the CUDA one (same arguments first)
+    flash, flash_backward = aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
+    registry = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[flash],
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[flash_backward]}
+    with recorder, _FusedAttention(), _OpCounter(registry, recorder.on_op), \
             torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
-        recorder.flops = flops
         logits = net(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         recorder.done_forward()
@@ -106,8 +119,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     sharded = {name: any(fnmatchcase(name.rsplit(".", 1)[0], pattern) for pattern, style in (tp_plan or {}).items()
                          if style in ("colwise", "rowwise")) for name in param_numel}
     return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
-                      recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_flops,
-                      flops.get_total_flops(), _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded)
+                      recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
+                      recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded)
 
 
 def _meta_copy(net: nn.Module) -> nn.Module:
@@ -143,13 +156,13 @@ class _Recorder:
         self.net, self.units, self.tp_plan = net, units, tp_plan
         self.stack: list[str] = [ROOT]
         self.saved: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
-        self.forward_flops: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
+        self.forward_ops: dict[str, list[tuple[int, int]]] = {unit: [] for unit in [ROOT, *units]}
+        self.backward_ops: list[tuple[int, int]] = []
         self.inputs: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
         self.tp_forward = self.tp_backward = 0
-        self.flops: FlopCounterMode | None = None
         self._seen: set[int] = set()
-        self._in_forward, self._handles, self._mark = True, [], 0
+        self._in_forward, self._handles = True, []
 
     def pack(self, skip: set[int]):
         def hook(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,10 +173,9 @@ class _Recorder:
             return tensor
         return hook
 
-    def _charge_flops(self) -> None:
-        total = self.flops.get_total_flops() if self.flops is not None else 0
-        self.forward_flops[self.stack[-1]] += total - self._mark
-        self._mark = total
+    def on_op(self, flops: int, nbytes: int) -> None:
+        """An operator ran: charge it to the running unit (forward) or to backward."""
+        (self.forward_ops[self.stack[-1]] if self._in_forward else self.backward_ops).append((flops, nbytes))
 
     def __enter__(self) -> _Recorder:
         for name in self.units:
@@ -184,19 +196,16 @@ class _Recorder:
 
     def done_forward(self) -> None:
         """Forward ended: later saves (in backward) are not activations."""
-        self._charge_flops()
         self._in_forward = False
 
     def _enter_unit(self, name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            self._charge_flops()
             self.inputs[name] = _nbytes(args)
             self.stack.append(name)
         return hook
 
     def _leave_unit(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._charge_flops()
             self.stack.pop()
             self.outputs[name] = _nbytes(output)
         return hook
@@ -226,3 +235,29 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
             *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
             attn_mask=options.get("attn_mask"), scale=options.get("scale"))
         return out
+
+
+class _OpCounter(TorchDispatchMode):
+    """Reports each operator's FLOPs (by torch's formulas) and the bytes it reads and writes (views: none)."""
+
+    def __init__(self, registry: dict, on_op) -> None:
+        super().__init__()
+        self.registry, self.on_op = registry, on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+        nbytes = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                             if isinstance(t, torch.Tensor))
+        self.on_op(int(flops), nbytes)
+        return out
+
+
+def count_ops(fn) -> list[tuple[int, int]]:
+    """(FLOPs, bytes) of each operator ``fn()`` runs (for calibrating a profile on the same accounting)."""
+    ops: list[tuple[int, int]] = []
+    with _OpCounter(flop_registry, lambda flops, nbytes: ops.append((flops, nbytes))):
+        fn()
+    return ops

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -28,10 +28,22 @@ class PlanInputs:
     """The model (or config) declares a tensor-parallel plan."""
     num_heads: int | None = None
     """Attention heads, where the model says (tp must divide them)."""
+    measure: Any = None
+    """Callable micro-batch size -> ModelStats (passes are cached per size)."""
+    _cache: dict[int, ModelStats] = field(default_factory=dict)
+
+    def stats_for(self, micro_size: int) -> ModelStats:
+        """The model measured at ``micro_size`` (operator costs do not scale linearly: weights are read once)."""
+        if self.measure is None or micro_size == self.stats.micro_size:
+            return self.stats
+        if micro_size not in self._cache:
+            self._cache[micro_size] = self.measure(micro_size)
+        return self._cache[micro_size]
 
     def estimate(self, layout: Layout) -> Estimate:
-        """The prediction for ``layout``."""
-        return estimate(self.stats, layout, self.profile, self.state, self.bf16)
+        """The prediction for ``layout``, from a pass at its micro-batch (per pipeline microbatch)."""
+        size = max(1, layout.micro_size // (layout.microbatches if layout.pp > 1 else 1))
+        return estimate(self.stats_for(size), layout, self.profile, self.state, self.bf16)
 
 
 def module_names(net: nn.Module, modules: list[nn.Module]) -> list[str]:
@@ -48,10 +60,14 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
     pipeline = pipeline_units_of(net, parallel.pipeline_units) or []
     shards = module_names(net, shard_units_of(net, parallel.shard_units, parallel.min_params_per_unit))
     tp_plan = tp_plan_of(net, parallel.tp_plan)
-    stats = measure_model(net, spec, micro_size, pipeline, shards, tp_plan)
+
+    def measure(size: int) -> ModelStats:
+        return measure_model(net, spec, size, pipeline, shards, tp_plan)
+
     state = state_bytes(getattr(optim, "name", ""), getattr(optim, "momentum", 0.0) or 0.0)
     heads = getattr(getattr(net, "dims", None), "n_head", None)
-    return PlanInputs(stats, state, precision.startswith("bf16"), profile, bool(tp_plan), heads)
+    return PlanInputs(measure(micro_size), state, precision.startswith("bf16"), profile, bool(tp_plan), heads,
+                      measure)
 
 
 def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
@@ -64,13 +80,11 @@ def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
 
 
 def planned_precision(precision: str, profile: HardwareProfile) -> str:
-    """``trainer.precision`` for a plan: ``auto`` becomes bf16-mixed on a stated GPU profile and on a CPU with
-    bf16 instructions (a plan does not run the measured probe a training run makes)."""
+    """``trainer.precision`` for a plan: ``auto`` becomes bf16-mixed on a stated GPU profile and 32-true on a CPU
+    (where a training run decides by a measured probe, which a plan does not run: its model may not fit here)."""
     if precision != "auto":
         return precision
-    from disttrain.config.precision import native_bf16
-
-    return "bf16-mixed" if not profile.cpu or native_bf16(uses_gpu=False)[0] else "32-true"
+    return "32-true" if profile.cpu else "bf16-mixed"
 
 
 def preset_name(layout: Layout) -> str:

@@ -36,7 +36,8 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
             value += f" ({other} activation checkpointing: {human_bytes(figure)})"
         lines.append(f"| {label} | {value} |")
     verdict = "fits" if e.fits else f"DOES NOT FIT: {e.overflow()}"
-    lines += [f"| total | {human_bytes(e.total_bytes)} of {human_bytes(e.capacity)}: {verdict} |", ""]
+    moment = max(e.phases, key=e.phases.get).replace("_", " ")
+    lines += [f"| peak ({moment}) | {human_bytes(e.total_bytes)} of {human_bytes(e.capacity)}: {verdict} |", ""]
     if e.collectives:
         lines += ["communication per optimiser step (ring model, bytes this rank sends)",
                   "| collective | over | ranks | buffer | calls | sent | time |", "|---|---|---|---|---|---|---|"]
@@ -59,7 +60,8 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
 
 def as_json(e: Estimate, profile: HardwareProfile) -> dict[str, Any]:
     """Everything the report shows, as plain JSON values."""
-    return {"layout": asdict(e.layout), "memory_bytes": e.memory, "total_bytes": e.total_bytes,
+    return {"layout": asdict(e.layout), "memory_bytes": e.memory, "phases_bytes": e.phases,
+            "total_bytes": e.total_bytes,
             "capacity_bytes": e.capacity, "fits": e.fits, "overflow": e.overflow() or None,
             "activations_plain": e.activations_plain, "activations_checkpointed": e.activations_checkpointed,
             "collectives": [asdict(c) for c in e.collectives], "bubble": e.bubble, "compute_s": e.compute_s,
