@@ -45,8 +45,10 @@ class Choice:
 
 
 def _line(e: Estimate) -> str:
-    return (f"{e.layout.describe()}: {e.step_s * 1e3:.3g} ms/step predicted, {e.total_bytes / 1e9:.3g} of "
-            f"{e.capacity / 1e9:.3g} GB per rank")
+    from disttrain.plan.report import human_bytes
+
+    return (f"{e.layout.describe()}: {e.step_s * 1e3:.3g} ms/step predicted, {human_bytes(e.total_bytes)} of "
+            f"{human_bytes(e.capacity)} per rank")
 
 
 def complexity(layout: Layout) -> tuple:
@@ -74,14 +76,14 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            for degrees in _data_parallel_ways(dp, tp, devices_per_node, pp):
+            for replicate, shard, stage in _data_parallel_ways(dp, tp, devices_per_node, pp):
                 for ac in (False, True):
                     if ac and pp > 1:
                         continue
                     per_replica = global_batch // dp
                     group = []
                     for micro in reversed(_divisors(per_replica)):
-                        base = Layout(*degrees, tp=tp, pp=pp, activation_checkpointing=ac, micro_size=micro,
+                        base = Layout(replicate, shard, tp, pp, stage, ac, micro_size=micro,
                                       accumulation=per_replica // micro)
                         if pp == 1:
                             group.append(base)

@@ -213,10 +213,12 @@ class Estimate:
         """Why it does not fit: how far over and the largest term; empty when it fits."""
         if self.fits:
             return ""
+        from disttrain.plan.report import human_bytes
+
         term = max(self.memory, key=self.memory.get)
         over = self.total_bytes - self.capacity
-        return (f"needs {self.total_bytes / 1e9:.2f} GB per rank of {self.capacity / 1e9:.2f} GB "
-                f"({over / 1e9:.2f} GB over); largest term: {term} {self.memory[term] / 1e9:.2f} GB")
+        return (f"needs {human_bytes(self.total_bytes)} per rank of {human_bytes(self.capacity)} "
+                f"({human_bytes(over)} over); largest term: {term} {human_bytes(self.memory[term])}")
 
 
 def bubble_fraction(pp: int, microbatches: int, schedule: str, stages_per_rank: int = 1) -> float:
@@ -311,18 +313,21 @@ def _activations(stats: ModelStats, units: list[str] | None, layout: Layout, sca
     in_blocks = {u: b * (split if u in blocks else 1.0) for u, b in per_unit.items()}
     block_units = [u for u in in_blocks if u in blocks]
     plain = sum(in_blocks.values())
-    if block_units:
-        kept = sum(stats.unit_input_bytes.get(u, 0) for u in block_units)
-        recomputed = max(in_blocks[u] for u in block_units)
-        checkpointed = plain - sum(in_blocks[u] for u in block_units) + kept + recomputed
-    else:
-        checkpointed = plain
     output_grad = stats.output_bytes if last_stage else 0
+    plain_peak = plain + output_grad
+    if block_units:
+        # checkpointed: the units' inputs stay, and the output's gradient (the loss's, alive through backward);
+        # the rest of the model's activations are gone by the time backward recomputes the last unit
+        kept = sum(stats.unit_input_bytes.get(u, 0) for u in block_units)
+        outside = plain - sum(in_blocks[u] for u in block_units)
+        checkpointed_peak = kept + output_grad + max(outside, max(in_blocks[u] for u in block_units))
+    else:
+        checkpointed_peak = plain_peak
     in_flight = 1
     if layout.pp > 1:  # the first stage holds this many microbatches' activations (GPipe: all of them)
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
         scale = scale / layout.microbatches
-    return ((checkpointed * in_flight + output_grad) * scale, (plain * in_flight + output_grad) * scale)
+    return checkpointed_peak * in_flight * scale, plain_peak * in_flight * scale
 
 
 def _transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:

@@ -108,6 +108,7 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
     from disttrain.parallel.dims import ParallelDims
     from disttrain.plan.auto import choose
     from disttrain.plan.hardware import resolve_profile
+    from disttrain.plan.report import human_bytes
 
     profile = resolve_profile(plan_cfg.profile, plan_cfg.memory_gb)
     inputs = plan_inputs(net, spec, 1, parallel, optim, planned_precision(precision, profile), profile)
@@ -126,13 +127,8 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
     why = choice.reason(plan_cfg.alternatives)
     if choice.best is None:
         raise ConfigError("parallel", "auto", f"a layout that fits {world} rank(s) of {profile.name} with "
-                          f"{human(profile.memory_bytes)} per device: {why}")
+                          f"{human_bytes(profile.memory_bytes)} per device: {why}")
     return choice.best.layout, f"parallel=auto ({profile.name}, {world} rank(s)): {why}"
-
-
-def human(n: float) -> str:
-    """Bytes in GB."""
-    return f"{n / 1e9:.3g} GB"
 
 
 def apply_layout(parallel: Any, layout: Layout) -> Any:
