@@ -151,9 +151,9 @@ def test_a_plan_that_does_not_fit_names_the_term_and_the_excess() -> None:
     small = estimate(inputs.stats, Layout(micro_size=64), _with_memory(0.05), inputs.state)
     assert e.fits and not small.fits
     message = small.overflow()
-    assert "activations" in message and "GB over" in message
     over = small.total_bytes - small.capacity
-    assert f"({over / 1e9:.2f} GB over)" in message
+    assert message == (f"needs {small.total_bytes / 1e6:.3g} MB per rank of 50 MB ({over / 1e6:.3g} MB over); "
+                       f"largest term: activations {small.memory['activations'] / 1e6:.3g} MB")
 
 
 def _with_memory(gb: float):
