@@ -156,14 +156,16 @@ def _choose_parallel(top: TrainConfig, cfg: DictConfig, model: Any, data: Any, o
     """``parallel=auto``: put the chosen degrees, options and micro-batch into ``top`` and ``cfg`` (workers read
     the choice, not auto) and return the notice that says why."""
     from disttrain.data import build_datamodule
+    from disttrain.plan.hardware import resolve_profile
     from disttrain.plan.planner import apply_layout, choose_parallel
 
     if top.batch.global_size is None:
         raise ConfigError("batch.global_size", None, "a number of samples per step with parallel=auto (it picks the "
                           "micro-batch and accumulation)")
     spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
+    profile = resolve_profile(top.plan.profile, top.plan.memory_gb)
     layout, notice = choose_parallel(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel,
-                                     optim, top.trainer.precision, top.plan)
+                                     optim, top.trainer.precision, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation
     OmegaConf.update(cfg, "parallel", OmegaConf.structured(top.parallel), merge=False)

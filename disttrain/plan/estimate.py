@@ -419,8 +419,13 @@ def _compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | 
     bandwidth = profile.memory_bandwidth * threads * (2 if bf16 else 1)  # bf16 halves the bytes moved
     blocks = set(stats.shard_units)
 
+    cache = stats.__dict__.setdefault("_seconds", {})  # layouts share a pass: time each op list once per split
+
     def seconds(ops: list[tuple[int, int]], split: float) -> float:
-        return _op_seconds(ops, split, rate, bandwidth, profile.op_overhead, not profile.cpu)
+        key = (id(ops), split, rate, bandwidth, profile.op_overhead, profile.cpu)
+        if key not in cache:
+            cache[key] = _op_seconds(ops, split, rate, bandwidth, profile.op_overhead, not profile.cpu)
+        return cache[key]
 
     whole = sum(seconds(ops, 1) for ops in stats.forward_ops.values()) or 1.0
     forward = {u: seconds(ops, layout.tp if _in_block(u, blocks) else 1) for u, ops in stats.forward_ops.items()}

@@ -101,16 +101,14 @@ def preset_name(layout: Layout) -> str:
 
 
 def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
-                    precision: str, plan_cfg: Any) -> tuple[Layout, str]:
+                    precision: str, profile: HardwareProfile, alternatives: int = 3) -> tuple[Layout, str]:
     """``parallel=auto``: the chosen layout and the lines that say why (ConfigError if nothing fits)."""
     from disttrain.config.plan import check_model_plan
     from disttrain.errors import ConfigError
     from disttrain.parallel.dims import ParallelDims
     from disttrain.plan.auto import choose
-    from disttrain.plan.hardware import resolve_profile
     from disttrain.plan.report import human_bytes
 
-    profile = resolve_profile(plan_cfg.profile, plan_cfg.memory_gb)
     inputs = plan_inputs(net, spec, 1, parallel, optim, planned_precision(precision, profile), profile)
 
     def valid(layout: Layout) -> bool:
@@ -124,7 +122,7 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
         return True
 
     choice = choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid)
-    why = choice.reason(plan_cfg.alternatives)
+    why = choice.reason(alternatives)
     if choice.best is None:
         raise ConfigError("parallel", "auto", f"a layout that fits {world} rank(s) of {profile.name} with "
                           f"{human_bytes(profile.memory_bytes)} per device: {why}")
