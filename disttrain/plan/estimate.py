@@ -260,7 +260,8 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     memory["transient"] = _transient(stats, layout, state)
     phases = state_peak(params, layout, state)
     phases["after_forward"] += memory["activations"] + memory["transient"]
-    collectives = _collectives(stats, layout, state, params, ranks, scale * act_dtype, profile)
+    collectives = _collectives(stats, layout, state, params, ranks, scale * act_dtype, profile,
+                               gather_bf16=bf16 and not profile.cpu)
     compute = _compute_seconds(stats, layout, ranks, profile, state, params, bf16)
     shared_cpu = profile.cpu
     dp_time = sum(c.seconds for c in collectives if c.group.startswith("dp"))
@@ -354,14 +355,16 @@ def _collective(kind: str, group: str, size: int, buffer: float, calls: int, lin
 
 
 def _collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
-                 ranks: list[list[str] | None], act_scale: float, profile: HardwareProfile) -> list[Collective]:
+                 ranks: list[list[str] | None], act_scale: float, profile: HardwareProfile,
+                 gather_bf16: bool = False) -> list[Collective]:
     """What each rank sends per optimiser step, by group."""
     out: list[Collective] = []
     acc, tp, ds, dr = layout.accumulation, layout.tp, layout.dp_shard, layout.dp_replicate
     link_tp = _group_link(profile, tp)
     link_ds = _group_link(profile, tp * ds)
     link_dr = _group_link(profile, tp * ds * dr)
-    grads, weights = params * state.grad, params * state.param
+    # FSDP2 under bf16-mixed on a GPU gathers bf16 copies of the parameters (reduces gradients in fp32)
+    grads, weights = params * state.grad, params * (2 if gather_bf16 else state.param)
     if layout.zero_stage == 0 and dr > 1:
         out.append(_collective("all_reduce", "dp_replicate", dr, grads, 1, link_dr))
     if layout.zero_stage == 1 and ds > 1:
