@@ -24,8 +24,9 @@ class PipelineTask(TrainTask):
     """
 
     def __init__(self, *args: Any, pipeline: PipelineSlot, accumulation: int, clip: float | None, loss_ranks: int,
-                 **kwargs: Any):
+                 plots: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.plots = plots
         self.automatic_optimization = False
         self.pipeline = pipeline
         self.accumulation = accumulation
@@ -90,7 +91,7 @@ class PipelineTask(TrainTask):
             print("disttrain: no pipeline timeline: the run took fewer than 2 optimiser steps", flush=True)
             return
         run_dir = Path(self.trainer.default_root_dir)
-        written = write_timeline({"step": self._timed_step, **timeline}, run_dir / "plots", _draws_plots(run_dir))
+        written = write_timeline({"step": self._timed_step, **timeline}, run_dir / "plots", self.plots)
         print(f"disttrain: pipeline timeline, bubble {timeline['bubble_fraction']:.2f}: "
               f"{', '.join(map(str, written))}", flush=True)
 
@@ -103,14 +104,3 @@ class PipelineTask(TrainTask):
             scaled, logits = result
             loss_sum = scaled.detach() * self.accumulation * batch[1].numel()
             self._update_eval_metrics(stage, loss_sum, logits.detach(), batch[1])
-
-
-def _draws_plots(run_dir: Path) -> bool:
-    """The run's ``plots`` switch, from the config the runner wrote into the run directory (the task is not
-    given the run's config)."""
-    from omegaconf import OmegaConf
-
-    from disttrain.run import CONFIG_FILE
-
-    path = run_dir / CONFIG_FILE
-    return not path.is_file() or bool(OmegaConf.load(path).get("plots", True))

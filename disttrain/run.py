@@ -109,7 +109,7 @@ def run_rank(run: RunConfig) -> float | None:
         if slot is not None:
             task = PipelineTask(*task_args, total_steps=_total_steps(run, datamodule), agreement=agreement,
                                 pipeline=slot, accumulation=run.batch.accumulation,
-                                clip=cfg.trainer.gradient_clip_val, loss_ranks=plan.loss_ranks)
+                                clip=cfg.trainer.gradient_clip_val, loss_ranks=plan.loss_ranks, plots=cfg.plots)
         elif cfg.federated.enabled:
             task, datamodule = federated_task(run, datamodule, task_args, agreement)
         else:

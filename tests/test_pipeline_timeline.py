@@ -97,13 +97,3 @@ def test_without_plots_only_the_json_is_written(tmp_path):
     assert timeline["ranks"][0]["actions"][0]["start_s"] == 0.25
     assert write_timeline(timeline, tmp_path, draw=False) == [tmp_path / JSON_FILE]
     assert json.loads((tmp_path / JSON_FILE).read_text()) == timeline
-
-
-def test_the_picture_follows_the_runs_plots_switch(tmp_path):
-    from disttrain.pipeline_task import _draws_plots
-
-    assert _draws_plots(tmp_path)  # no config written: draw
-    (tmp_path / "config.yaml").write_text("plots: false\nseed: 0\n")
-    assert not _draws_plots(tmp_path)
-    (tmp_path / "config.yaml").write_text("plots: true\n")
-    assert _draws_plots(tmp_path)
