@@ -116,8 +116,10 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
         recorder.done_forward()
         loss.backward()
     tokens = spec.block_size if spec.kind == "text" else 1
+    # column-wise layers split weight and bias; row-wise layers split the weight and replicate the bias
     sharded = {name: any(fnmatchcase(name.rsplit(".", 1)[0], pattern) for pattern, style in (tp_plan or {}).items()
-                         if style in ("colwise", "rowwise")) for name in param_numel}
+                         if style == "colwise" or (style == "rowwise" and not name.endswith(".bias")))
+               for name in param_numel}
     return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
                       recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
                       recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded)
