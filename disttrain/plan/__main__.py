@@ -13,12 +13,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m disttrain.plan", description=__doc__)
     parser.add_argument("--calibrate", action="store_true", help="measure compute per core and gloo links here")
     parser.add_argument("--seconds", type=float, default=1.0, help="seconds per compute measurement")
+    parser.add_argument("--watts", type=float, default=None,
+                        help="the machine's power under load (a meter's reading, or the CPU's TDP), for predicted "
+                             "energy per token; this CPU's counters are not readable from here")
     args = parser.parse_args(argv)
     path = profile_path()
     if args.calibrate:
         from disttrain.plan.calibrate import calibrate
 
-        profile = calibrate(args.seconds)
+        profile = calibrate(args.seconds, args.watts)
         save_profile(profile, path)
         print(f"profile {profile.name}: " + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s per core"
                                                       for k, v in profile.flops.items())

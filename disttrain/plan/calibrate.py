@@ -151,16 +151,18 @@ def measure_link() -> Link:
 
 
 def this_machine(flops_per_core: dict[str, float], bandwidth: float, overhead: float, links: Link | None,
-                 source: str) -> HardwareProfile:
-    """This machine as a profile whose device is one core (CPU ranks share the cores; see ``estimate``)."""
+                 source: str, watts: float | None = None) -> HardwareProfile:
+    """This machine as a profile whose device is one core (CPU ranks share the cores; see ``estimate``);
+    ``watts``: the whole machine's power under load, if known."""
     cores = os.cpu_count() or 1
     link = links or DEFAULT_LOOPBACK
     return HardwareProfile(f"machine ({cpu_model()}, {cores} cores)", flops_per_core, bandwidth, overhead,
-                           total_memory_bytes() / cores, link, link, cores, None, source, cpu=True)
+                           total_memory_bytes() / cores, link, link, cores, watts / cores if watts else None,
+                           source, cpu=True)
 
 
-def calibrate(seconds: float = 1.0) -> HardwareProfile:
+def calibrate(seconds: float = 1.0, watts: float | None = None) -> HardwareProfile:
     """Measure compute per core, memory bandwidth, per-operator overhead and the loopback link."""
     return this_machine(measure_compute(seconds), measure_memory_bandwidth(seconds / 2),
                         measure_op_overhead(seconds / 2), measure_link(),
-                        f"calibrated {time.strftime('%Y-%m-%d %H:%M')}")
+                        f"calibrated {time.strftime('%Y-%m-%d %H:%M')}", watts)

@@ -178,7 +178,7 @@ class Estimate:
     tokens_per_step: int
     """Tokens (samples, for images) per optimiser step over all ranks."""
     watts: float | None = None
-    """Power per device, when the profile knows it."""
+    """Power of all the devices the run occupies (a CPU run: every core of the machine), when known."""
     notes: list[str] = field(default_factory=list)
     """Assumptions worth printing with the estimate."""
 
@@ -207,7 +207,7 @@ class Estimate:
         """Predicted energy per token over all devices (None when the profile has no power figure)."""
         if self.watts is None:
             return None
-        return self.watts * self.layout.world_size * self.step_s / self.tokens_per_step
+        return self.watts * self.step_s / self.tokens_per_step
 
     def overflow(self) -> str:
         """Why it does not fit: how far over and the largest term; empty when it fits."""
@@ -272,7 +272,16 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
     return Estimate(layout, memory, phases, plain, checkpointed, capacity, collectives,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
-                    compute, exposed, tokens, profile.watts)
+                    compute, exposed, tokens, _power(profile, layout.world_size))
+
+
+def _power(profile: HardwareProfile, world: int) -> float | None:
+    """Watts of the devices a run of ``world`` ranks occupies (CPU ranks share all the cores of a machine)."""
+    if profile.watts is None:
+        return None
+    if profile.cpu:
+        return profile.watts * profile.devices_per_node * -(-world // profile.devices_per_node)
+    return profile.watts * world
 
 
 def _rank_units(stats: ModelStats, layout: Layout) -> list[list[str] | None]:
