@@ -38,14 +38,16 @@ def total_memory_bytes() -> float:
 
 
 def measure_compute(seconds: float = 1.0, threads: int = 1) -> dict[str, float]:
-    """Matrix-multiply FLOP/s on ``threads`` threads per dtype (``bf16`` only measured where the CPU computes
-    it natively; elsewhere a third of fp32, what emulated bf16 measured on such CPUs)."""
+    """Matrix-multiply and convolution FLOP/s on ``threads`` threads per dtype (``fp32``, ``fp32_conv``,
+    ``bf16``, ``bf16_conv``; bf16 only measured where the CPU computes it natively, elsewhere a third of fp32,
+    what emulated bf16 measured on such CPUs)."""
     from disttrain.config.precision import native_bf16
 
     with _threads(threads):
-        rates = {"fp32": _matmul_rate(torch.float32, seconds)}
+        rates = {"fp32": _matmul_rate(torch.float32, seconds), "fp32_conv": _conv_rate(None, seconds)}
         native = native_bf16(uses_gpu=False)[0]
         rates["bf16"] = _matmul_rate(torch.bfloat16, seconds) if native else rates["fp32"] / 3
+        rates["bf16_conv"] = _conv_rate(torch.bfloat16, seconds) if native else rates["fp32_conv"] / 3
     return rates
 
 
@@ -75,6 +77,22 @@ def _matmul_rate(dtype: torch.dtype, seconds: float, n: int = 1024) -> float:
     return 2 * n**3 / _timed(lambda: a @ b, seconds)
 
 
+def _conv_rate(dtype: torch.dtype | None, seconds: float) -> float:
+    """FLOP/s of forward and backward of a 3x3 convolution, 32 to 32 channels on 16 x 16 images, batch 32 (a
+    small CNN's layer), FLOPs as the plan counts them."""
+    from disttrain.plan.model_stats import count_ops
+
+    conv, x = nn.Conv2d(32, 32, 3, padding=1), torch.randn(32, 32, 16, 16, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = conv(x)
+        out.float().sum().backward()
+
+    flops = sum(op[0] for op in count_ops(step))
+    return flops / _timed(step, seconds)
+
+
 def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
     """Bytes per second that element-wise work moves: forward and backward of GELU, LayerNorm and a residual
     add on a 1024 x 512 activation, bytes counted operator by operator as a plan counts them (on a CPU these
@@ -88,7 +106,7 @@ def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
 
     ops = count_ops(step)
     with _threads(threads):
-        return sum(b for f, b in ops if f == 0) / _timed(step, seconds)
+        return sum(nbytes for flops, nbytes, _ in ops if flops == 0) / _timed(step, seconds)
 
 
 def measure_op_overhead(seconds: float = 0.5) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disttrain.plan.hardware import HardwareProfile, Link
-from disttrain.plan.model_stats import ROOT, ModelStats
+from disttrain.plan.model_stats import ROOT, ModelStats, Op
 
 OPTIMISER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4}
 """Optimiser state per fp32 parameter element: two moments for Adam-style, one momentum buffer for LARS."""
@@ -406,13 +406,14 @@ def _threads_per_rank(profile: HardwareProfile, world: int) -> int:
     return max(1, profile.devices_per_node // min(world, profile.devices_per_node))
 
 
-def _op_seconds(ops: list[tuple[int, int]], split: float, rate: float, bandwidth: float, overhead: float,
+def _op_seconds(ops: list[Op], split: float, rates: tuple[float, float], bandwidth: float, overhead: float,
                 overlapped: bool) -> float:
-    """Roofline time of ``ops`` (each FLOPs and bytes divided by ``split``): the slower of compute and memory,
-    plus the per-operator overhead (on a GPU the launch overlaps the work of the kernels before it)."""
+    """Roofline time of ``ops`` (each FLOPs and bytes divided by ``split``): the slower of compute (at the
+    matrix-multiply or the convolution rate of ``rates``) and memory, plus the per-operator overhead (on a GPU
+    the launch overlaps the work of the kernels before it)."""
     total = 0.0
-    for flops, nbytes in ops:
-        work = max(flops / split / rate, nbytes / split / bandwidth)
+    for flops, nbytes, conv in ops:
+        work = max(flops / split / rates[conv], nbytes / split / bandwidth)
         total += max(work, overhead) if overlapped else work + overhead
     return total
 
@@ -427,16 +428,18 @@ def _compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | 
     measured pass (tensor parallelism splits the work of the blocks; embeddings and head are replicated);
     backward is charged to units in proportion to their forward time."""
     threads = _threads_per_rank(profile, layout.world_size) if profile.cpu else 1
-    rate = profile.flops["bf16" if bf16 else "fp32"] * threads
+    dtype = "bf16" if bf16 else "fp32"
+    rate = profile.flops[dtype] * threads
+    rates = (rate, profile.flops.get(f"{dtype}_conv", profile.flops[dtype]) * threads)
     bandwidth = profile.memory_bandwidth * threads * (2 if bf16 else 1)  # bf16 halves the bytes moved
     blocks = set(stats.shard_units)
 
     cache = stats.__dict__.setdefault("_seconds", {})  # layouts share a pass: time each op list once per split
 
-    def seconds(ops: list[tuple[int, int]], split: float) -> float:
-        key = (id(ops), split, rate, bandwidth, profile.op_overhead, profile.cpu)
+    def seconds(ops: list[Op], split: float) -> float:
+        key = (id(ops), split, rates, bandwidth, profile.op_overhead, profile.cpu)
         if key not in cache:
-            cache[key] = _op_seconds(ops, split, rate, bandwidth, profile.op_overhead, not profile.cpu)
+            cache[key] = _op_seconds(ops, split, rates, bandwidth, profile.op_overhead, not profile.cpu)
         return cache[key]
 
     whole = sum(seconds(ops, 1) for ops in stats.forward_ops.values()) or 1.0

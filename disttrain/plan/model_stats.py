@@ -31,6 +31,10 @@ from torch.utils.flop_counter import flop_registry
 from disttrain.data.spec import DataSpec, example_batch
 
 ROOT = ""
+Op = tuple[int, int, bool]
+"""One operator: FLOPs, bytes read and written, and whether it is a convolution (CPUs run those well below
+their matrix-multiply rate, so a profile times them at a rate of their own)."""
+CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward}
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
 
 
@@ -58,10 +62,10 @@ class ModelStats:
     """Unit name -> bytes of its input (what a checkpointed unit keeps, and a stage boundary carries)."""
     unit_output_bytes: dict[str, int]
     """Unit name -> bytes of its output."""
-    forward_ops: dict[str, list[tuple[int, int]]]
-    """Unit name (or ``ROOT``) -> (FLOPs, bytes) of each operator that ran in forward inside it (innermost)."""
-    backward_ops: list[tuple[int, int]]
-    """(FLOPs, bytes) of each operator of backward."""
+    forward_ops: dict[str, list[Op]]
+    """Unit name (or ``ROOT``) -> each operator (``Op``) that ran in forward inside it (innermost)."""
+    backward_ops: list[Op]
+    """Each operator of backward."""
     output_bytes: int
     """Bytes of the model's output (logits), which the loss keeps."""
     tp_forward_bytes: int = 0
@@ -79,12 +83,12 @@ class ModelStats:
     @property
     def forward_flops(self) -> dict[str, int]:
         """Unit name -> forward FLOPs."""
-        return {unit: sum(f for f, _ in ops) for unit, ops in self.forward_ops.items()}
+        return {unit: sum(op[0] for op in ops) for unit, ops in self.forward_ops.items()}
 
     @property
     def total_flops(self) -> int:
         """Forward plus backward FLOPs of the micro-batch."""
-        return sum(self.forward_flops.values()) + sum(f for f, _ in self.backward_ops)
+        return sum(self.forward_flops.values()) + sum(op[0] for op in self.backward_ops)
 
     @property
     def activation_bytes(self) -> int:
@@ -158,8 +162,8 @@ class _Recorder:
         self.net, self.units, self.tp_plan = net, units, tp_plan
         self.stack: list[str] = [ROOT]
         self.saved: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
-        self.forward_ops: dict[str, list[tuple[int, int]]] = {unit: [] for unit in [ROOT, *units]}
-        self.backward_ops: list[tuple[int, int]] = []
+        self.forward_ops: dict[str, list[Op]] = {unit: [] for unit in [ROOT, *units]}
+        self.backward_ops: list[Op] = []
         self.inputs: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
         self.tp_forward = self.tp_backward = 0
@@ -175,9 +179,9 @@ class _Recorder:
             return tensor
         return hook
 
-    def on_op(self, flops: int, nbytes: int) -> None:
+    def on_op(self, op: Op) -> None:
         """An operator ran: charge it to the running unit (forward) or to backward."""
-        (self.forward_ops[self.stack[-1]] if self._in_forward else self.backward_ops).append((flops, nbytes))
+        (self.forward_ops[self.stack[-1]] if self._in_forward else self.backward_ops).append(op)
 
     def __enter__(self) -> _Recorder:
         for name in self.units:
@@ -240,7 +244,8 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
 
 
 class _OpCounter(TorchDispatchMode):
-    """Reports each operator's FLOPs (by torch's formulas) and the bytes it reads and writes (views: none)."""
+    """Reports each operator as an ``Op``: FLOPs by torch's formulas, the bytes it reads and writes (views:
+    none)."""
 
     def __init__(self, registry: dict, on_op) -> None:
         super().__init__()
@@ -253,13 +258,13 @@ class _OpCounter(TorchDispatchMode):
         flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
         nbytes = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                                              if isinstance(t, torch.Tensor))
-        self.on_op(int(flops), nbytes)
+        self.on_op((int(flops), nbytes, packet in CONVOLUTIONS))
         return out
 
 
-def count_ops(fn) -> list[tuple[int, int]]:
-    """(FLOPs, bytes) of each operator ``fn()`` runs (for calibrating a profile on the same accounting)."""
-    ops: list[tuple[int, int]] = []
-    with _OpCounter(flop_registry, lambda flops, nbytes: ops.append((flops, nbytes))):
+def count_ops(fn) -> list[Op]:
+    """Each operator ``fn()`` runs (for calibrating a profile on the same accounting)."""
+    ops: list[Op] = []
+    with _OpCounter(flop_registry, ops.append):
         fn()
     return ops
