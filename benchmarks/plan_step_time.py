@@ -30,7 +30,8 @@ from disttrain.plan.hardware import resolve_profile  # noqa: E402
 from disttrain.plan.planner import plan_inputs  # noqa: E402
 
 TEXT = DataSpec("text", vocab_size=96, block_size=64)
-CASES = [("gpt micro", {"name": "gpt", "flavour": "micro"}, TEXT), ("gpt nano", {"name": "gpt", "flavour": "nano"}, TEXT),
+CASES = [("gpt micro", {"name": "gpt", "flavour": "micro"}, TEXT),
+         ("gpt nano", {"name": "gpt", "flavour": "nano"}, TEXT),
          ("llama micro", {"name": "llama", "flavour": "micro"}, TEXT),
          ("cnn", {"name": "cnn"}, DataSpec("image", num_classes=10, in_channels=1, image_size=8)),
          ("gpt mini (context 128)", {"name": "gpt", "flavour": "mini", "block_size": 128},
