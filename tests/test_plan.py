@@ -162,54 +162,76 @@ def _with_memory(gb: float):
     return replace(PROFILES["h100_sxm"], memory_bytes=gb * GB)
 
 
-def _model_parallel_state_rank(layout: str) -> int:
-    """Bytes of parameters, gradients and AdamW state this rank holds after one step of GPT 4 x 128 under
-    ``layout`` (tp=2 by the model's plan, or its pipeline stage of pp=2), read from the tensors themselves."""
+def _model_parallel_state_rank(layouts: list[str], layers: list[int]) -> list[int]:
+    """Bytes of parameters, gradients and AdamW state this rank holds after one step of GPT (n_layer x 128),
+    per layout and size, read from the tensors themselves: tp=2 by the model's plan, its pipeline stage of
+    pp=2, hsdp (2 replicas x ZeRO-3 over 2) and hybrid (ZeRO-3 over 2 x tp=2)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from disttrain.models.gpt import GPT, GPTDims
+    from disttrain.parallel.fsdp import apply_fsdp
     from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
     from disttrain.parallel.plan import pipeline_units_of
     from disttrain.parallel.tp import apply_tp
-
-    torch.manual_seed(0)
-    model = GPT(GPTDims(4, 4, 128, 32, 256), tie_weights=layout == "tp")
-    if layout == "tp":
-        module = apply_tp(model, init_device_mesh("cpu", (2,)), model.tp_plan())
-    else:
-        units = pipeline_units_of(model)
-        module = build_stage_module(model, units, dist.get_rank(), unit_split_points(model, units, 2))
-    params = list(module.parameters())
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    opt.step()
 
     def local(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
 
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return sum(local(p) + local(p.grad) for p in params) + sum(local(v) for v in state)
+    out = []
+    for layout in layouts:
+        for n_layer in layers:
+            torch.manual_seed(0)
+            model = GPT(GPTDims(n_layer, 4, 128, 32, 256), tie_weights=layout != "pp")
+            if layout == "tp":
+                module = apply_tp(model, init_device_mesh("cpu", (2,)), model.tp_plan())
+            elif layout == "pp":
+                units = pipeline_units_of(model)
+                module = build_stage_module(model, units, dist.get_rank(), unit_split_points(model, units, 2))
+            elif layout == "hsdp":
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+                module = apply_fsdp(model, mesh, reshard_after_forward=True)
+            else:  # hybrid
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+                module = apply_fsdp(apply_tp(model, mesh["tp"], model.tp_plan()), mesh["dp_shard"],
+                                    reshard_after_forward=True)
+            params = list(module.parameters())
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            opt.step()
+            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+            out.append(sum(local(p) + local(p.grad) for p in params) + sum(local(v) for v in state))
+    return out
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp"])
-def test_tensor_and_pipeline_parallel_model_state_matches_the_ranks(layout: str) -> None:
+MODEL_PARALLEL = {"tp": Layout(tp=2), "pp": Layout(pp=2, microbatches=2),
+                  "hsdp": Layout(dp_replicate=2, dp_shard=2, zero_stage=3),
+                  "hybrid": Layout(dp_shard=2, tp=2, zero_stage=3)}
+
+
+@pytest.mark.parametrize(("world", "layouts"), [(2, ["tp", "pp"]), (4, ["hsdp", "hybrid"])])
+def test_model_parallel_and_hybrid_model_state_matches_the_ranks(world: int, layouts: list[str]) -> None:
     """The largest rank's parameters, gradients and optimiser state under tp=2 (tied head: embeddings
-    replicated) and pp=2 (untied, stages balanced by parameter count), as measured on two gloo ranks."""
+    replicated), pp=2 (untied, stages balanced by parameter count), hsdp and hybrid, two model sizes, as
+    measured on gloo ranks."""
     from disttrain.models.gpt import GPT, GPTDims
     from disttrain.plan.estimate import _rank_params, _rank_units
 
-    measured = max(run_on_ranks(_model_parallel_state_rank, 2, layout))
-    with torch.device("meta"):
-        net = GPT(GPTDims(4, 4, 128, 32, 256), tie_weights=layout == "tp")
-    stats = _inputs(net, DataSpec("text", vocab_size=256, block_size=32), 1).stats
-    plan = Layout(tp=2) if layout == "tp" else Layout(pp=2, microbatches=2)
-    params = max(_rank_params(stats, plan, units) for units in _rank_units(stats, plan))
-    predicted = sum(model_state(params, plan, StateBytes()).values())
-    assert predicted == pytest.approx(measured, rel=1e-3)  # measured: equal up to AdamW's scalar step counters
+    layers = [2, 4]
+    ranks = run_on_ranks(_model_parallel_state_rank, world, layouts, layers, timeout=240)
+    for i, (layout, n_layer) in enumerate((a, b) for a in layouts for b in layers):
+        measured = max(rank[i] for rank in ranks)
+        with torch.device("meta"):
+            net = GPT(GPTDims(n_layer, 4, 128, 32, 256), tie_weights=layout != "pp")
+        stats = _inputs(net, DataSpec("text", vocab_size=256, block_size=32), 1).stats
+        plan = MODEL_PARALLEL[layout]
+        params = max(_rank_params(stats, plan, units) for units in _rank_units(stats, plan))
+        predicted = sum(model_state(params, plan, StateBytes()).values())
+        # measured: equal to 0.1% (AdamW's scalar step counters; FSDP2's padding of odd shards)
+        assert predicted == pytest.approx(measured, rel=1e-3), (layout, n_layer, predicted, measured)
 
 
 def test_bubble_fractions_follow_the_schedules() -> None:
