@@ -305,3 +305,18 @@ def test_plan_mode_and_auto_as_a_user_runs_them(tmp_path) -> None:
     assert results["global_steps"] == 4 and results["world_size"] == 2
     chosen = OmegaConf.load(tmp_path / "auto" / "config.yaml").parallel
     assert chosen.name != "auto" and results["parallel"]["dp_replicate"] * results["parallel"]["dp_shard"] == 2
+
+
+def test_the_memory_picture_draws_a_bar_per_term_and_the_capacity(tmp_path) -> None:
+    from disttrain.plan.report import write_plan
+    from tests.test_plots import coloured_pixels, drawn_pixels
+
+    net = _model({"name": "gpt", "flavour": "nano"}, TEXT)
+    e = _inputs(net, TEXT, 8).estimate(Layout(dp_shard=2, zero_stage=3, micro_size=8))
+    written = write_plan(e, PROFILES["h100_sxm"], tmp_path, plots=True)
+    png = tmp_path / "plots" / "plan_memory.png"
+    assert written == [tmp_path / "plan.json", png]
+    assert drawn_pixels(png) > 0.02
+    # the terms are stacked in matplotlib's default colours: parameters (C0) at the bottom, activations (C3)
+    assert coloured_pixels(png, (31, 119, 180)) > 0 and coloured_pixels(png, (214, 39, 40)) > 100
+    assert write_plan(e, PROFILES["h100_sxm"], tmp_path / "off", plots=False) == [tmp_path / "off" / "plan.json"]
