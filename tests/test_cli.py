@@ -48,7 +48,7 @@ def test_readme_command_runs_as_typed(tmp_path, args):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if "--help" in args:  # our groups and options, not the schemas they start from
         assert "schema/" not in proc.stdout
-        assert "parallel: ddp, diloco, federated, hsdp, hybrid, localsgd, param_server, pipeline" in proc.stdout
+        assert "parallel: auto, ddp, diloco, federated, hsdp, hybrid, localsgd, param_server, pipeline" in proc.stdout
     elif "--cfg" not in args:
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 
