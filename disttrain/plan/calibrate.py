@@ -109,20 +109,24 @@ def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
         return sum(nbytes for flops, nbytes, _ in ops if flops == 0) / _timed(step, seconds)
 
 
-def measure_op_overhead(seconds: float = 0.5) -> float:
-    """Seconds per operator of forward plus backward through tiny layers (no work, all overhead): what a
-    small model pays per operator (dispatch, autograd nodes, the backward engine)."""
+def measure_op_overhead(seconds: float = 0.5, rate: float = 1e11, bandwidth: float = 1e10) -> float:
+    """Seconds per operator beyond its work, from forward and backward of two tiny transformer blocks
+    (width 32, 16 tokens: almost all overhead: dispatch, Python, autograd nodes, the backward engine), with
+    the little work there is (at ``rate`` FLOP/s and ``bandwidth`` bytes/s) taken out."""
+    from disttrain.models.gpt import Block
     from disttrain.plan.model_stats import count_ops
 
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)])
-    x = torch.randn(2, 4)
+    blocks = nn.Sequential(Block(32, 2, 0.0, True), Block(32, 2, 0.0, True))
+    x = torch.randn(1, 16, 32, requires_grad=True)
 
     def step() -> None:
-        F.mse_loss(model(x), x).backward()
+        blocks(x).sum().backward()
 
     with _threads(1):
         per_step = _timed(step, seconds)
-    return per_step / len(count_ops(step))
+    ops = count_ops(step)
+    work = sum(max(flops / rate, nbytes / bandwidth) for flops, nbytes, _ in ops)
+    return max(per_step - work, 0.0) / len(ops)
 
 
 def _link_rank(rank: int, init_file: str, sizes: list[int], out: dict) -> None:
@@ -181,6 +185,6 @@ def this_machine(flops_per_core: dict[str, float], bandwidth: float, overhead: f
 
 def calibrate(seconds: float = 1.0, watts: float | None = None) -> HardwareProfile:
     """Measure compute per core, memory bandwidth, per-operator overhead and the loopback link."""
-    return this_machine(measure_compute(seconds), measure_memory_bandwidth(seconds / 2),
-                        measure_op_overhead(seconds / 2), measure_link(),
-                        f"calibrated {time.strftime('%Y-%m-%d %H:%M')}", watts)
+    compute, bandwidth = measure_compute(seconds), measure_memory_bandwidth(seconds / 2)
+    return this_machine(compute, bandwidth, measure_op_overhead(seconds / 2, compute["fp32"], bandwidth),
+                        measure_link(), f"calibrated {time.strftime('%Y-%m-%d %H:%M')}", watts)

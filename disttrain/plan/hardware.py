@@ -120,5 +120,6 @@ def resolve_profile(name: str, memory_gb: float | None = None) -> HardwareProfil
 def _quick_machine_profile() -> HardwareProfile:
     from disttrain.plan.calibrate import measure_compute, measure_memory_bandwidth, measure_op_overhead, this_machine
 
-    return this_machine(measure_compute(0.2), measure_memory_bandwidth(0.1), measure_op_overhead(0.1), links=None,
+    compute, bandwidth = measure_compute(0.2), measure_memory_bandwidth(0.1)
+    return this_machine(compute, bandwidth, measure_op_overhead(0.1, compute["fp32"], bandwidth), links=None,
                         source="quick measurement; python -m disttrain.plan --calibrate also measures the links")
