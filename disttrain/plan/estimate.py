@@ -268,7 +268,9 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     other = sum(c.seconds for c in collectives if not c.group.startswith("dp"))
     # data-parallel collectives overlap backward on GPUs; gloo on a shared CPU runs on the cores that compute
     exposed = other + (dp_time if shared_cpu else max(0.0, dp_time - compute * 2 / 3))
-    capacity = profile.memory_bytes * (_threads_per_rank(profile, layout.world_size) if profile.cpu else 1)
+    # CPU ranks of this machine share its memory: a whole machine's worth split over the ranks
+    capacity = (profile.memory_bytes * profile.devices_per_node / layout.world_size if profile.cpu
+                else profile.memory_bytes)
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
     return Estimate(layout, memory, phases, plain, checkpointed, capacity, collectives,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
@@ -402,8 +404,11 @@ def _collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: f
     return out
 
 
-def _threads_per_rank(profile: HardwareProfile, world: int) -> int:
-    return max(1, profile.devices_per_node // min(world, profile.devices_per_node))
+def _threads_per_rank(profile: HardwareProfile, world: int) -> float:
+    """Cores each rank of a CPU run computes with: the runner's ``OMP_NUM_THREADS`` (cores // ranks), or a
+    share of one core when there are more ranks than cores (they take turns)."""
+    cores = profile.devices_per_node
+    return cores // world if world <= cores else cores / world
 
 
 def _op_seconds(ops: list[Op], split: float, rates: tuple[float, float], bandwidth: float, overhead: float,
