@@ -137,11 +137,17 @@ def test_model_state_and_bytes_sent_match_the_zero_memory_benchmark(world: int) 
         predicted_state = max(state_peak(inputs.stats.params, layout, inputs.state).values())
         worst = max(r["peak"] for rank in ranks for r in rank if r["strategy"] == row["strategy"]
                     and r["n_layer"] == row["n_layer"])
-        assert predicted_state == pytest.approx(worst, rel=0.05), row
+        # measured: the benchmark counts AdamW's scalar step counter of each parameter tensor (4 bytes each, 144
+        # bytes of 6.9 MB here), which the formula leaves out; ZeRO-1 (torch's ZeroRedundancyOptimizer) deals
+        # whole tensors to ranks, so its fullest rank holds up to one tensor's state more than 1/N (2,076 bytes
+        # measured). Nothing else differs (the issue's bound is 5%; widths here divide by the ranks: no padding).
+        slack = 4 * len(inputs.stats.param_numel)
+        if row["strategy"] == "zero1":
+            slack += inputs.state.optim * max(inputs.stats.param_numel.values())
+        assert 0 <= worst - predicted_state <= slack, (row, predicted_state, worst)
         e = inputs.estimate(layout)
         sent = sum(c.sent_bytes for c in e.collectives)
-        # FSDP2 pads each parameter's shard to a multiple of the ranks: a few hundred bytes of 1-4 MB
-        assert sent == pytest.approx(row["comm"], rel=1e-3), (row, [(c.kind, c.sent_bytes) for c in e.collectives])
+        assert sent == row["comm"], (row, [(c.kind, c.sent_bytes) for c in e.collectives])
 
 
 def test_a_plan_that_does_not_fit_names_the_term_and_the_excess() -> None:
@@ -230,8 +236,8 @@ def test_model_parallel_and_hybrid_model_state_matches_the_ranks(world: int, lay
         plan = MODEL_PARALLEL[layout]
         params = max(_rank_params(stats, plan, units) for units in _rank_units(stats, plan))
         predicted = sum(model_state(params, plan, StateBytes()).values())
-        # measured: equal to 0.1% (AdamW's scalar step counters; FSDP2's padding of odd shards)
-        assert predicted == pytest.approx(measured, rel=1e-3), (layout, n_layer, predicted, measured)
+        # measured: equal to the byte (AdamW's scalar step counters are left out on both sides)
+        assert predicted == measured, (layout, n_layer, predicted, measured)
 
 
 def test_bubble_fractions_follow_the_schedules() -> None:
