@@ -11,7 +11,6 @@ the stored calibration, else a quick one) predicts its compute time. Communicati
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from disttrain.config.typed import model_typed  # noqa: E402
 from disttrain.data.spec import DataSpec, example_batch  # noqa: E402
 from disttrain.models import MODELS, build_model  # noqa: E402
 from disttrain.parallel.config import ParallelConfig  # noqa: E402
-from disttrain.plan.calibrate import cpu_model  # noqa: E402
+from disttrain.plan.calibrate import cpu_model, seconds_per_call  # noqa: E402
 from disttrain.plan.estimate import Layout  # noqa: E402
 from disttrain.plan.hardware import resolve_profile  # noqa: E402
 from disttrain.plan.planner import plan_inputs  # noqa: E402
@@ -49,13 +48,7 @@ def measured_step(net: torch.nn.Module, spec: DataSpec, micro: int, seconds: flo
         opt.step()
         opt.zero_grad()
 
-    for _ in range(3):
-        step()
-    runs, start = 0, time.perf_counter()
-    while runs < 3 or time.perf_counter() - start < seconds:
-        step()
-        runs += 1
-    return (time.perf_counter() - start) / runs
+    return seconds_per_call(step, seconds)
 
 
 def main() -> None:

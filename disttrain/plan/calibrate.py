@@ -62,7 +62,7 @@ class _threads:
         torch.set_num_threads(self.saved)
 
 
-def _timed(fn, seconds: float) -> float:
+def seconds_per_call(fn, seconds: float) -> float:
     """Mean seconds per call of ``fn`` over about ``seconds`` (after one untimed call)."""
     fn()
     runs, start = 0, time.perf_counter()
@@ -74,7 +74,7 @@ def _timed(fn, seconds: float) -> float:
 
 def _matmul_rate(dtype: torch.dtype, seconds: float, n: int = 1024) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _timed(lambda: a @ b, seconds)
+    return 2 * n**3 / seconds_per_call(lambda: a @ b, seconds)
 
 
 def _conv_rate(dtype: torch.dtype | None, seconds: float) -> float:
@@ -90,7 +90,7 @@ def _conv_rate(dtype: torch.dtype | None, seconds: float) -> float:
         out.float().sum().backward()
 
     flops = sum(op[0] for op in count_ops(step))
-    return flops / _timed(step, seconds)
+    return flops / seconds_per_call(step, seconds)
 
 
 def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
@@ -106,7 +106,7 @@ def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
 
     ops = count_ops(step)
     with _threads(threads):
-        return sum(nbytes for flops, nbytes, _ in ops if flops == 0) / _timed(step, seconds)
+        return sum(nbytes for flops, nbytes, _ in ops if flops == 0) / seconds_per_call(step, seconds)
 
 
 def measure_op_overhead(seconds: float = 0.5, rate: float = 1e11, bandwidth: float = 1e10) -> float:
@@ -123,7 +123,7 @@ def measure_op_overhead(seconds: float = 0.5, rate: float = 1e11, bandwidth: flo
         blocks(x).sum().backward()
 
     with _threads(1):
-        per_step = _timed(step, seconds)
+        per_step = seconds_per_call(step, seconds)
     ops = count_ops(step)
     work = sum(max(flops / rate, nbytes / bandwidth) for flops, nbytes, _ in ops)
     return max(per_step - work, 0.0) / len(ops)
