@@ -28,6 +28,13 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         """The global step of the newest ``last.ckpt`` this run wrote (-1: none yet)."""
         self.blocking_s = 0.0
         """Seconds this process's saves held training up (gathering the state and writing or staging it)."""
+        self._state_key = super().state_key
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key for this callback, built once: Lightning reads it at every hook call, dozens per step,
+        and builds it from five settings that do not change after construction."""
+        return self._state_key
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         started = time.perf_counter()

@@ -49,8 +49,7 @@ class PipelineTask(TrainTask):
         result = self.pipeline.run(batch[0], batch[1], train=True, record=record)
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
         batch_loss = self._global_mean(result[0] if result else None) * self.accumulation
-        self._step_loss.append(batch_loss)
-        self.losses["train_loss"].update(batch_loss)
+        self._record_train_loss(batch_loss)
         if (batch_idx + 1) % self.accumulation:
             return
         optimizer = self.optimizers()

@@ -25,6 +25,7 @@ from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import StepAgreement, StepDecisions
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.federated.plot import write_round_plot
+from disttrain.hook_dispatch import NoProfiler
 from disttrain.launch import (
     external_environment,
     init_process_group,
@@ -263,6 +264,7 @@ def build_trainer(run: RunConfig, task: Any, pipeline: Any, meter: ThroughputMet
         enable_progress_bar=interactive,
         enable_model_summary=False,  # SummaryWithoutFlops is added instead when interactive
         default_root_dir=cfg.run_dir,
+        profiler=NoProfiler(),
     )
     skip_lightning_sigterm_broadcast(trainer)
     return trainer
