@@ -4,7 +4,10 @@ batch limit is a count, and exported weights reproduce the logged validation los
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
+from disttrain.parallel.buffers import step_broadcast_needed
 from disttrain.run import train
 from tests.conftest import compose_config, exported_val_loss, logged_metric
 from tests.test_run import GPT_FAST, step_losses
@@ -34,12 +37,15 @@ def cnn_runs(tmp_path_factory) -> dict[str, dict]:
     """The CNN (BatchNorm) for 20 steps, validated on one batch per rank at the end of its first epoch."""
     runs = {}
     for name, overrides in {"single": [], "ddp": ["parallel=ddp", "trainer.devices=2"],
+                            "ddp_every_step": ["parallel=ddp", "trainer.devices=2",
+                                               "parallel.ddp.broadcast_buffers=true"],
                             "zero3": ["parallel=zero3", "trainer.devices=2"]}.items():
         run_dir = tmp_path_factory.mktemp(name)
         train(compose_config([*CNN, *overrides], run_dir))
         (step, logged), = logged_metric(run_dir, "val/loss")
         runs[name] = {"logged": logged, "exported": exported_val_loss(
-            run_dir, run_dir / "checkpoints" / f"step{step}.ckpt", run_dir / "model.pt")}
+            run_dir, run_dir / "checkpoints" / f"step{step}.ckpt", run_dir / "model.pt"),
+            "state": torch.load(run_dir / "model.pt", weights_only=True)}
     return runs
 
 
@@ -51,3 +57,25 @@ def test_exported_weights_reproduce_the_logged_validation_loss(cnn_runs, name):
 
 def test_sharding_keeps_buffers_as_ddp_does(cnn_runs):
     assert cnn_runs["zero3"]["logged"] == pytest.approx(cnn_runs["ddp"]["logged"], rel=1e-6)
+
+
+def test_buffers_broadcast_before_evaluation_only_change_nothing(cnn_runs):
+    # BatchNorm's running statistics are not read by a training forward: broadcasting them before every step
+    # (torch DDP's default) or only before evaluation and checkpoints gives the same weights, statistics and
+    # validation loss, to the bit
+    every_step, default = cnn_runs["ddp_every_step"], cnn_runs["ddp"]
+    assert default["logged"] == every_step["logged"]
+    assert default["state"].keys() == every_step["state"].keys()
+    assert any(name.endswith("running_var") for name in default["state"])
+    for name, tensor in default["state"].items():
+        assert torch.equal(tensor, every_step["state"][name]), name
+
+
+def test_step_broadcast_only_for_buffers_a_forward_may_read():
+    norm_only = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.InstanceNorm1d(4, track_running_stats=True))
+    assert not step_broadcast_needed(norm_only)
+    assert step_broadcast_needed(norm_only, setting=True)
+    counted = nn.Sequential(nn.BatchNorm1d(4))
+    counted.register_buffer("calls", torch.zeros(()))
+    assert step_broadcast_needed(counted)
+    assert not step_broadcast_needed(counted, setting=False)

@@ -22,6 +22,7 @@ from disttrain.comm.counter import ByteCounter
 from disttrain.comm.hooks import register_compression, wire_dtype
 from disttrain.comm.state import ExchangeState
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from disttrain.parallel.buffers import step_broadcast_needed
 from disttrain.parallel.compile import compile_model
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
@@ -88,6 +89,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device
         gradient_as_bucket_view=options.gradient_as_bucket_view,
         static_graph=options.static_graph,
         find_unused_parameters=options.find_unused_parameters,
+        broadcast_buffers=step_broadcast_needed(model, options.broadcast_buffers),
     )
 
 

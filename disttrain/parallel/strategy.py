@@ -31,7 +31,7 @@ from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.async_server import AsyncParameterServerOptimizer
-from disttrain.parallel.buffers import broadcast_buffers
+from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from disttrain.parallel.param_server import ParameterServerOptimizer
@@ -80,6 +80,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.comm_state = ExchangeState()
         """What this rank's gradient exchange carries between steps (residuals, PowerSGD's factors)."""
         self._parallelised = False
+        self._step_broadcast: bool | None = None
+        """Whether buffers are broadcast before each training batch (decided at the first one)."""
         self._pending_save: tuple[Any, Path, Path] | None = None
         self.checkpoint_saves = 0
         """Checkpoints this process saved."""
@@ -131,8 +133,12 @@ class DistTrainStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Buffers agree before every training batch, as DDP makes them (FSDP and pipeline stages do not)."""
-        if not isinstance(self.lightning_module.net, DistributedDataParallel):
+        """Buffers that a training forward may read agree before every training batch, as DDP makes them (FSDP
+        and pipeline stages do not); see ``disttrain.parallel.buffers``."""
+        net = self.lightning_module.net
+        if self._step_broadcast is None:
+            self._step_broadcast = not isinstance(net, DistributedDataParallel) and step_broadcast_needed(net)
+        if self._step_broadcast:
             self._broadcast_buffers()
 
     def on_validation_start(self) -> None:
