@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from disttrain.data import DigitsConfig, PyDocsConfig, SyntheticTokensConfig, TokensConfig, build_datamodule
 from disttrain.data.base import IGNORE_INDEX
@@ -18,6 +18,18 @@ from tests.test_data import write_tokens
 
 def samples(batch) -> list[bytes]:
     return [x.numpy().tobytes() for x in batch[0]]
+
+
+def shard_sampler(loader) -> DistributedSampler:
+    """The DistributedSampler under a training loader's sampler wrappers (steps; batches, where batched)."""
+    sampler = loader.sampler
+    while not isinstance(sampler, DistributedSampler):
+        sampler = sampler.sampler
+    return sampler
+
+
+def drops_incomplete_batches(loader) -> bool:
+    return loader.drop_last or getattr(loader.sampler, "drop_last", False)
 
 
 @pytest.mark.parametrize("cfg", [DigitsConfig(), DigitsConfig(augment=True), PyDocsConfig(block_size=8),
@@ -31,10 +43,10 @@ def test_two_ranks_see_the_samples_of_one_process(cfg, epoch):
     ranks = [attach(build_datamodule(cfg, micro_batch_size=batch, seed=7), 2, rank).train_dataloader()
              for rank in range(2)]
     for loader in (single, *ranks):
-        assert isinstance(loader.sampler.sampler, DistributedSampler) and loader.drop_last
+        assert drops_incomplete_batches(loader)
         loader.sampler.set_epoch(epoch)
-    assert ranks[0].sampler.sampler.num_replicas == 2 and ranks[1].sampler.sampler.rank == 1
-    assert single.sampler.sampler.num_replicas == 1
+    assert shard_sampler(ranks[0]).num_replicas == 2 and shard_sampler(ranks[1]).rank == 1
+    assert shard_sampler(single).num_replicas == 1 and shard_sampler(single).epoch == epoch
     iterators = [iter(loader) for loader in (single, *ranks)]
     seen = []
     for _ in range(steps):
@@ -63,7 +75,7 @@ def test_no_trainer_or_no_distributed_kwargs_means_one_replica():
     assert datamodule.replicas() == (1, 0)
     datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs=None)
     assert datamodule.replicas() == (1, 0)
-    sampler = datamodule.train_dataloader().sampler.sampler
+    sampler = shard_sampler(datamodule.train_dataloader())
     settings = (sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, sampler.drop_last)
     assert settings == (1, 0, True, 0, True)
 
@@ -79,6 +91,24 @@ def test_workers_load_the_same_batches(tmp_path):
     assert len(in_process) == len(with_workers) == 4
     for a, b in zip(in_process, with_workers, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("cfg", [DigitsConfig(), DigitsConfig(augment=True), PyDocsConfig(block_size=8),
+                                 SyntheticTokensConfig(num_samples=64, vocab_size=50, block_size=4)],
+                         ids=["digits", "digits-augment", "pydocs", "synthetic_tokens"])
+def test_batched_reads_give_the_batches_of_sample_reads(cfg):
+    """Datasets read a micro-batch per call give the tensors a per-sample loader collates, in its order."""
+    datamodule = attach(build_datamodule(cfg, micro_batch_size=6, seed=3), 2, 1)
+    loader = datamodule.train_dataloader()
+    assert loader.batch_size is None  # the sampler yields whole batches to the dataset's get_batch
+    loader.sampler.set_epoch(2)
+    per_sample = DataLoader(datamodule.datasets["train"], batch_size=6, sampler=loader.sampler.sampler,
+                            drop_last=True)
+    batched, reference = list(loader), list(per_sample)
+    assert len(batched) == len(reference) == len(loader) > 1
+    for (x, y), (x_ref, y_ref) in zip(batched, reference, strict=True):
+        assert x.dtype == x_ref.dtype and y.dtype == y_ref.dtype
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2, 4])

@@ -6,6 +6,11 @@ process. A training loader with per-rank batch ``B`` on ``R`` ranks gives rank `
 ``perm[r::R]`` of the epoch's permutation ``perm``, so one optimiser step sees the same samples whatever
 ``R`` is, as long as ``B * R`` is the same, and an epoch holds only whole optimiser steps. Evaluation
 takes samples in order, rank ``r`` the samples ``r::R``, each counted once.
+
+A training dataset that offers ``get_batch(indices)`` (the in-memory images, the token windows) is read one
+micro-batch per call: the loader's sampler yields the same indices grouped into batches, and the dataset
+indexes them at once instead of fetching and stacking sample by sample (about 0.2 ms of a small CNN's 10 ms
+step on this path). The batches are the same tensors, in the same order.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
@@ -109,6 +114,37 @@ class MaskedPadding(Dataset):
         return inputs, torch.full_like(torch.as_tensor(targets), IGNORE_INDEX)
 
 
+class BatchedSampler(BatchSampler):
+    """A training sampler's indices grouped into micro-batches, for datasets read a batch per call; forwards
+    ``set_epoch`` to the sampler (Lightning calls it on a loader's ``sampler`` before each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped sampler."""
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+
+class WholeBatches(Dataset):
+    """A dataset indexed by a list of indices (one micro-batch), answered by its ``get_batch``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, indices: list[int]) -> Any:
+        return self.dataset.get_batch(indices)  # type: ignore[attr-defined]
+
+
+class InMemoryTensors(TensorDataset):
+    """A ``TensorDataset`` that is also read a micro-batch per call."""
+
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        """The samples of ``indices`` stacked, as a DataLoader would collate them."""
+        rows = torch.as_tensor(indices)
+        return tuple(tensor[rows] for tensor in self.tensors)
+
+
 class DataModule(pl.LightningDataModule):
     """Base of the registered data modules.
 
@@ -182,6 +218,8 @@ class DataModule(pl.LightningDataModule):
             resume = (self._resume["epoch"], self._resume["batches"] * self.micro_batch_size) if self._resume \
                 else (-1, 0)
             sampler: Sampler[int] = StepSampler(inner, self.micro_batch_size * self.accumulation, *resume)
+            if hasattr(dataset, "get_batch"):
+                return self._batched_loader(dataset, sampler)
         else:
             multiple = num_replicas * (self.micro_batch_size if self.full_eval_batches else 1)
             dataset = MaskedPadding(dataset, -(-len(dataset) // multiple) * multiple)  # type: ignore[arg-type]
@@ -196,6 +234,18 @@ class DataModule(pl.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             # a loader of its own generator draws nothing from the global one that dropout uses, so a run
             # resumed mid-epoch continues the same dropout masks as the uninterrupted run
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def _batched_loader(self, dataset: Dataset, sampler: Sampler[int]) -> DataLoader:
+        """The training loader of a dataset read one micro-batch per call (same batches as ``_loader``'s)."""
+        return DataLoader(
+            WholeBatches(dataset),
+            batch_size=None,  # the sampler yields whole batches
+            sampler=BatchedSampler(sampler, self.micro_batch_size, drop_last=True),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
             generator=torch.Generator().manual_seed(self.seed),
         )
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from disttrain import checks
 from disttrain.data import DATA
@@ -94,6 +94,15 @@ class ImageDataset(Dataset):
         dy, dx = draw % span, (draw // span) % span
         height, width = self.images.shape[-2:]
         return self.padded[i, :, dy:dy + height, dx:dx + width], self.labels[i]
+
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples of ``indices`` stacked, as a DataLoader would collate them (unshifted: one index op)."""
+        if self.shift:
+            return default_collate([self[i] for i in indices])
+        rows = torch.as_tensor(indices)
+        if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < len(self.labels):
+            raise IndexError(indices)
+        return self.images[rows], self.labels[rows]
 
 
 @DATA.register("digits", DigitsConfig)

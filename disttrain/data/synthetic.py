@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 from disttrain import checks
 from disttrain.data import DATA
-from disttrain.data.base import DataModule
+from disttrain.data.base import DataModule, InMemoryTensors
 from disttrain.data.spec import DataSpec
 
 
@@ -63,9 +63,9 @@ class SyntheticImagesDataModule(DataModule):
         c = self.cfg
         generator = torch.Generator().manual_seed(self.seed)
 
-        def make(n: int) -> TensorDataset:
+        def make(n: int) -> InMemoryTensors:
             images = torch.randn(n, c.channels, c.image_size, c.image_size, generator=generator)
-            return TensorDataset(images, torch.randint(0, c.num_classes, (n,), generator=generator))
+            return InMemoryTensors(images, torch.randint(0, c.num_classes, (n,), generator=generator))
 
         train, val = make(c.num_samples), make(c.val_samples)
         return {"train": train, "val": val, "test": val}
@@ -118,9 +118,9 @@ class SyntheticTokensDataModule(DataModule):
         c = self.cfg
         generator = torch.Generator().manual_seed(self.seed)
 
-        def make(n: int) -> TensorDataset:
+        def make(n: int) -> InMemoryTensors:
             tokens = torch.randint(0, c.vocab_size, (n, c.block_size + 1), generator=generator)
-            return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+            return InMemoryTensors(tokens[:, :-1], tokens[:, 1:])
 
         train, val = make(c.num_samples), make(c.val_samples)
         return {"train": train, "val": val, "test": val}

@@ -114,3 +114,10 @@ class TokenWindows(Dataset):
         start = self.offset(index)
         chunk = torch.from_numpy(np.asarray(self.data[start:start + self.block_size + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
+
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows of ``indices`` stacked, as a DataLoader would collate them."""
+        span = self.block_size + 1
+        rows = np.stack([np.asarray(self.data[start:start + span]) for start in map(self.offset, indices)])
+        chunk = torch.from_numpy(rows.astype(np.int64))
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
