@@ -26,8 +26,8 @@ from disttrain.config.typed import model_typed  # noqa: E402
 from disttrain.data.spec import DataSpec  # noqa: E402
 from disttrain.models import MODELS, build_model  # noqa: E402
 from disttrain.parallel.config import ParallelConfig  # noqa: E402
-from disttrain.plan.estimate import Layout  # noqa: E402
 from disttrain.plan.hardware import PROFILES, HardwareProfile  # noqa: E402
+from disttrain.plan.layout import Layout  # noqa: E402
 from disttrain.plan.planner import choose_parallel, plan_inputs  # noqa: E402
 from disttrain.plan.report import human_bytes  # noqa: E402
 

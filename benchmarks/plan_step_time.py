@@ -24,8 +24,8 @@ from disttrain.data.spec import DataSpec, example_batch  # noqa: E402
 from disttrain.models import MODELS, build_model  # noqa: E402
 from disttrain.parallel.config import ParallelConfig  # noqa: E402
 from disttrain.plan.calibrate import cpu_model, seconds_per_call  # noqa: E402
-from disttrain.plan.estimate import Layout  # noqa: E402
 from disttrain.plan.hardware import resolve_profile  # noqa: E402
+from disttrain.plan.layout import Layout  # noqa: E402
 from disttrain.plan.planner import plan_inputs  # noqa: E402
 
 TEXT = DataSpec("text", vocab_size=96, block_size=64)

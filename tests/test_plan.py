@@ -15,9 +15,12 @@ from disttrain.data.spec import DataSpec, example_batch
 from disttrain.models import MODELS, build_model
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import ParallelConfig
-from disttrain.plan.estimate import Layout, StateBytes, bubble_fraction, estimate, model_state, state_peak
+from disttrain.plan.estimate import estimate
 from disttrain.plan.hardware import PROFILES
+from disttrain.plan.layout import Layout, StateBytes
+from disttrain.plan.memory import model_state, state_peak
 from disttrain.plan.planner import plan_inputs
+from disttrain.plan.step_time import bubble_fraction
 from tests.dist_utils import run_on_ranks
 
 GB = 1e9
@@ -224,7 +227,7 @@ def test_model_parallel_and_hybrid_model_state_matches_the_ranks(world: int, lay
     replicated), pp=2 (untied, stages balanced by parameter count), hsdp and hybrid, two model sizes, as
     measured on gloo ranks."""
     from disttrain.models.gpt import GPT, GPTDims
-    from disttrain.plan.estimate import _rank_params, _rank_units
+    from disttrain.plan.layout import rank_params, rank_units
 
     layers = [2, 4]
     ranks = run_on_ranks(_model_parallel_state_rank, world, layouts, layers, timeout=240)
@@ -234,7 +237,7 @@ def test_model_parallel_and_hybrid_model_state_matches_the_ranks(world: int, lay
             net = GPT(GPTDims(n_layer, 4, 128, 32, 256), tie_weights=layout != "pp")
         stats = _inputs(net, DataSpec("text", vocab_size=256, block_size=32), 1).stats
         plan = MODEL_PARALLEL[layout]
-        params = max(_rank_params(stats, plan, units) for units in _rank_units(stats, plan))
+        params = max(rank_params(stats, plan, units) for units in rank_units(stats, plan))
         predicted = sum(model_state(params, plan, StateBytes()).values())
         # measured: equal to the byte (AdamW's scalar step counters are left out on both sides)
         assert predicted == measured, (layout, n_layer, predicted, measured)

@@ -15,10 +15,14 @@ MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 class ParallelDims:
     """Resolved degrees of one run; their product is the world size."""
 
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
+    pp: int = 1
+    """Pipeline stages."""
+    dp_replicate: int = 1
+    """Data-parallel replicas."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard model state (ZeRO)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
 
     @property
     def world_size(self) -> int:

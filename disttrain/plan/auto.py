@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from disttrain.plan.estimate import Estimate, Layout
+from disttrain.plan.estimate import Estimate
+from disttrain.plan.layout import Layout
 from disttrain.plan.planner import PlanInputs
 
 TIE = 0.03
@@ -83,7 +84,8 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
                     per_replica = global_batch // dp
                     group = []
                     for micro in reversed(_divisors(per_replica)):
-                        base = Layout(replicate, shard, tp, pp, stage, ac, micro_size=micro,
+                        base = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, zero_stage=stage,
+                                      activation_checkpointing=ac, micro_size=micro,
                                       accumulation=per_replica // micro)
                         if pp == 1:
                             group.append(base)

@@ -7,8 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from disttrain.plan.estimate import Estimate, Layout, StateBytes, estimate, state_bytes
+from disttrain.plan.estimate import Estimate, estimate
 from disttrain.plan.hardware import HardwareProfile
+from disttrain.plan.layout import Layout, StateBytes, state_bytes
 from disttrain.plan.model_stats import ModelStats, measure_model
 
 
@@ -73,9 +74,11 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
 def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
     """The layout of a validated run (its resolved degrees, options and batch)."""
     pipe = parallel.pipeline
-    return Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, parallel.zero_stage,
-                  parallel.activation_checkpointing, parallel.sequence_parallel, batch.micro_size, batch.accumulation,
-                  pipe.microbatches if dims.pp > 1 else 1, pipe.schedule, pipe.stages_per_rank if dims.pp > 1 else 1)
+    return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
+                  zero_stage=parallel.zero_stage, activation_checkpointing=parallel.activation_checkpointing,
+                  sequence_parallel=parallel.sequence_parallel, micro_size=batch.micro_size,
+                  accumulation=batch.accumulation, microbatches=pipe.microbatches if dims.pp > 1 else 1,
+                  schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1)
 
 
 

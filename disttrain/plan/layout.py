@@ -1,0 +1,117 @@
+"""What a candidate layout is and where the model's parts live in it: degrees, batch split and state bytes;
+pipeline stages' units and the parameters on each rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.parallel.dims import ParallelDims
+from disttrain.plan.model_stats import ROOT, ModelStats
+
+OPTIMISER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4}
+"""Optimiser state per fp32 parameter element: two moments for Adam-style, one momentum buffer for LARS."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter element of model state."""
+
+    param: float = 4
+    """Parameters as the model computes with them (fp32 here; the ZeRO paper's fp16 copies: 2)."""
+    grad: float = 4
+    """Gradients."""
+    optim: float = 8
+    """Optimiser state (the paper's K, which includes an fp32 master copy under mixed precision)."""
+    zero2_keeps_shards: bool = True
+    """ZeRO-2 holds parameter shards beside the gathered parameters (FSDP2); False: the paper's P_os+g."""
+
+
+def state_bytes(optimiser: str, momentum: float = 0.0) -> StateBytes:
+    """State bytes of a run of this framework: fp32 parameters and gradients (bf16-mixed autocasts on the fly),
+    and the optimiser's state."""
+    optim = OPTIMISER_STATE_BYTES.get(optimiser, 4 if momentum else 0)
+    return StateBytes(optim=optim)
+
+
+@dataclass(frozen=True)
+class Layout(ParallelDims):
+    """A candidate run: its degrees (``ParallelDims``), ZeRO stage, checkpointing and batch split. It exists for
+    layouts no config names yet (``parallel=auto`` weighs many)."""
+
+    zero_stage: int = 0
+    """ZeRO stage of the dp_shard dimension."""
+    activation_checkpointing: bool = False
+    """Recompute each shard unit in backward."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence too (tp > 1)."""
+    micro_size: int = 1
+    """Samples per rank per forward."""
+    accumulation: int = 1
+    """Micro-batches per optimiser step."""
+    microbatches: int = 1
+    """Pipeline microbatches each micro-batch is split into (pp > 1)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (pp > 1)."""
+    stages_per_rank: int = 1
+    """Pipeline stages per rank (interleaved schedules)."""
+
+    def describe(self) -> str:
+        """Short text, e.g. ``dp_shard=4 zero3 tp=2 ac micro=8x2``."""
+        parts = [f"{k}={v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                                         ("tp", self.tp), ("pp", self.pp)) if v > 1] or ["single"]
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.activation_checkpointing:
+            parts.append("ac")
+        if self.pp > 1:
+            parts.append(f"{self.schedule} m={self.microbatches}")
+        parts.append(f"micro={self.micro_size}x{self.accumulation}")
+        return " ".join(parts)
+
+
+def within(name: str, unit: str) -> bool:
+    """Whether the module path ``name`` is ``unit`` or lies inside it (the root unit ``""`` holds only itself:
+    no path starts with a dot)."""
+    return name == unit or name.startswith(unit + ".")
+
+
+def unit_on_rank(stats: ModelStats, unit: str, units: list[str] | None) -> bool:
+    """Whether what was charged to ``unit`` (saved bytes, operators) runs on the pipeline rank holding ``units``
+    (None: the whole model); the root's own entries (the loss) belong to the last stage."""
+    return (units is None or (unit == ROOT and stats.pipeline_units[-1] in units)
+            or any(within(unit, x) for x in units))
+
+
+def stage_units(stats: ModelStats, pp: int, stages_per_rank: int = 1) -> list[list[str]]:
+    """Pipeline units of each rank, cut as the pipeline code cuts them (balanced by parameter count)."""
+    from disttrain.parallel.pipeline.split import split_points
+
+    units = stats.pipeline_units
+    counts = [sum(n for name, n in stats.param_numel.items() if within(stats.param_unit[name], u)) for u in units]
+    stages = pp * stages_per_rank
+    points = [*split_points(len(units), stages, counts), len(units)]
+    per_stage = [units[points[i]:points[i + 1]] for i in range(stages)]
+    return [sum((per_stage[s] for s in range(rank, stages, pp)), []) for rank in range(pp)]
+
+
+def rank_units(stats: ModelStats, layout: Layout) -> list[list[str] | None]:
+    """Units each pipeline rank holds (None: the whole model)."""
+    if layout.pp == 1:
+        return [None]
+    return stage_units(stats, layout.pp, layout.stages_per_rank)
+
+
+def param_on_rank(stats: ModelStats, name: str, units: list[str] | None) -> bool:
+    """Whether parameter ``name`` lives on the pipeline rank holding ``units`` (None: the whole model)."""
+    if units is None:
+        return True
+    owner = stats.param_unit[name]
+    return any(within(owner, u) for u in units)
+
+
+def rank_params(stats: ModelStats, layout: Layout, units: list[str] | None) -> float:
+    """Parameter elements on a rank before data-parallel sharding: its stages', split by tensor parallelism."""
+    return sum(n / (layout.tp if stats.tp_sharded.get(name) else 1)
+               for name, n in stats.param_numel.items() if param_on_rank(stats, name, units))

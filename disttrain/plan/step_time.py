@@ -1,0 +1,90 @@
+"""Step time of a layout: a roofline per measured operator on the profile's calibrated rates, recompute under
+activation checkpointing, the optimiser's memory traffic, the pipeline bubble, and the power it draws."""
+
+from __future__ import annotations
+
+from disttrain.plan.hardware import HardwareProfile
+from disttrain.plan.layout import Layout, StateBytes, unit_on_rank, within
+from disttrain.plan.model_stats import ModelStats, Op
+
+
+def bubble_fraction(pp: int, microbatches: int, schedule: str, stages_per_rank: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p - 1) / (v m + p - 1) for GPipe and 1F1B (v = 1) and the
+    interleaved schedules (Narayanan et al., 2021); zero-bubble schedules a third of 1F1B's (Qi et al., 2023,
+    ZB-H1), which is what their handcrafted schedules reach with equal forward, input- and weight-gradient
+    times."""
+    if pp <= 1:
+        return 0.0
+    if schedule in ("zero_bubble", "zbv"):
+        return (pp - 1) / (3 * microbatches * stages_per_rank + pp - 1)
+    v = stages_per_rank if schedule == "interleaved_1f1b" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def power(profile: HardwareProfile, world: int) -> float | None:
+    """Watts of the devices a run of ``world`` ranks occupies (CPU ranks share all the cores of a machine)."""
+    if profile.watts is None:
+        return None
+    if profile.cpu:
+        return profile.watts * profile.devices_per_node * -(-world // profile.devices_per_node)
+    return profile.watts * world
+
+
+def threads_per_rank(profile: HardwareProfile, world: int) -> float:
+    """Cores each rank of a CPU run computes with: the runner's ``OMP_NUM_THREADS`` (cores // ranks), or a
+    share of one core when there are more ranks than cores (they take turns)."""
+    cores = profile.devices_per_node
+    return cores // world if world <= cores else cores / world
+
+
+def op_seconds(ops: list[Op], split: float, rates: tuple[float, float], bandwidth: float, overhead: float,
+                overlapped: bool) -> float:
+    """Roofline time of ``ops`` (each FLOPs and bytes divided by ``split``): the slower of compute (at the
+    matrix-multiply or the convolution rate of ``rates``) and memory, plus the per-operator overhead (on a GPU
+    the launch overlaps the work of the kernels before it)."""
+    total = 0.0
+    for flops, nbytes, conv in ops:
+        work = max(flops / split / rates[conv], nbytes / split / bandwidth)
+        total += max(work, overhead) if overlapped else work + overhead
+    return total
+
+
+def in_any_block(unit: str, blocks: set[str]) -> bool:
+    """Whether ``unit`` is one of the repeated blocks (tensor parallelism splits their work) or inside one."""
+    return any(within(unit, b) for b in blocks)
+
+
+def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | None], profile: HardwareProfile,
+                     state: StateBytes, params: float, bf16: bool) -> float:
+    """Forward, backward, recompute and optimiser step of the busiest rank: per-operator roofline times of the
+    measured pass (tensor parallelism splits the work of the blocks; embeddings and head are replicated);
+    backward is charged to units in proportion to their forward time."""
+    threads = threads_per_rank(profile, layout.world_size) if profile.cpu else 1
+    dtype = "bf16" if bf16 else "fp32"
+    rate = profile.flops[dtype] * threads
+    rates = (rate, profile.flops.get(f"{dtype}_conv", profile.flops[dtype]) * threads)
+    bandwidth = profile.memory_bandwidth * threads * (2 if bf16 else 1)  # bf16 halves the bytes moved
+    blocks = set(stats.shard_units)
+
+    cache = stats.__dict__.setdefault("_seconds", {})  # layouts share a pass: time each op list once per split
+
+    def seconds(ops: list[Op], split: float) -> float:
+        key = (id(ops), split, rates, bandwidth, profile.op_overhead, profile.cpu)
+        if key not in cache:
+            cache[key] = op_seconds(ops, split, rates, bandwidth, profile.op_overhead, not profile.cpu)
+        return cache[key]
+
+    whole = sum(seconds(ops, 1) for ops in stats.forward_ops.values()) or 1.0
+    forward = {u: seconds(ops, layout.tp if in_any_block(u, blocks) else 1) for u, ops in stats.forward_ops.items()}
+    backward = seconds(stats.backward_ops, 1)
+    passes = layout.accumulation * (layout.microbatches if layout.pp > 1 else 1)
+    scale = layout.micro_size / (layout.microbatches if layout.pp > 1 else 1) / stats.micro_size
+    worst = 0.0
+    for units in ranks:
+        mine = {u: t for u, t in forward.items() if unit_on_rank(stats, u, units)}
+        own_backward = backward * sum(mine.values()) / whole  # this rank's share of the whole model's forward
+        recompute = sum(t for u, t in mine.items() if in_any_block(u, blocks)) if layout.activation_checkpointing else 0
+        worst = max(worst, sum(mine.values()) + own_backward + recompute)
+    shard = layout.dp_shard if layout.zero_stage else 1
+    optimiser = params / shard * (2 * state.param + state.grad + 2 * state.optim) / bandwidth
+    return worst * scale * passes + optimiser
