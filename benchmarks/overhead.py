@@ -5,7 +5,7 @@
 
 Runs, in one process tree and one after the other: disttrain single-process, a plain loop
 single-process, disttrain DDP on 2 ranks and a plain DDP loop on 2 ranks, as torch DDP comes (buffers
-broadcast before every forward) and without that broadcast (``broadcast_buffers=False``, which disttrain
+broadcast before every forward) and without that broadcast (``forward_sync_buffers=False``, which disttrain
 chooses for models whose only buffers are normalisation statistics). Each reports optimiser steps per second
 measured after the first (warm-up) step, excluding validation. Prints a markdown table and, last, the
 headline ratio.
@@ -79,6 +79,7 @@ def plain_loop(
     from disttrain.models.cnn import CNNConfig
     from disttrain.models.gpt import GPTConfig
     from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
+    from disttrain.parallel.apply import buffer_sync_option
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -90,7 +91,7 @@ def plain_loop(
     datamodule.setup("fit")
     model = build_model(CNNConfig() if cnn else GPTConfig(flavour=flavour), datamodule.spec)
     if world > 1 and wrap.startswith("ddp"):
-        model = DistributedDataParallel(model, broadcast_buffers=wrap == "ddp")
+        model = DistributedDataParallel(model, **buffer_sync_option(wrap == "ddp"))
     elif world > 1:  # FSDP2 per transformer block (the CNN: whole), then the root; ZeRO-3 reshards after forward
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

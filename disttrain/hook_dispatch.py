@@ -2,8 +2,8 @@
 
 Lightning wraps every hook call (of the module, the strategy and each callback, whether or not it overrides the
 hook) in its profiler's context and records the hook's name on the LightningModule before and after. With a
-small model those two costs were 0.2 ms of a 1.3 ms step (measured with a sampling profiler), so a small CNN's
-step paid them as much as its own optimiser step.
+one-layer model those two costs were 0.12 ms of a 1.31 ms step (sampled with a profiler), more than its
+optimiser step.
 """
 
 from __future__ import annotations

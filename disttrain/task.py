@@ -96,10 +96,11 @@ class TrainTask(FastHookName, pl.LightningModule):
         synchronisation point that costs most where ranks share cores, and the gradient norm checked in
         ``configure_gradient_clipping`` already catches a non-finite step on every rank alike.
         """
+        if self.gradients_agree and not self.logs_this_step():
+            self._step_loss.clear()
+            return
         local = torch.stack(self._step_loss).mean()
         self._step_loss.clear()
-        if self.gradients_agree and not self.logs_this_step():
-            return
         loss = self.agreement.reduce_loss(local, self.trainer.world_size)
         self._log_step_row(loss, optimizer)
         self.agreement.check_finite("the training loss", loss, self.global_step + 1)

@@ -38,7 +38,7 @@ def cnn_runs(tmp_path_factory) -> dict[str, dict]:
     runs = {}
     for name, overrides in {"single": [], "ddp": ["parallel=ddp", "trainer.devices=2"],
                             "ddp_every_step": ["parallel=ddp", "trainer.devices=2",
-                                               "parallel.ddp.broadcast_buffers=true"],
+                                               "parallel.ddp.forward_sync_buffers=true"],
                             "zero3": ["parallel=zero3", "trainer.devices=2"]}.items():
         run_dir = tmp_path_factory.mktemp(name)
         train(compose_config([*CNN, *overrides], run_dir))

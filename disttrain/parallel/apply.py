@@ -8,6 +8,7 @@ optimiser step).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Generator
 from contextlib import contextmanager
 
@@ -89,8 +90,16 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, options: DDPOptions, device
         gradient_as_bucket_view=options.gradient_as_bucket_view,
         static_graph=options.static_graph,
         find_unused_parameters=options.find_unused_parameters,
-        broadcast_buffers=step_broadcast_needed(model, options.broadcast_buffers),
+        **buffer_sync_option(step_broadcast_needed(model, options.forward_sync_buffers)),
     )
+
+
+def buffer_sync_option(every_step: bool) -> dict[str, bool]:
+    """DDP's keyword for copying buffers from the first rank before every forward (buffers are copied once at
+    construction either way, on torch >= 2.13; earlier versions skip that too when the per-step copy is off)."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": every_step}
+    return {"broadcast_buffers": every_step}  # its name before torch 2.13
 
 
 @contextmanager

@@ -20,7 +20,7 @@ class DDPOptions:
     """Promise that the set of used parameters never changes (enables more overlap)."""
     find_unused_parameters: bool = False
     """Search the graph for parameters that got no gradient (needed only by models that skip layers)."""
-    broadcast_buffers: bool | None = None
+    forward_sync_buffers: bool | None = None
     """Copy the first rank's buffers to every rank before each training forward, as torch DDP does by default.
     null: only when the model holds buffers other than normalisation layers' running statistics, which a
     training forward does not read (ranks get the first rank's before every evaluation and checkpoint anyway)."""
