@@ -23,6 +23,10 @@ def test_accumulation_gives_the_same_steps_and_curve(tmp_path, capsys):
     one, four = step_losses(tmp_path / "one"), step_losses(tmp_path / "four")
     assert len(one) == len(four) == 24
     assert four == pytest.approx(one, rel=1e-6)
+    # each epoch's logged mean is the mean of its 12 steps' losses (a step's loss: the mean of its micro-batches)
+    for run, losses in (("one", one), ("four", four)):
+        epochs = [value for _, value in logged_metric(tmp_path / run, "train/loss_epoch")]
+        assert epochs == pytest.approx([sum(losses[:12]) / 12, sum(losses[12:]) / 12], rel=1e-6)
     printed = capsys.readouterr().out.splitlines()
     assert not [line for line in printed if line.startswith("step 0/")]
     assert any(line.startswith("step 24/24") for line in printed)

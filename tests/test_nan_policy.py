@@ -62,3 +62,20 @@ def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     before = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP - 1}.ckpt")
     after = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP}.ckpt")
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_skipped_steps_loss_counts_nowhere_in_the_epochs_mean():
+    from disttrain.data.spec import DataSpec
+    from disttrain.optim import AdamWConfig, SchedulerConfig
+    from disttrain.task import TrainTask
+
+    task = TrainTask(torch.nn.Linear(4, 2), DataSpec("image", num_classes=2, in_channels=1, image_size=2),
+                     AdamWConfig(), SchedulerConfig(), total_steps=3)
+    logged = {}
+    task.log = lambda name, value, **_: logged.__setitem__(name, float(value))
+    task._log_position = lambda *_args, **_kwargs: None
+    for epoch_losses, mean in (([1.0, float("nan"), 3.0], 2.0), ([5.0], 5.0)):
+        for loss in epoch_losses:
+            task._record_train_loss(torch.tensor(loss))
+        task.on_train_epoch_end()
+        assert logged["train/loss_epoch"] == mean
