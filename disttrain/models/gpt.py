@@ -17,13 +17,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
+from disttrain.models.attention import causal_attention
 
 FLAVOURS: dict[str, dict[str, int]] = {
     "micro": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
@@ -61,6 +61,9 @@ class GPTConfig:
     """Biases in the Linear and LayerNorm layers."""
     tie_weights: bool = True
     """Share the LM head's weight with the token embedding. Tensor or pipeline parallelism may untie it."""
+    attention_fp32: bool | None = None
+    """Under bf16, attend in fp32 (true) or bf16 (false). None: fp32 on a CPU at short sequences and narrow
+    heads, where torch's bf16 kernel is the slower one (``disttrain.models.attention``)."""
 
     def validate(self, spec: DataSpec) -> GPTDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
@@ -122,9 +125,12 @@ def resolve_gpt_dims(cfg: GPTConfig, spec: DataSpec) -> GPTDims:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q, k, v projections and an output projection."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float, bias: bool, attention_fp32: bool | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = n_embd // n_head
+        self.attention_fp32 = attention_fp32
         self.q = nn.Linear(n_embd, n_embd, bias=bias)
         self.k = nn.Linear(n_embd, n_embd, bias=bias)
         self.v = nn.Linear(n_embd, n_embd, bias=bias)
@@ -138,7 +144,7 @@ class CausalSelfAttention(nn.Module):
         # The head count follows from the projection width, so column-sharded q/k/v carry a subset of heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -184,10 +190,12 @@ class Embeddings(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float, bias: bool, attention_fp32: bool | None = None
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, attention_fp32)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
@@ -204,13 +212,14 @@ class GPT(nn.Module):
     """
 
     def __init__(
-        self, dims: GPTDims, dropout: float = 0.0, bias: bool = True, tie_weights: bool = True
+        self, dims: GPTDims, dropout: float = 0.0, bias: bool = True, tie_weights: bool = True,
+        attention_fp32: bool | None = None,
     ) -> None:
         super().__init__()
         self.dims = dims
         self.embed = Embeddings(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
         self.blocks = nn.ModuleList(
-            Block(dims.n_embd, dims.n_head, dropout, bias) for _ in range(dims.n_layer)
+            Block(dims.n_embd, dims.n_head, dropout, bias, attention_fp32) for _ in range(dims.n_layer)
         )
         self.ln_f = nn.LayerNorm(dims.n_embd, bias=bias)
         self.lm_head = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
@@ -288,4 +297,5 @@ class GPT(nn.Module):
 def build_gpt(cfg: GPTConfig, spec: DataSpec) -> GPT:
     """Build the GPT that ``cfg`` describes for the text of ``spec``."""
     dims = cfg.validate(spec)
-    return GPT(dims, dropout=cfg.dropout, bias=cfg.bias, tie_weights=cfg.tie_weights)
+    return GPT(dims, dropout=cfg.dropout, bias=cfg.bias, tie_weights=cfg.tie_weights,
+               attention_fp32=cfg.attention_fp32)

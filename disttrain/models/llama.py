@@ -30,6 +30,7 @@ from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS
+from disttrain.models.attention import causal_attention
 from disttrain.models.gpt import sequence_length
 
 FLAVOURS: dict[str, dict[str, int]] = {
@@ -75,6 +76,9 @@ class LlamaConfig:
     """Epsilon added to the mean square in every RMSNorm."""
     dropout: float = 0.0
     """Dropout probability on embeddings, attention weights and residual branches."""
+    attention_fp32: bool | None = None
+    """Under bf16, attend in fp32 (true) or bf16 (false). None: fp32 on a CPU at short sequences and narrow
+    heads, where torch's bf16 kernel is the slower one (``disttrain.models.attention``)."""
 
     def validate(self, spec: DataSpec) -> LlamaDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
@@ -179,9 +183,11 @@ def apply_rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions and bias-free q, k, v, o projections."""
 
-    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, dropout: float, rope_theta: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, dropout: float, rope_theta: float,
+                 attention_fp32: bool | None = None) -> None:
         super().__init__()
         self.head_dim = n_embd // n_head
+        self.attention_fp32 = attention_fp32
         self.rope_theta = rope_theta
         self.q = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
         self.k = nn.Linear(n_embd, n_kv_head * self.head_dim, bias=False)
@@ -202,7 +208,7 @@ class Attention(nn.Module):
             # query head h reads key/value head h // group (consecutive query heads share one)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32)
         return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -239,10 +245,11 @@ class TokenEmbedding(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(attention_norm(x))`` then ``x + feed_forward(ffn_norm(x))``."""
 
-    def __init__(self, dims: LlamaDims, dropout: float, rope_theta: float, norm_eps: float) -> None:
+    def __init__(self, dims: LlamaDims, dropout: float, rope_theta: float, norm_eps: float,
+                 attention_fp32: bool | None = None) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
-        self.attention = Attention(dims.n_embd, dims.n_head, dims.n_kv_head, dropout, rope_theta)
+        self.attention = Attention(dims.n_embd, dims.n_head, dims.n_kv_head, dropout, rope_theta, attention_fp32)
         self.ffn_norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
         self.feed_forward = FeedForward(dims.n_embd, dims.mlp_hidden, dropout)
 
@@ -259,12 +266,12 @@ class Llama(nn.Module):
     """
 
     def __init__(self, dims: LlamaDims, dropout: float = 0.0, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5) -> None:
+                 norm_eps: float = 1e-5, attention_fp32: bool | None = None) -> None:
         super().__init__()
         self.dims = dims
         self.embed = TokenEmbedding(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
         self.layers = nn.ModuleList(
-            TransformerBlock(dims, dropout, rope_theta, norm_eps) for _ in range(dims.n_layer)
+            TransformerBlock(dims, dropout, rope_theta, norm_eps, attention_fp32) for _ in range(dims.n_layer)
         )
         self.norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
         self.output = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
@@ -332,4 +339,5 @@ class Llama(nn.Module):
 def build_llama(cfg: LlamaConfig, spec: DataSpec) -> Llama:
     """Build the Llama that ``cfg`` describes for the text of ``spec``."""
     dims = cfg.validate(spec)
-    return Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps)
+    return Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
+                 attention_fp32=cfg.attention_fp32)
