@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from disttrain.cli import train_from_cli
+from disttrain.cli import main_with_one_line_errors, train_from_cli
 from disttrain.config import register
 
 register()  # the typed schema and resolvers, before Hydra composes
@@ -16,4 +16,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    main_with_one_line_errors(main)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -13,6 +15,50 @@ from disttrain.errors import ConfigError
 
 HYDRA_BOOKKEEPING = {".hydra", "train.log"}
 """What Hydra writes into a job directory before the job function runs."""
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
+"""Hydra's switch for whole tracebacks; while it is "1", Hydra re-raises the errors it would otherwise print."""
+
+
+class _Composing:
+    """Whether :func:`main_with_one_line_errors` is in effect, and whether it has set FULL_ERROR meanwhile (only
+    while Hydra composes a job's config, never while the job runs)."""
+
+    wrapped = False
+    flag_set = False
+
+    @classmethod
+    def begin(cls) -> None:
+        if cls.wrapped and FULL_ERROR not in os.environ:
+            os.environ[FULL_ERROR], cls.flag_set = "1", True
+
+    @classmethod
+    def end(cls) -> None:
+        if cls.flag_set:
+            os.environ.pop(FULL_ERROR, None)
+            cls.flag_set = False
+
+
+def main_with_one_line_errors(hydra_main: Callable[[], Any], argv: list[str] | None = None) -> None:
+    """Run Hydra's decorated entry point so that a mistake Hydra finds while composing the config (an unknown
+    key, a value of the wrong type, a missing group option, an override it cannot parse) is one ``Error:`` line
+    and exit status 2, as the framework's own checks are. ``HYDRA_FULL_ERROR=1`` keeps Hydra's traceback."""
+    from disttrain.config.composition_errors import COMPOSITION_ERRORS, composition_error_line
+
+    # Hydra reads the flag when it catches an error, so only errors raised while composing come back here
+    _Composing.wrapped = True
+    _Composing.begin()
+    try:
+        hydra_main()
+    except COMPOSITION_ERRORS as err:
+        if not _Composing.flag_set:
+            raise
+        print(f"Error: {composition_error_line(err, sys.argv[1:] if argv is None else argv)}", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
+    finally:
+        _Composing.end()
+        _Composing.wrapped = False
 
 
 def train_from_cli(cfg: DictConfig) -> float | None:
@@ -23,8 +69,9 @@ def train_from_cli(cfg: DictConfig) -> float | None:
     from disttrain.fault.supervisor import RanksStopped
     from disttrain.run import train
 
+    _Composing.end()  # the job's own errors are reported as below, or by Hydra
     try:
-        return train(cfg)
+        metric = train(cfg)
     except ConfigError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -40,6 +87,8 @@ def train_from_cli(cfg: DictConfig) -> float | None:
         print(f"Preempted at step {stop.step}: a checkpoint was saved; run the same command with resume=auto "
               "to continue", file=sys.stderr, flush=True)
         sys.exit(stop.code)
+    _Composing.begin()  # a sweep's next job composes its config: its mistakes are one line too
+    return metric
 
 
 def discard_job_dir() -> None:

@@ -90,7 +90,12 @@ def token_files(directory: Path, stray: int | None = None) -> Path:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["+optim.lrr=1"], "optim.lrr=1 is invalid: not a known key"),
+        (["+optim.lrr=1"], "optim.lrr=1 is invalid: not a known key (did you mean optim.lr?)"),
+        (["trainer.max_stepz=3"],
+         "trainer.max_stepz='3' is invalid: not a known key (did you mean trainer.max_steps?)"),
+        (["optim.lr=abc"], "optim.lr='abc' is invalid: expected type float"),
+        (["parallel=zer3"], "parallel='zer3' is invalid: one of ['auto', 'ddp', 'diloco',"),
+        (["optim.lr=[1"], "cannot read the override 'optim.lr=[1': no viable alternative at input '[1'"),
         (["optim.lr=-1"], "optim.lr=-1.0 is invalid: a positive number"),
         (["parallel=ddp", "trainer.devices=0"], "trainer.devices=0 is invalid"),
         (["trainer.precision=16-mixed"], "fp16 autocast needs a gradient scaler"),
@@ -101,7 +106,8 @@ def token_files(directory: Path, stray: int | None = None) -> Path:
          "data.vocab_size=512 is invalid: more than every token id: val.bin holds id 60000 at position 700"),
         (["model=gpt"], "model.name='gpt' is invalid: a model for image data; gpt needs text data"),
     ],
-    ids=["unknown-key", "negative-lr", "devices-0", "fp16", "fp64", "no-path", "resume-dir", "stray-id", "gpt-images"],
+    ids=["unknown-key", "typo-key", "wrong-type", "no-such-option", "unparsable", "negative-lr",
+         "devices-0", "fp16", "fp64", "no-path", "resume-dir", "stray-id", "gpt-images"],
 )
 def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message):
     token_files(tmp_path / "tokens", stray=60000)
@@ -111,6 +117,17 @@ def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message):
     assert proc.stderr.strip() == f"Error: {proc.stderr.strip().removeprefix('Error: ')}"
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
     assert set(tmp_path.iterdir()) == before  # no outputs/ left behind
+
+
+def test_hydra_full_error_keeps_the_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=abc"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
 
 
 def test_notices_say_what_may_surprise(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -24,7 +25,7 @@ def typed(group: str, node: Any, schema: type) -> Any:
             missing = key if key.count(".") or not group else f"{group}.{_missing_field(err)}"
             raise ConfigError(missing, "???", f"a value is required (set {missing}=...)") from None
         value = getattr(err, "value", None) or _lookup(node, err.full_key)
-        raise ConfigError(key, value, f"expected {_field_type(schema, err.full_key)}") from None
+        raise ConfigError(key, value, f"expected {field_type(schema, err.full_key)}") from None
     return obj
 
 
@@ -42,13 +43,21 @@ def _reject_unknown_keys(prefix: str, node: Any, schema: type) -> None:
     for key in node:
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
-            raise ConfigError(path, node[key], f"not a known key; {prefix or 'top-level'} keys are {list(fields)}")
+            raise unknown_key(path, node[key], list(fields))
         factory = fields[key].default_factory
         if hasattr(factory, "__dataclass_fields__"):
             _reject_unknown_keys(path, node[key], factory)
 
 
-def _field_type(schema: type, dotted: str | None) -> str:
+def unknown_key(path: str, value: Any, known: list[str]) -> ConfigError:
+    """The error for a key its schema lacks: the keys it has, and the nearest one when the key looks like a typo."""
+    parent, _, name = path.rpartition(".")
+    near = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {'.'.join(filter(None, (parent, near[0])))}?)" if near else ""
+    return ConfigError(path, value, f"not a known key{hint}; {parent or 'top-level'} keys are {known}")
+
+
+def field_type(schema: type, dotted: str | None) -> str:
     """Readable type of a (possibly nested) dataclass field."""
     fields = getattr(schema, "__dataclass_fields__", {})
     head, _, rest = (dotted or "").partition(".")
@@ -56,7 +65,7 @@ def _field_type(schema: type, dotted: str | None) -> str:
         return "a value of the schema's type"
     ftype = fields[head].type
     if rest and hasattr(fields[head].default_factory, "__dataclass_fields__"):
-        return _field_type(fields[head].default_factory, rest)
+        return field_type(fields[head].default_factory, rest)
     return f"type {ftype}"
 
 
