@@ -70,6 +70,11 @@ def train_from_cli(cfg: DictConfig) -> float | None:
     from disttrain.run import train
 
     _Composing.end()  # the job's own errors are reported as below, or by Hydra
+    if _may_start_ranks(cfg):  # the fork server imports torch and Lightning while this process does the same
+        from disttrain.worker_start import fork_server_available, warm_fork_server
+
+        if fork_server_available():
+            warm_fork_server()
     try:
         metric = train(cfg)
     except ConfigError as err:
@@ -89,6 +94,17 @@ def train_from_cli(cfg: DictConfig) -> float | None:
         sys.exit(stop.code)
     _Composing.begin()  # a sweep's next job composes its config: its mistakes are one line too
     return metric
+
+
+def _may_start_ranks(cfg: DictConfig) -> bool:
+    """Whether this job will likely start worker ranks (more than one rank, no outside launcher, not a plan);
+    a guess from the raw config, made before the imports that validation needs."""
+    from omegaconf import OmegaConf
+
+    if "LOCAL_RANK" in os.environ or OmegaConf.select(cfg, "mode") == "plan":
+        return False
+    devices = OmegaConf.select(cfg, "trainer.devices")
+    return OmegaConf.select(cfg, "parallel.name") != "single" or devices not in ("auto", 1, "1")
 
 
 def discard_job_dir() -> None:

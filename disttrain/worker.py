@@ -21,10 +21,12 @@ def lost_a_peer(err: BaseException) -> bool:
         marker in str(err) for marker in PEER_LOST))
 
 
-if __name__ == "__main__":
+def run_and_exit(config_path: Path) -> None:
+    """Run this rank of the run whose resolved config is ``config_path``, then leave the process with the rank's
+    exit status (0, a diagnosed code, or 1 after printing the traceback)."""
     code = 0
     try:
-        run_worker(Path(sys.argv[1]))
+        run_worker(config_path)
     except Preempted as stop:
         code = stop.code
     except NonFiniteStep as err:
@@ -45,3 +47,7 @@ if __name__ == "__main__":
     # were seen to abort the interpreter's final teardown ("terminate called without an active exception"),
     # which would report a finished rank as failed. Leave without running that teardown.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run_and_exit(Path(sys.argv[1]))

@@ -19,6 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT
+from disttrain.worker_start import ForkedRank, fork_server_available
+
+RankProcess = subprocess.Popen | ForkedRank
+"""A running worker rank: forked from the fork server, or a new interpreter where the platform has none."""
 
 RESTARTS_FILE = "restarts.json"
 """In the log folder: one record per restart (attempt, rank, exit, cause, end of log)."""
@@ -96,7 +100,7 @@ class Supervisor:
         self.world_size, self.config_path, self.log_dir = world_size, config_path, log_dir
         self.max_restarts = max_restarts
         self.failures: list[Failure] = []
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[RankProcess] = []
         self._signalled = False
 
     def run(self) -> int:
@@ -142,15 +146,25 @@ class Supervisor:
             self._kill_all()
             del store
 
-    def _start(self, rank: int, env: dict[str, str], attempt: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "disttrain.worker", str(self.config_path)]
+    def _start(self, rank: int, env: dict[str, str], attempt: int) -> RankProcess:
+        env = {**os.environ, **env}
         if rank == 0:  # rank 0 speaks to the user directly: its output is the job's
-            return subprocess.Popen(command, env={**os.environ, **env})
+            return self._launch(env, None)
         with open(self._log_path(rank), "a") as log:
             if attempt:
                 log.write(f"--- restart {attempt} ---\n")
                 log.flush()
-            return subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+            return self._launch(env, log.fileno())
+
+    def _launch(self, env: dict[str, str], log_fd: int | None) -> RankProcess:
+        """A worker rank writing to the job's own output, or both its streams to ``log_fd``."""
+        if fork_server_available():
+            out, err = (1, 2) if log_fd is None else (log_fd, log_fd)
+            return ForkedRank(self.config_path, env, out, err)
+        command = [sys.executable, "-m", "disttrain.worker", str(self.config_path)]
+        if log_fd is None:
+            return subprocess.Popen(command, env=env)
+        return subprocess.Popen(command, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
 
     def _log_path(self, rank: int) -> Path:
         return self.log_dir / f"rank{rank}.log"

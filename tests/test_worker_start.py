@@ -1,0 +1,75 @@
+"""Ranks forked from the fork server start as ``python -m disttrain.worker`` started at that moment would: the
+job's environment, working directory and import path of now (not the server's), the thread count it sets,
+rank 0 on the job's output and the others in their logs, and no second run of the job's main script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from disttrain.run import train
+from disttrain.worker_start import warm_fork_server
+from tests.conftest import ROOT, compose_config
+
+SHORT = ["parallel=ddp", "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+         "trainer.limit_test_batches=1", "logger=none"]
+
+
+class RecordProcess(pl.Callback):
+    """Each rank writes what its process looks like to ``process-rank<N>.json`` in the run, and says hello."""
+
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        import importlib
+
+        try:
+            importlib.import_module("module_beside_the_job")
+            imported = True
+        except ImportError:
+            imported = False
+        record = {"mark": os.environ.get("DISTTRAIN_TEST_MARK"), "cwd": os.getcwd(), "imported": imported,
+                  "threads": torch.get_num_threads(), "pid": os.getpid()}
+        (Path(trainer.default_root_dir) / f"process-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        print(f"hello from rank {trainer.global_rank}", flush=True)
+
+
+def test_a_forked_rank_has_the_jobs_environment_directory_and_threads_of_now(tmp_path, monkeypatch, capfd):
+    warm_fork_server()  # started before the job changes anything below
+    (tmp_path / "module_beside_the_job.py").write_text("VALUE = 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DISTTRAIN_TEST_MARK", "set after the server started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    run_dir = tmp_path / "run"
+    train(compose_config([*SHORT, "+callbacks.record._target_=tests.test_worker_start.RecordProcess"], run_dir))
+    records = [json.loads((run_dir / f"process-rank{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        assert record["mark"] == "set after the server started"
+        assert record["cwd"] == str(tmp_path) and record["imported"], record
+        assert record["threads"] == 2 and record["pid"] != os.getpid()
+    assert "hello from rank 0" in capfd.readouterr().out
+    assert "hello from rank 1" in (run_dir / "logs" / "rank1.log").read_text()
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    script = tmp_path / "my_training.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.conftest import compose_config
+from disttrain.run import train
+
+print("the script ran", flush=True)
+train(compose_config({SHORT!r} + ["trainer.run_test=false"], {str(tmp_path / "run")!r}))
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("the script ran") == 1, proc.stdout[-2000:]
+    assert "Run complete: 2 steps on 2 rank(s)" in proc.stdout
