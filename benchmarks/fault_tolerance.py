@@ -2,11 +2,12 @@
 
     python benchmarks/fault_tolerance.py [--steps 30] [--every 10]
 
-Three runs of the same training, one after the other: synchronous checkpoints, asynchronous checkpoints
-(``checkpoint.async_save=true``), and a run whose rank 1 is killed by SIGKILL after step ``--kill-at``
-with ``fault_tolerance.max_restarts=1``. Prints the time training waited per save (sync, async and their
-ratio), the share of training wall time lost to checkpointing at one save every ``--every`` steps, and the
-time from the SIGKILL to the first step trained after the restart.
+Four runs of the same training, one after the other: synchronous checkpoints, asynchronous checkpoints
+(``checkpoint.async_save=true``), and twice a run whose rank 1 is killed by SIGKILL after step ``--kill-at``
+with ``fault_tolerance.max_restarts=1``, its ranks forked from the fork server (the default) and started as
+new interpreters (``trainer.rank_start=interpreter``). Prints the time training waited per save (sync,
+async and their ratio), the share of training wall time lost to checkpointing at one save every ``--every``
+steps, and the time from the SIGKILL to the first step trained after the restart, both ways.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ def main() -> None:
         base = Path(tmp)
         sync = run([], base / "sync", args.steps, args.every)
         background = run(["checkpoint.async_save=true"], base / "async", args.steps, args.every)
-        killed = run(["fault_tolerance.max_restarts=1", "+callbacks.kill._target_=tests.crash.SignalAtStep",
-                      f"+callbacks.kill.step={args.kill_at}", "+callbacks.kill.rank=1",
-                      f"+callbacks.kill.signum={int(signal.SIGKILL)}"], base / "killed", args.steps, args.every)
-        recovery = recovery_seconds(base / "killed")
+        kill = ["fault_tolerance.max_restarts=1", "+callbacks.kill._target_=tests.crash.SignalAtStep",
+                f"+callbacks.kill.step={args.kill_at}", "+callbacks.kill.rank=1",
+                f"+callbacks.kill.signum={int(signal.SIGKILL)}"]
+        recovery, restarts = {}, {}
+        for way in ("fork_server", "interpreter"):
+            killed = run([*kill, f"trainer.rank_start={way}"], base / f"killed-{way}", args.steps, args.every)
+            recovery[way] = recovery_seconds(base / f"killed-{way}")
+            restarts[way] = killed["fault_tolerance"]["restarts"]
     per_save = {name: r["checkpoints"]["blocking_s"] / max(1, r["checkpoints"]["saves"])
                 for name, r in (("sync", sync), ("async", background))}
     print(f"CPU: {cpu_model()}; GPT 10 layers x 640 wide (~50M parameters), 2 ranks (gloo), "
@@ -75,8 +80,10 @@ def main() -> None:
           f"{background['checkpoints']['share_of_wall_time']:.1%} | |")
     print(f"| samples/s | {sync['samples_per_sec']} | {background['samples_per_sec']} | "
           f"{background['samples_per_sec'] / sync['samples_per_sec']:.2f}x |")
-    print(f"\nSIGKILL of rank 1 after step {args.kill_at} to the first step after the restart: {recovery:.1f} s "
-          f"(restarts recorded: {killed['fault_tolerance']['restarts']})")
+    print(f"\nSIGKILL of rank 1 after step {args.kill_at} to the first step after the restart: "
+          f"{recovery['fork_server']:.1f} s with ranks forked from the fork server, {recovery['interpreter']:.1f} s "
+          f"with new interpreters ({recovery['fork_server'] / recovery['interpreter']:.2f}x; restarts recorded: "
+          f"{restarts['fork_server']} and {restarts['interpreter']})")
 
 
 if __name__ == "__main__":

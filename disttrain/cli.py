@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from disttrain.errors import ConfigError
 
@@ -71,9 +71,9 @@ def train_from_cli(cfg: DictConfig) -> float | None:
 
     _Composing.end()  # the job's own errors are reported as below, or by Hydra
     if _may_start_ranks(cfg):  # the fork server imports torch and Lightning while this process does the same
-        from disttrain.worker_start import fork_server_available, warm_fork_server
+        from disttrain.worker_start import forks_ranks, warm_fork_server
 
-        if fork_server_available():
+        if forks_ranks(str(OmegaConf.select(cfg, "trainer.rank_start", default="auto"))):
             warm_fork_server()
     try:
         metric = train(cfg)
@@ -99,8 +99,6 @@ def train_from_cli(cfg: DictConfig) -> float | None:
 def _may_start_ranks(cfg: DictConfig) -> bool:
     """Whether this job will likely start worker ranks (more than one rank, no outside launcher, not a plan);
     a guess from the raw config, made before the imports that validation needs."""
-    from omegaconf import OmegaConf
-
     if "LOCAL_RANK" in os.environ or OmegaConf.select(cfg, "mode") == "plan":
         return False
     devices = OmegaConf.select(cfg, "trainer.devices")

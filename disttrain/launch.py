@@ -106,14 +106,18 @@ def single_rank_environment() -> dict[str, str]:
             "LOCAL_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
 
 
-def spawn_and_run(world_size: int, config_path: Path, log_dir: Path, max_restarts: int = 0) -> int:
+def spawn_and_run(world_size: int, config_path: Path, log_dir: Path, max_restarts: int = 0,
+                  rank_start: str = "auto") -> int:
     """Start every rank as a worker reading ``config_path`` and supervise them until all finish.
 
     The job process hosts the rendezvous store (so a stopped rank never takes it down), shows rank 0's
     output as its own and writes the others' to ``log_dir/rank<N>.log``. When a rank fails, the others
     are stopped and, while restarts remain, all ranks start again and resume from the newest complete
-    checkpoint. Returns the number of restarts; raises ``RanksStopped`` when the job cannot finish.
+    checkpoint. Ranks are forked from the fork server or started as new interpreters (``rank_start``, one of
+    ``trainer.rank_start``'s values). Returns the number of restarts; raises ``RanksStopped`` when the job
+    cannot finish.
     """
     from disttrain.fault.supervisor import Supervisor
+    from disttrain.worker_start import forks_ranks
 
-    return Supervisor(world_size, config_path, log_dir, max_restarts).run()
+    return Supervisor(world_size, config_path, log_dir, max_restarts, forks_ranks(rank_start)).run()

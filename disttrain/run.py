@@ -75,7 +75,7 @@ def train(cfg: DictConfig) -> float | None:
     if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
         with rank_environment(single_rank_environment()):
             return run_rank(run)
-    spawn_and_run(run.dims.world_size, config_path, run_dir / "logs", restarts)
+    spawn_and_run(run.dims.world_size, config_path, run_dir / "logs", restarts, run.train.trainer.rank_start)
     return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
 
 

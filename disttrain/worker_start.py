@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from multiprocessing import forkserver, reduction, spawn
 from pathlib import Path
 
+RANK_STARTS = ("auto", "fork_server", "interpreter")
+"""The values of ``trainer.rank_start``."""
 PRELOAD = ["disttrain.worker"]
 """What the fork server imports before it forks a rank (the worker and, through it, torch and Lightning)."""
 
@@ -29,6 +31,11 @@ would live on while their exit statuses, which it relays, were lost."""
 def fork_server_available() -> bool:
     """Whether this platform has multiprocessing's fork server (every POSIX system; not Windows)."""
     return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def forks_ranks(rank_start: str) -> bool:
+    """Whether ``trainer.rank_start`` means ranks forked from the fork server (auto: where there is one)."""
+    return rank_start == "fork_server" or (rank_start == "auto" and fork_server_available())
 
 
 def warm_fork_server() -> None:

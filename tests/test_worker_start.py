@@ -1,4 +1,4 @@
-"""Ranks forked from the fork server start as ``python -m disttrain.worker`` started at that moment would: the
+"""Ranks forked from the fork server start as ``python -m disttrain.worker`` started at that moment does: the
 job's environment, working directory and import path of now (not the server's), the thread count it sets,
 rank 0 on the job's output and the others in their logs, and no second run of the job's main script."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from disttrain.run import train
@@ -39,14 +40,17 @@ class RecordProcess(pl.Callback):
         print(f"hello from rank {trainer.global_rank}", flush=True)
 
 
-def test_a_forked_rank_has_the_jobs_environment_directory_and_threads_of_now(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("rank_start", ["fork_server", "interpreter"])
+def test_a_rank_has_the_jobs_environment_directory_and_threads_of_now(tmp_path, monkeypatch, capfd, rank_start):
     warm_fork_server()  # started before the job changes anything below
     (tmp_path / "module_beside_the_job.py").write_text("VALUE = 1\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DISTTRAIN_TEST_MARK", "set after the server started")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # for this module's callback in a new interpreter
     run_dir = tmp_path / "run"
-    train(compose_config([*SHORT, "+callbacks.record._target_=tests.test_worker_start.RecordProcess"], run_dir))
+    train(compose_config([*SHORT, f"trainer.rank_start={rank_start}",
+                          "+callbacks.record._target_=tests.test_worker_start.RecordProcess"], run_dir))
     records = [json.loads((run_dir / f"process-rank{rank}.json").read_text()) for rank in (0, 1)]
     for record in records:
         assert record["mark"] == "set after the server started"

@@ -83,6 +83,11 @@ class TrainerConfig:
     """Ask torch for deterministic algorithms (slower on GPU; CPU fp32 runs are reproducible anyway)."""
     run_test: bool = True
     """Evaluate the best checkpoint on the test split after fitting."""
+    rank_start: str = "auto"
+    """How the runner starts its ranks: fork_server (forked from one process that imported torch, Lightning
+    and disttrain once per job, so no rank or restart imports them again), interpreter (a new Python per
+    rank, as torchrun does), or auto: fork_server where the platform has one (Linux, macOS), else interpreter.
+    Ignored under torchrun or SLURM, which start the ranks themselves."""
 
 
 @dataclass

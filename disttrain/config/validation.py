@@ -26,6 +26,7 @@ from disttrain.federated.checks import check_federated
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.worker_start import RANK_STARTS, fork_server_available
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,10 @@ def _validate_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.precision", t.precision,
                           f"one of {list(PRECISIONS)}, or auto (bf16-mixed where the device computes bf16 "
                           "natively and, on a CPU, measures faster)")
+    if t.rank_start not in RANK_STARTS:
+        raise ConfigError("trainer.rank_start", t.rank_start, f"one of {list(RANK_STARTS)}")
+    if t.rank_start == "fork_server" and not fork_server_available():
+        raise ConfigError("trainer.rank_start", t.rank_start, "interpreter or auto: this platform has no fork server")
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
     for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):

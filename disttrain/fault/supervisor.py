@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT
-from disttrain.worker_start import ForkedRank, fork_server_available
+from disttrain.worker_start import ForkedRank
 
 RankProcess = subprocess.Popen | ForkedRank
 """A running worker rank: forked from the fork server, or a new interpreter where the platform has none."""
@@ -96,8 +96,10 @@ def threads_per_rank(ranks: int) -> dict[str, str]:
 class Supervisor:
     """Runs ``world_size`` worker ranks of one run, restarting all of them up to ``max_restarts`` times."""
 
-    def __init__(self, world_size: int, config_path: Path, log_dir: Path, max_restarts: int) -> None:
+    def __init__(self, world_size: int, config_path: Path, log_dir: Path, max_restarts: int,
+                 fork_ranks: bool) -> None:
         self.world_size, self.config_path, self.log_dir = world_size, config_path, log_dir
+        self.fork_ranks = fork_ranks
         self.max_restarts = max_restarts
         self.failures: list[Failure] = []
         self._procs: list[RankProcess] = []
@@ -158,7 +160,7 @@ class Supervisor:
 
     def _launch(self, env: dict[str, str], log_fd: int | None) -> RankProcess:
         """A worker rank writing to the job's own output, or both its streams to ``log_fd``."""
-        if fork_server_available():
+        if self.fork_ranks:
             out, err = (1, 2) if log_fd is None else (log_fd, log_fd)
             return ForkedRank(self.config_path, env, out, err)
         command = [sys.executable, "-m", "disttrain.worker", str(self.config_path)]
