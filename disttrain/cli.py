@@ -97,12 +97,16 @@ def train_from_cli(cfg: DictConfig) -> float | None:
 
 
 def _may_start_ranks(cfg: DictConfig) -> bool:
-    """Whether this job will likely start worker ranks (more than one rank, no outside launcher, not a plan);
-    a guess from the raw config, made before the imports that validation needs."""
+    """Whether to start the fork server before validation: this job will likely start worker ranks (more than
+    one rank, no outside launcher, not a plan), and validation times nothing that the server's imports would
+    slow (``trainer.precision=auto`` and ``parallel=auto`` measure this machine). A guess from the raw config,
+    made before the imports that validation needs."""
     if "LOCAL_RANK" in os.environ or OmegaConf.select(cfg, "mode") == "plan":
         return False
-    devices = OmegaConf.select(cfg, "trainer.devices")
-    return OmegaConf.select(cfg, "parallel.name") != "single" or devices not in ("auto", 1, "1")
+    parallel, devices = OmegaConf.select(cfg, "parallel.name"), OmegaConf.select(cfg, "trainer.devices")
+    if parallel == "auto" or OmegaConf.select(cfg, "trainer.precision") == "auto":
+        return False
+    return parallel != "single" or devices not in ("auto", 1, "1")
 
 
 def discard_job_dir() -> None:
