@@ -1,10 +1,11 @@
 """Run a function on N gloo ranks in fresh processes and collect what each rank returns.
 
-``run_on_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (start method ``spawn``, one
-thread each), joins them into a gloo process group on a free local port, calls ``fn(*args)`` on every
-rank (``torch.distributed.get_rank()`` tells it which) and returns the ranks' return values in rank
-order. ``fn`` must be a picklable top-level function and its return values picklable. If a rank raises,
-the other ranks are stopped and ``RankError`` is raised with that rank's traceback.
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forked from the runner's fork
+server, which has imported torch, Lightning and disttrain once; one thread each), joins them into a gloo
+process group on a free local port, calls ``fn(*args)`` on every rank (``torch.distributed.get_rank()``
+tells it which) and returns the ranks' return values in rank order. ``fn`` must be a picklable top-level
+function and its return values picklable. If a rank raises, the other ranks are stopped and ``RankError``
+is raised with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from disttrain.launch import free_port
+from disttrain.worker_start import warm_fork_server
 
 
 class RankError(RuntimeError):
@@ -52,7 +54,8 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn: Callab
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``, each rank in its own gloo process."""
-    ctx = mp.get_context("spawn")
+    warm_fork_server()
+    ctx = mp.get_context("forkserver")
     results = ctx.Queue()
     port = free_port()
     saved = os.environ.get("OMP_NUM_THREADS")
