@@ -48,10 +48,31 @@ def warm_fork_server() -> None:
     except ValueError:  # not the main thread: signals cannot be set here, and the server keeps the defaults
         previous = {}
     try:
-        forkserver.ensure_running()  # a process started now inherits the ignored dispositions
+        with _streams_to_devnull():
+            forkserver.ensure_running()  # a process started now inherits the ignored dispositions and streams
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def _streams_to_devnull() -> Iterator[None]:
+    """Point this process's stdout and stderr at /dev/null while the fork server starts: every rank gets its
+    streams passed explicitly, and a server holding the job's would keep a pipe reading the job's output open
+    until the server's own teardown (about 0.6 s here) after the job has ended."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
 
 
 class ForkedRank:
