@@ -18,14 +18,12 @@ from contextlib import contextmanager
 from multiprocessing import forkserver, reduction, spawn
 from pathlib import Path
 
+from disttrain.fault.config import PREEMPTION_SIGNALS
+
 RANK_STARTS = ("auto", "fork_server", "interpreter")
 """The values of ``trainer.rank_start``."""
 PRELOAD = ["disttrain.worker"]
 """What the fork server imports before it forks a rank (the worker and, through it, torch and Lightning)."""
-
-SIGNALS_FOR_RANKS = (signal.SIGTERM, signal.SIGUSR1)
-"""Signals the job forwards to its ranks. The fork server ignores them: were it to die, the ranks it forked
-would live on while their exit statuses, which it relays, were lost."""
 
 
 def fork_server_available() -> bool:
@@ -43,8 +41,8 @@ def warm_fork_server() -> None:
     imports run while the job validates the config and prepares the run."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    try:
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SIGNALS_FOR_RANKS}
+    try:  # the server ignores the signals the job forwards: were it to die, its ranks' exit statuses were lost
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in PREEMPTION_SIGNALS}
     except ValueError:  # not the main thread: signals cannot be set here, and the server keeps the defaults
         previous = {}
     try:
@@ -144,7 +142,7 @@ def _run_forked(config_path: str, env: dict[str, str], cwd: str, sys_path: Seque
                 stderr_fd: int) -> None:
     """The rank's body in the forked process: become what ``python -m disttrain.worker CONFIG`` started with
     ``env`` in ``cwd`` would be, then run the worker."""
-    for sig in SIGNALS_FOR_RANKS:
+    for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
         os.dup2(fd, target)

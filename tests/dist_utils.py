@@ -58,18 +58,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     ctx = mp.get_context("forkserver")
     results = ctx.Queue()
     port = free_port()
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's OpenMP at import time
-    try:
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
     values: dict[int, Any] = {}
     deadline, dead_since = time.monotonic() + timeout, {}
     try:

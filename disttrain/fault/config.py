@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from disttrain.errors import ConfigError
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""A preemption notice: the job forwards them to every rank, which saves a checkpoint and stops."""
 
 PREEMPTED_EXIT = 75
 """All ranks saved a checkpoint after SIGTERM/SIGUSR1 and stopped (EX_TEMPFAIL: run again to continue)."""

@@ -14,9 +14,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from disttrain.fault.config import NON_FINITE_EXIT, PREEMPTED_EXIT
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from disttrain.fault.config import NON_FINITE_EXIT, PREEMPTED_EXIT, PREEMPTION_SIGNALS
 
 
 class Preempted(SystemExit):

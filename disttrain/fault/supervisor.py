@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT
+from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT, PREEMPTION_SIGNALS
 from disttrain.worker_start import ForkedRank
 
 RankProcess = subprocess.Popen | ForkedRank
@@ -109,7 +109,7 @@ class Supervisor:
         """Supervise until the ranks finish; the number of restarts it took."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         (self.log_dir / RESTARTS_FILE).unlink(missing_ok=True)
-        forwarded = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        forwarded = {sig: signal.getsignal(sig) for sig in PREEMPTION_SIGNALS}
         for sig in forwarded:  # a preemption notice to the job reaches every rank, which save and stop
             signal.signal(sig, self._forward)
         try:
