@@ -14,10 +14,17 @@ from lightning.pytorch.utilities.model_summary.model_summary import _format_summ
 
 
 class NewestAndBestCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose ``last.ckpt`` is the newest state at every save point and at the end of fit.
+    """Save points and the ranking of checkpoints, kept apart.
 
-    Lightning 2.6 rewrites ``last.ckpt`` only when a top-k checkpoint is written in the same step, so a run
-    whose validation metric stops improving keeps an old ``last.ckpt`` and ``resume=auto`` repeats work.
+    A save point writes the newest state to ``last.ckpt`` (keeping ``keep_last`` of them): every
+    ``every_n_train_steps`` optimiser steps, after each validation (or at each epoch end where validation runs
+    once an epoch), and at the end of fit. It does not wait for anything to be monitored: Lightning 2.6 defers
+    a step save point until its monitored metric exists, and rewrites ``last.ckpt`` only beside a top-k save,
+    so a crash lost the steps since the start or since the metric last improved.
+
+    Ranking (``step<N>.ckpt``, the ``save_top_k`` best) happens only at a save point right after a validation,
+    by the score that validation measured on the weights being saved. A step save point between validations
+    has no score of its own and is not ranked (Lightning would rank it by the previous validation's score).
     """
 
     def __init__(self, *args: Any, keep_last: int = 1, **kwargs: Any) -> None:
@@ -26,6 +33,11 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         """Save points kept: ``last.ckpt`` and up to ``keep_last - 1`` earlier ones (``last-step<N>.ckpt``)."""
         self.last_step_written = -1
         """The global step of the newest ``last.ckpt`` this run wrote (-1: none yet)."""
+        self.validated_step = -1
+        """The global step of the newest validation in this fit (-1: none yet): its scores describe the weights
+        of that step only."""
+        self.ranked_step = -1
+        """The global step of the newest checkpoint this run ranked (-1: none yet)."""
         self.blocking_s = 0.0
         """Seconds this process's saves held training up (gathering the state and writing or staging it)."""
         self._state_key = super().state_key
@@ -51,35 +63,40 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         finally:
             self.save_last = saved
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        """A save point every ``every_n_train_steps`` optimiser steps (the runner sets no time interval); where a
+        validation follows this batch, the save point waits for it, so that ``last.ckpt`` holds its ranking."""
+        every = self._every_n_train_steps
+        if every >= 1 and trainer.global_step % every == 0 and not _validation_follows(trainer):
+            self._save_point(trainer)
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Top-k as Lightning does, then ``last.ckpt`` if this validation was a save point."""
-        super().on_validation_end(trainer, pl_module)
+        """Note the step whose weights were just scored; a save point unless epoch ends are the save points."""
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        self.validated_step = trainer.global_step
         if not self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+            self._save_point(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Top-k as Lightning does, then ``last.ckpt`` if epoch ends are the save points."""
-        super().on_train_epoch_end(trainer, pl_module)
+        """A save point where validation runs once an epoch (it ran just before) or not at all."""
         if self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+            self._save_point(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The final state, also when the run stops between save points (``max_steps`` mid-epoch)."""
-        self._refresh_last(trainer)
+        self._save_point(trainer)
 
-    def _refresh_last(self, trainer: pl.Trainer) -> None:
-        if not self.save_last or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+    def _save_point(self, trainer: pl.Trainer) -> None:
+        step = trainer.global_step
+        if step == 0 or trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.global_step == 0 or self.last_step_written == trainer.global_step:
-            return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        # before the first validation there is nothing to rank by: no best yet, and no warning at each save point
-        if self.monitor is not None and self.monitor not in monitor_candidates \
-                and not trainer.fit_loop.epoch_loop.val_loop._has_run:
-            return
-        super()._save_topk_checkpoint(trainer, monitor_candidates)
+        candidates = self._monitor_candidates(trainer)
+        if self.validated_step == step and self.ranked_step != step:
+            self.ranked_step = step
+            self._save_topk_checkpoint(trainer, candidates)
+        if self.save_last and self.last_step_written != step:
+            self._save_last_checkpoint(trainer, candidates)
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         if self.save_last and trainer.is_global_zero and self.dirpath is not None:
@@ -89,6 +106,14 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         super()._save_last_checkpoint(trainer, monitor_candidates)
         if self.save_last:
             self.last_step_written = trainer.global_step
+
+
+def _validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates right after the training batch that just ended (its own decision, asked
+    early through its epoch loop's private test; where that is missing, no validation is assumed)."""
+    loop, fetcher = trainer.fit_loop.epoch_loop, getattr(trainer.fit_loop, "_data_fetcher", None)
+    decide = getattr(loop, "_should_check_val_fx", None)
+    return bool(decide is not None and fetcher is not None and decide(fetcher))
 
 
 class ThroughputMeter(pl.Callback):
