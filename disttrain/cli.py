@@ -88,9 +88,8 @@ def train_from_cli(cfg: DictConfig) -> float | None:
             raise
         print(f"Error: {err}", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
-    except Preempted as stop:
-        print(f"Preempted at step {stop.step}: a checkpoint was saved; run the same command with resume=auto "
-              "to continue", file=sys.stderr, flush=True)
+    except Preempted as stop:  # one rank's run, or the supervisor of many: one wording, and no "Error"
+        print(stop.message, file=sys.stderr, flush=True)
         sys.exit(stop.code)
     _Composing.begin()  # a sweep's next job composes its config: its mistakes are one line too
     return metric

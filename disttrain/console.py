@@ -141,3 +141,11 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
         lines.append("  " + "; ".join(events))
     lines.append(f"  run directory {results_path.parent}; results in {results_path.name}")
     return "\n".join(lines)
+
+
+def skipped_steps_warning(skipped: int, steps: int) -> str:
+    """The line that ends a run some of whose steps ``nan_policy=skip`` dropped: its weights took fewer updates
+    than its step count says, which the exit status (0) does not show."""
+    return (f"disttrain: warning: {skipped} of {steps} optimiser steps were skipped for non-finite numbers "
+            f"(fault_tolerance.nan_policy=skip): the weights took {steps - skipped} updates; a run that keeps "
+            "producing them has diverged (a lower learning rate, or nan_policy=stop to end at the first)")

@@ -67,9 +67,11 @@ class PipelineTask(TrainTask):
             if self.clip:
                 self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
             optimizer.step()
+            self._count_applied_step(True)
         except SkippedStep:
             # without gradients the optimiser leaves every parameter and its state alone, and Lightning still
             # counts the step, as it does under automatic optimisation
+            self._count_applied_step(False)
             optimizer.zero_grad(set_to_none=True)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

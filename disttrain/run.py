@@ -19,7 +19,7 @@ from disttrain.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryW
 from disttrain.comm.meter import comm_meter_of
 from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config import ExecutionPlan, RunConfig, parallel_options, validate
-from disttrain.console import quiet_noise, run_summary
+from disttrain.console import quiet_noise, run_summary, skipped_steps_warning
 from disttrain.energy import EnergyMeter
 from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import StepAgreement, StepDecisions
@@ -95,7 +95,7 @@ def run_rank(run: RunConfig) -> float | None:
     cfg = run.train
     quiet_noise()
     ft = cfg.fault_tolerance
-    agreement = StepAgreement(ft.nan_policy)
+    agreement = StepAgreement(ft.nan_policy, Path(cfg.run_dir) / "checkpoints")
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
     watchdog = RankWatchdog(ft.hang_timeout_s)
     try:
@@ -173,6 +173,9 @@ def run_rank(run: RunConfig) -> float | None:
             if cfg.plots:
                 write_run_plots(Path(cfg.run_dir), results)
             print(run_summary(results, results_path), flush=True)
+            if agreement.skipped_steps:
+                print(skipped_steps_warning(agreement.skipped_steps, trainer.global_step), file=sys.stderr,
+                      flush=True)
         return results["objective"]
     finally:
         watchdog.stop()
@@ -291,6 +294,9 @@ def resume_path(resume: str | None, run_dir: Path, announce: bool = True) -> str
         if announce:
             for warning in skipped:
                 print(f"disttrain: {warning}", file=sys.stderr, flush=True)
+            if newest is None:
+                print(f"disttrain: resume=auto found no complete checkpoint in {run_dir / 'checkpoints'}: starting "
+                      "from step 0", file=sys.stderr, flush=True)
         return str(newest) if newest is not None else None
     return resume
 

@@ -306,6 +306,7 @@ def test_private_rounds_clip_each_update_and_noise_zero_is_the_non_private_run(r
     (["federated.partition=dirichlet", "federated.alpha=0"], "federated.alpha"),
     (["federated.dp.noise_multiplier=1.0"], "federated.dp.noise_multiplier"),
     (["federated.mu=0.1"], "federated.mu"),
+    (["federated.strategy=fedprox", "federated.mu=0.0"], "federated.mu"),  # FedAvg under another name
     (["federated.dp.clip=1", "federated.weighting=samples"], "federated.weighting"),
     (["federated.strategy=fedsgd"], "federated.strategy"),
     (["comm=fp16"], "comm.name"),
@@ -318,6 +319,16 @@ def test_impossible_federated_settings_are_one_line_errors(make_config, override
         validate(make_config(["parallel=federated", "trainer.devices=2", *overrides]))
     assert caught.value.key == key
     assert "\n" not in str(caught.value)
+
+
+def test_fedprox_without_a_weight_takes_the_default_and_says_so_in_the_config(make_config):
+    from disttrain.config import validate
+    from disttrain.federated.config import DEFAULT_PROX_MU
+
+    prox = validate(make_config(["parallel=federated", "trainer.devices=1", "federated.strategy=fedprox"]))
+    avg = validate(make_config(["parallel=federated", "trainer.devices=1"]))
+    assert (prox.train.federated.mu, avg.train.federated.mu) == (DEFAULT_PROX_MU, 0.0)
+    assert f"mu: {DEFAULT_PROX_MU}" in prox.yaml
 
 
 def test_clients_left_empty_by_a_skewed_split_are_reported(make_config):

@@ -27,6 +27,7 @@ def test_stop_keeps_the_last_good_checkpoint_and_exits_with_its_code(tmp_path, p
     assert done.returncode == NON_FINITE_EXIT, done.stderr[-3000:]
     assert f"the training loss is nan at step {BAD_STEP}" in done.stderr
     last = run_dir / "checkpoints" / "last.ckpt"
+    assert f"keeping its last good checkpoint (step 4, {last})" in done.stderr
     assert load_metadata(last)["global_step"] == 4 and damage(last) is None
     weights = consolidated_weights(last)
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -55,6 +56,7 @@ def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run_dir / "results.json").read_text())
     assert results["fault_tolerance"]["skipped_steps"] == 1
+    assert "warning: 1 of 12 optimiser steps were skipped for non-finite numbers" in done.stderr
     losses = logged_losses(run_dir)
     assert math.isnan(float(losses[BAD_STEP]))
     assert all(math.isfinite(float(value)) for step, value in losses.items() if step != BAD_STEP)
@@ -74,8 +76,21 @@ def test_a_skipped_steps_loss_counts_nowhere_in_the_epochs_mean():
     logged = {}
     task.log = lambda name, value, **_: logged.__setitem__(name, float(value))
     task._log_position = lambda *_args, **_kwargs: None
-    for epoch_losses, mean in (([1.0, float("nan"), 3.0], 2.0), ([5.0], 5.0)):
-        for loss in epoch_losses:
-            task._record_train_loss(torch.tensor(loss))
+    # steps as (this rank's batch losses, whether every rank applied the step): a step skipped for another rank's
+    # NaN counts nowhere, its finite losses on this rank neither; an epoch without an applied step has no mean
+    epochs = (([([1.0], True), ([float("nan")], False), ([3.0, 1e12], False), ([2.0, 4.0], True)], 7 / 3),
+              ([([5.0], True)], 5.0), ([([1e12], False)], float("nan")))
+    for steps, mean in epochs:
+        for losses, applied in steps:
+            for loss in losses:
+                task._record_train_loss(torch.tensor(loss))
+            task._count_applied_step(applied)
         task.on_train_epoch_end()
-        assert logged["train/loss_epoch"] == mean
+        assert logged["train/loss_epoch"] == pytest.approx(mean, nan_ok=True)
+
+
+def test_a_stop_before_any_save_point_does_not_promise_a_checkpoint(tmp_path):
+    from disttrain.fault.steps import NonFiniteStep, StepAgreement
+
+    with pytest.raises(NonFiniteStep, match="at step 2: the run stops, before any checkpoint was saved"):
+        StepAgreement("stop", tmp_path / "checkpoints").check_finite("the training loss", torch.tensor(math.nan), 2)

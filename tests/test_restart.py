@@ -69,6 +69,9 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     detected = re.search(r"hang: rank 1 has not answered for (\d+) s", done.stderr)
     assert detected is not None, done.stderr[-3000:]
     assert int(detected.group(1)) <= timeout + 5
+    # the record names the hung rank, not the rank whose watchdog found it
+    cause = json.loads((run_dir / "logs" / "restarts.json").read_text())[0]
+    assert (cause["rank"], cause["found_by"], cause["code"]) == (1, 0, HUNG_EXIT), cause
     assert_no_orphans(run_dir)
 
 
@@ -99,9 +102,9 @@ def test_sigterm_to_the_job_is_forwarded_and_every_rank_saves(reference, tmp_pat
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=120)
     assert job.returncode == PREEMPTED_EXIT, err[-3000:]
-    assert "preempted" in err
     saved = load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"]
     assert 3 <= saved < 400
+    assert_preempted_line(err, saved)
     assert_no_orphans(run_dir)
 
 
@@ -111,11 +114,28 @@ def test_sigterm_to_one_rank_saves_the_current_step_and_resume_is_bitwise(refere
     assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
     # the signal came after step 5's reduce: all ranks agree at step 6 and save it (not a save point)
     assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
+    assert_preempted_line(done.stderr, 6)
     resumed = run(["parallel=ddp", "resume=auto"], run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert logged_losses(run_dir) == logged_losses(reference)
     assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)
+
+
+def test_one_rank_preempted_says_the_same_line(tmp_path):
+    run_dir = tmp_path / "preempted"
+    done = run(["trainer.devices=1", *signal_at(5, 0, signal.SIGTERM)], run_dir)
+    assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
+    assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
+    assert_preempted_line(done.stderr, 6)
+
+
+def assert_preempted_line(stderr: str, step: int) -> None:
+    """A preemption ends with one line, the same for one rank and many, and it is no error."""
+    line = (f"Preempted at step {step}: every rank saved a checkpoint and stopped; run the same command with "
+            "resume=auto to continue")
+    assert stderr.rstrip().splitlines()[-1] == line, stderr[-3000:]
+    assert "Error" not in stderr, stderr[-3000:]
 
 
 def test_with_sparse_rows_ranks_agree_on_logged_steps_only_and_still_stop_together(reference, tmp_path):

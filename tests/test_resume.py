@@ -71,3 +71,11 @@ def test_a_run_ending_between_save_points_saves_its_last_step(tmp_path):
     run_dir = tmp_path / "run"
     train(compose_config([*RUN, f"trainer.max_steps={STEPS + 2}"], run_dir))
     assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == STEPS + 2
+
+
+def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
+    from disttrain.run import resume_path
+
+    assert resume_path("auto", tmp_path) is None
+    assert capsys.readouterr().err == (f"disttrain: resume=auto found no complete checkpoint in "
+                                       f"{tmp_path / 'checkpoints'}: starting from step 0\n")

@@ -8,6 +8,7 @@ one the rank is already in, and deadlock it).
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,11 +19,20 @@ from disttrain.fault.config import NON_FINITE_EXIT, PREEMPTED_EXIT, PREEMPTION_S
 
 
 class Preempted(SystemExit):
-    """All ranks saved a checkpoint after a preemption signal and stop (exit status ``PREEMPTED_EXIT``)."""
+    """All ranks saved a checkpoint after a preemption signal and stop (exit status ``PREEMPTED_EXIT``): a clean,
+    resumable stop, not an error."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int | None) -> None:
         super().__init__(PREEMPTED_EXIT)
         self.step = step
+        """The global step every rank saved (None where the job could not read it)."""
+
+    @property
+    def message(self) -> str:
+        """The one line the job prints, for one rank and for many alike."""
+        at = f" at step {self.step}" if self.step is not None else ""
+        return (f"Preempted{at}: every rank saved a checkpoint and stopped; run the same command with resume=auto "
+                "to continue")
 
 
 class NonFiniteStep(RuntimeError):
@@ -38,8 +48,10 @@ class SkippedStep(Exception):
 class StepAgreement:
     """The per-step flags a task reduces with its loss, and the decisions taken on them."""
 
-    def __init__(self, nan_policy: str = "stop") -> None:
+    def __init__(self, nan_policy: str = "stop", checkpoints: Path | None = None) -> None:
         self.nan_policy = nan_policy
+        self.checkpoints = checkpoints
+        """The run's checkpoint folder, where a stop on non-finite numbers says which checkpoint it kept."""
         self.signalled: int | None = None
         """The preemption signal this rank received (set by the handler), None if none."""
         self.stop_requested = False
@@ -64,8 +76,17 @@ class StepAgreement:
         if self.nan_policy == "skip":
             self.skipped_steps += 1
             raise SkippedStep(name)
-        raise NonFiniteStep(f"{name} is {float(value)} at step {step}: the run stops with the last good checkpoint "
-                            "kept (fault_tolerance.nan_policy=skip drops such steps instead)")
+        raise NonFiniteStep(f"{name} is {float(value)} at step {step}: the run stops, {self._kept()} "
+                            "(fault_tolerance.nan_policy=skip drops such steps instead)")
+
+    def _kept(self) -> str:
+        """Which checkpoint a stop leaves to resume from, in words (read once, on the way out)."""
+        from disttrain.fault.checkpoints import newest_complete, saved_step
+
+        newest = newest_complete(self.checkpoints)[0] if self.checkpoints is not None else None
+        if newest is None:
+            return "before any checkpoint was saved (checkpoint.every_n_train_steps saves more often)"
+        return f"keeping its last good checkpoint (step {saved_step(newest)}, {newest})"
 
     def install(self) -> dict[int, Any]:
         """Replace the preemption signals' handlers (Lightning's SIGTERM handler broadcasts inside the

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT, PREEMPTION_SIGNALS
+from disttrain.fault.steps import Preempted
 from disttrain.worker_start import ForkedRank
 
 RankProcess = subprocess.Popen | ForkedRank
@@ -55,6 +56,8 @@ class Failure:
     log_tail: list[str] = field(default_factory=list)
     exit: str = ""
     """``code`` in words."""
+    found_by: int | None = None
+    """For a hang: the rank whose watchdog saw it and exited with ``code`` (``rank`` is the one it blamed)."""
 
     def __post_init__(self) -> None:
         self.exit = self.exit or describe_exit(self.code)
@@ -125,6 +128,8 @@ class Supervisor:
                       f"({attempt + 1} of {self.max_restarts}) from the newest complete checkpoint",
                       file=sys.stderr, flush=True)
             last = self.failures[-1]
+            if last.code == PREEMPTED_EXIT:  # a clean stop at a saved step, with no restart left to resume it
+                raise Preempted(self._saved_step())
             after = f" after {self.max_restarts} restart(s)" if self.max_restarts else ""
             raise RanksStopped(f"{last.describe()}\nthe run stopped{after}", _exit_code(last))
         finally:
@@ -198,8 +203,7 @@ class Supervisor:
         codes = [proc.poll() for proc in self._procs]
         if all(code in (0, PREEMPTED_EXIT) for code in codes):
             if self._signalled:  # the job itself was told to go: it stops, and a requeue or a person resumes it
-                raise RanksStopped("preempted: every rank saved a checkpoint at the same step and stopped; "
-                                   "run the same command with resume=auto to continue", PREEMPTED_EXIT)
+                raise Preempted(self._saved_step())
             # one rank was told to go (a drained node): a restart resumes from the checkpoint just written
             return Failure(attempt, codes.index(PREEMPTED_EXIT), PREEMPTED_EXIT,
                            "a preemption signal reached a rank; every rank saved a checkpoint and stopped")
@@ -207,15 +211,28 @@ class Supervisor:
         return Failure(attempt, rank, codes[rank], "while the others stopped after a preemption signal",
                        self._tail(rank))
 
-    def _failure(self, attempt: int, rank: int, code: int, store: object) -> Failure:
-        self._kill_all()  # the others cannot go on without it (and a stopped rank only yields to SIGKILL)
-        cause = None
+    def _saved_step(self) -> int | None:
+        """The step of the checkpoint the ranks saved as they stopped (None if it cannot be read)."""
+        from disttrain.checkpoint_io import load_metadata
+
         try:
-            if store.check([FAILURE_KEY]):  # type: ignore[attr-defined]
-                cause = store.get(FAILURE_KEY).decode()  # type: ignore[attr-defined]
+            return int(load_metadata(self.config_path.parent / "checkpoints" / "last.ckpt")["global_step"])
+        except (OSError, KeyError, RuntimeError):
+            return None
+
+    def _failure(self, attempt: int, rank: int, code: int, store: object) -> Failure:
+        """The failure of ``rank``, which exited with ``code``; where a watchdog diagnosed a hang, the record
+        names the rank it blamed, and ``found_by`` the rank that saw it."""
+        self._kill_all()  # the others cannot go on without it (and a stopped rank only yields to SIGKILL)
+        try:
+            diagnosis = json.loads(store.get(FAILURE_KEY)) if store.check([FAILURE_KEY]) else None  # type: ignore
         except Exception:  # the diagnosis is a courtesy; the exit code is the fact
-            cause = None
-        return Failure(attempt, rank, code, cause, self._tail(rank))
+            diagnosis = None
+        if diagnosis is None:
+            return Failure(attempt, rank, code, None, self._tail(rank))
+        culprit = diagnosis["rank"] if diagnosis.get("rank") is not None else rank
+        return Failure(attempt, culprit, code, diagnosis["cause"], self._tail(culprit), found_by=diagnosis["found_by"],
+                       exit=f"hung; rank {diagnosis['found_by']} found it (exit {code})")
 
     def _tail(self, rank: int, lines: int = 15) -> list[str]:
         path = self._log_path(rank)

@@ -11,6 +11,7 @@ process (the launcher) after reaping a worker, and it sees one node only.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -85,7 +86,7 @@ class RankWatchdog(pl.Callback):
             store = TCPStore(address, port, is_master=False, wait_for_workers=False,
                              timeout=timedelta(seconds=max(1.0, self.timeout_s)))
         except Exception as err:  # noqa: BLE001 - an unreachable store is itself the diagnosis
-            self._fail(f"hang: the rendezvous store at {address}:{port} did not answer ({err})", None)
+            self._fail(f"hang: the rendezvous store at {address}:{port} did not answer ({err})", None, None)
             return
         beat = 0
         started = time.monotonic()
@@ -102,14 +103,14 @@ class RankWatchdog(pl.Callback):
                 values = dict(zip(present, store.multi_get(present), strict=True)) if present else {}
             except Exception as err:  # noqa: BLE001
                 self._fail(f"hang: the rendezvous store at {address}:{port} did not answer within "
-                           f"{self.timeout_s:g} s ({err})", store)
+                           f"{self.timeout_s:g} s ({err})", store, None)
                 return
             now = time.monotonic()
             steps = {}
             for rank, key in enumerate(self._keys):
                 if key not in values:
                     if now - started > self.timeout_s:
-                        self._fail(f"hang: rank {rank} never reported within {self.timeout_s:g} s", store)
+                        self._fail(f"hang: rank {rank} never reported within {self.timeout_s:g} s", store, rank)
                         return
                     continue
                 other_beat, progress, step, finished = values[key].decode().split()
@@ -123,20 +124,23 @@ class RankWatchdog(pl.Callback):
                     seen[rank] = (other_beat, progress, now)
                 elif now - old[2] > self.timeout_s:
                     self._fail(f"hang: rank {rank} has not answered for {now - old[2]:.0f} s (stopped, frozen "
-                               f"or unreachable), last seen at step {step}", store)
+                               f"or unreachable), last seen at step {step}", store, rank)
                     return
             if now - max(progress_changed, started) > self.timeout_s:
                 slowest = min(steps, key=lambda r: (steps[r], r)) if steps else self.rank
                 self._fail(f"hang: no rank made progress for {now - progress_changed:.0f} s (a deadlock?); "
-                           f"steps by rank {steps}, slowest rank {slowest}", store)
+                           f"steps by rank {steps}, slowest rank {slowest}", store, slowest)
                 return
             if self._stop.wait(self.interval_s):
                 self._done = True  # publish "done" once more, then leave
 
-    def _fail(self, message: str, store: Any) -> None:
+    def _fail(self, message: str, store: Any, culprit: int | None) -> None:
+        """Leave the diagnosis (and the rank it blames, None where none is known) for the supervisor, say it,
+        and exit with ``HUNG_EXIT``."""
         if store is not None:
-            try:
-                store.compare_set(FAILURE_KEY, "", message)  # the first diagnosis wins
+            try:  # the first diagnosis wins
+                store.compare_set(FAILURE_KEY, "", json.dumps({"cause": message, "rank": culprit,
+                                                               "found_by": self.rank}))
             except Exception:  # noqa: BLE001 - the exit code below is what the launcher acts on
                 pass
         print(f"disttrain: rank {self.rank}: {message}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ def check_federated(top: Any, cfg: DictConfig, world_size: int, dp_replicate: in
 
     fed, p = top.federated, top.parallel
     fed.validate()
+    OmegaConf.update(cfg, "federated.mu", fed.mu)  # the config written for the ranks says the weight taken
     if not fed.enabled:
         if p.federated:
             raise ConfigError("federated.clients", fed.clients, "a positive number of clients with parallel=federated")

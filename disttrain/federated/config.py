@@ -10,6 +10,8 @@ from disttrain.errors import ConfigError
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedyogi")
 PARTITIONS = ("iid", "dirichlet", "shards")
 WEIGHTINGS = ("auto", "samples", "uniform")
+DEFAULT_PROX_MU = 0.01
+"""FedProx's proximal weight when none is given: the middle of the values its authors tried (0.001 to 1)."""
 
 
 @dataclass
@@ -77,8 +79,9 @@ class FederatedConfig:
     """Samples per local step of a client."""
     strategy: str = "fedavg"
     """fedavg, fedprox (local proximal term ``mu``), fedadam or fedyogi (adaptive server steps)."""
-    mu: float = 0.0
-    """FedProx: weight of the proximal term ``mu / 2 * ||w - w_global||^2`` in each local step."""
+    mu: float | None = None
+    """FedProx: weight of the proximal term ``mu / 2 * ||w - w_global||^2`` in each local step; positive with
+    fedprox (0 would make it FedAvg), unset or 0 otherwise. null: ``DEFAULT_PROX_MU`` with fedprox, else 0."""
     server: ServerOptions = field(default_factory=ServerOptions)
     """The server's step on the aggregated update."""
     partition: str = "iid"
@@ -136,7 +139,12 @@ class FederatedConfig:
                                     ("weighting", self.weighting, WEIGHTINGS)):
             if value not in allowed:
                 raise ConfigError(f"federated.{key}", value, f"one of {list(allowed)}")
+        if self.mu is None:
+            self.mu = DEFAULT_PROX_MU if self.strategy == "fedprox" else 0.0
         checks.non_negative("federated.mu", self.mu)
+        if self.strategy == "fedprox" and not self.mu:
+            raise ConfigError("federated.mu", self.mu, "a positive proximal weight with federated.strategy=fedprox "
+                              f"(with 0 it is FedAvg: use strategy=fedavg; null takes {DEFAULT_PROX_MU})")
         if self.mu and self.strategy != "fedprox":
             raise ConfigError("federated.mu", self.mu, "0 unless federated.strategy=fedprox (mu is FedProx's "
                               f"proximal weight; strategy is {self.strategy})")
