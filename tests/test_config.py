@@ -60,6 +60,9 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["trainer.limit_val_batches=1.5"], "trainer.limit_val_batches", "a fraction in (0, 1]"),
         (["trainer.limit_test_batches=-1"], "trainer.limit_test_batches", "a count of batches >= 0"),
         (["trainer.val_check_interval=0"], "trainer.val_check_interval", "a count of batches >= 1"),
+        (["trainer.val_check_interval=0.5", "trainer.check_val_every_n_epoch=null"], "trainer.val_check_interval",
+         "an int) with trainer.check_val_every_n_epoch=null"),
+        (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch", "a positive number of epochs"),
         (["trainer.limit_val_batches=all"], "trainer.limit_val_batches", "a count of batches (an int)"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "trainer.compile=true"], "trainer.compile",
          "pipeline"),
@@ -194,3 +197,21 @@ def test_the_precision_probe_times_real_steps():
     assert step_seconds(model, batch, bf16=False) > 0 and step_seconds(model, batch, bf16=True) > 0
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
     assert batch[0].dtype == torch.float32 and batch[1].shape == (4,)
+
+
+def test_a_step_interval_longer_than_an_epoch_validates_across_epochs(make_config):
+    # GPT micro on pydocs: an epoch is 102 steps of 64 samples, here 204 batches of 32 under accumulation 2
+    run = validate(make_config([*GPT_TEXT, "trainer.max_steps=300", "trainer.val_check_interval=300",
+                                "batch.accumulation=2"]))
+    assert run.train.trainer.check_val_every_n_epoch is None
+    assert "check_val_every_n_epoch: null" in run.yaml  # the ranks read the decision, not the question
+    assert any("val_check_interval=300 is longer than an epoch (204 batches)" in n for n in run.notices), run.notices
+    inside = validate(make_config([*GPT_TEXT, "trainer.max_steps=300", "trainer.val_check_interval=100"]))
+    assert inside.train.trainer.check_val_every_n_epoch == 1
+
+
+def test_accumulation_with_batchnorm_is_announced(make_config):
+    accumulating = validate(make_config(["batch.accumulation=2"]))  # the digits CNN has BatchNorm layers
+    assert any("batch.accumulation=2 with BatchNorm layers" in n for n in accumulating.notices), accumulating.notices
+    assert not any("BatchNorm" in n for n in validate(make_config([])).notices)
+    assert not any("BatchNorm" in n for n in validate(make_config([*GPT_TEXT, "batch.accumulation=2"])).notices)

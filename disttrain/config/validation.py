@@ -82,6 +82,8 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
     from disttrain.data import DATA, build_datamodule
     from disttrain.models import MODELS
     from disttrain.optim import OPTIMIZERS, SchedulerConfig
@@ -145,7 +147,14 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     top.comm.check_model(net)
     notices += check_federated(top, cfg, dims.world_size, dims.dp_replicate, datamodule)
     if not top.federated.enabled:
-        notices += length_notices(top.trainer, datamodule.num_train_samples // batch.global_size)
+        steps_per_epoch = datamodule.num_train_samples // batch.global_size
+        notices += length_notices(top.trainer, steps_per_epoch)
+        notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
+        OmegaConf.update(cfg, "trainer.check_val_every_n_epoch", top.trainer.check_val_every_n_epoch)
+    if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
+        notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
+                       f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
+                       "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
     plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
     if top.federated.enabled:  # clients clip their own local steps
         plan = replace(plan, trainer_clip=None)
@@ -175,7 +184,7 @@ def _choose_parallel(top: TrainConfig, cfg: DictConfig, model: Any, data: Any, o
 
 
 def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:
-    """Lines that say how ``max_steps``, ``max_epochs`` and validation combine, where it may surprise."""
+    """Lines that say how ``max_steps`` and ``max_epochs`` combine, where it may surprise."""
     notices = []
     if steps_per_epoch < 1:
         raise ConfigError("batch.global_size", None, "at most the number of training samples (an epoch would "
@@ -185,11 +194,34 @@ def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:
         if t.max_epochs and epochs > t.max_epochs:
             notices.append(f"trainer.max_steps={t.max_steps} sets the length: {epochs} epochs of {steps_per_epoch} "
                            f"steps (trainer.max_epochs={t.max_epochs} applies only when max_steps is -1)")
-        interval = t.val_check_interval
-        if isinstance(interval, int) and not isinstance(interval, bool) and interval > t.max_steps \
-                and t.check_val_every_n_epoch is None:
-            notices.append(f"trainer.val_check_interval={interval} is beyond trainer.max_steps={t.max_steps}: "
-                           "this run never validates (no val metrics, no best checkpoint)")
+    return notices
+
+
+def validation_schedule(t: TrainerConfig, batches_per_epoch: int, accumulation: int) -> list[str]:
+    """Check how the validation settings combine, in Lightning's terms (training batches per rank: an optimiser
+    step is ``accumulation`` of them), before any rank starts; a step interval longer than an epoch validates
+    across epochs (``check_val_every_n_epoch`` null), where Lightning would refuse it once the ranks run."""
+    interval, every_epochs = t.val_check_interval, t.check_val_every_n_epoch
+    if every_epochs is not None and every_epochs < 1:
+        raise ConfigError("trainer.check_val_every_n_epoch", every_epochs, "a positive number of epochs, or null "
+                          "(with an integer val_check_interval: validate every that many batches across epochs)")
+    counted = isinstance(interval, int) and not isinstance(interval, bool)
+    if every_epochs is None and not counted:
+        raise ConfigError("trainer.val_check_interval", interval, "a number of training batches (an int) with "
+                          "trainer.check_val_every_n_epoch=null (a fraction or null needs epochs to count in)")
+    if not counted:
+        return []
+    notices = []
+    if every_epochs is not None and interval > batches_per_epoch:
+        t.check_val_every_n_epoch = None
+        notices.append(f"trainer.val_check_interval={interval} is longer than an epoch ({batches_per_epoch} "
+                       f"batches): validating every {interval} batches across epochs "
+                       "(trainer.check_val_every_n_epoch=null)")
+    total = t.max_steps * accumulation if t.max_steps > 0 else None
+    if total is not None and interval > total and t.check_val_every_n_epoch is None:
+        notices.append(f"trainer.val_check_interval={interval} is beyond the run's {total} training batches "
+                       f"(trainer.max_steps={t.max_steps}): this run never validates (no val metrics, no best "
+                       "checkpoint)")
     return notices
 
 
