@@ -101,7 +101,9 @@ class CheckpointConfig:
     monitor: str | None = None
     """Metric that ranks checkpoints; null: the task's validation metric (val/acc or val/loss)."""
     every_n_train_steps: int | None = None
-    """Also save every n optimiser steps; null: at each validation."""
+    """A save point (``last.ckpt``) every n optimiser steps as well, from the first step on, whatever is
+    monitored; null: save points at each validation and the end only. Saves between validations are not
+    ranked: only a validation scores the weights it sees."""
     keep_last: int = 1
     """How many of the newest save points to keep (``last.ckpt`` and ``last-step<N>.ckpt`` before it);
     resuming skips a damaged newest one for the one before."""

@@ -107,6 +107,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     top.comm.validate()
     if top.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")
+    every = top.checkpoint.every_n_train_steps
+    if every is not None and (every < 1 or not top.checkpoint.save_last):
+        raise ConfigError("checkpoint.every_n_train_steps", every, "null, or a positive number of steps with "
+                          "checkpoint.save_last=true (its save points write last.ckpt)")
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
     notices += [devices_notice] if devices_notice else []
     OmegaConf.update(cfg, "trainer.devices", top.trainer.devices)  # workers read the number, not auto
