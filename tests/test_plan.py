@@ -340,10 +340,11 @@ ACC_DIMS = (2, 4, 128, 32, 256)  # GPTDims: every width divides by the ranks, so
 
 
 def _accumulated_grads_rank(modes: list[str], replicas: int) -> dict:
-    """ZeRO-3 over all ranks (hybrid sharding with ``replicas`` > 1), ``ACC_STEPS`` SGD steps of ``ACCUMULATION`` micro-batches under each
-    ``parallel.accumulate_grads`` mode, as the strategy runs them: per mode, the bytes of gradient tensors this
-    rank holds after the first (non-final) micro-batch's backward, the bytes its collectives sent in the first
-    step, the losses and the final weights; and one process's losses and weights on the same global batches."""
+    """ZeRO-3 over all ranks (hybrid sharding with ``replicas`` > 1), ``ACC_STEPS`` SGD steps of
+    ``ACCUMULATION`` micro-batches under each ``parallel.accumulate_grads`` mode, as the strategy runs them: per
+    mode, the bytes of gradient tensors this rank holds after the first (non-final) micro-batch's backward, the
+    bytes its collectives sent in the first step, the losses and the final weights; and one process's losses
+    and weights on the same global batches."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
