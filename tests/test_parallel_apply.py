@@ -1,7 +1,12 @@
-"""apply_parallelism's DDP path: accumulation micro-batches do not communicate; the syncing one does."""
+"""apply_parallelism's DDP path: accumulation micro-batches do not communicate; the syncing one does. The
+strategy accumulates as ``parallel.accumulate_grads`` says."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,3 +42,23 @@ def count_ddp_communication() -> tuple[int, int]:
 def test_accumulation_skips_the_all_reduce():
     for accumulating, total in run_on_ranks(count_ddp_communication, 2):
         assert accumulating == 0 and total >= 1
+
+
+@pytest.mark.parametrize(("zero_stage", "mode", "sharded"),
+                         [(3, "auto", True), (2, "sharded", True), (3, "unsharded", False), (1, "auto", False)])
+def test_the_strategy_accumulates_as_the_config_says(monkeypatch, zero_stage, mode, sharded):
+    import disttrain.parallel.strategy as strategy
+
+    seen = []
+
+    @contextmanager
+    def recording(model, sharded_accumulation):
+        seen.append((model, sharded_accumulation))
+        yield
+
+    monkeypatch.setattr(strategy, "backward_sync_disabled", recording)
+    owner = SimpleNamespace(parallel=ParallelConfig(zero_stage=zero_stage, accumulate_grads=mode),
+                            lightning_module=SimpleNamespace(net="the net"))
+    with strategy.DistTrainStrategy.block_backward_sync(owner):
+        pass
+    assert seen == [("the net", sharded)]

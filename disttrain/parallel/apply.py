@@ -103,10 +103,12 @@ def buffer_sync_option(every_step: bool) -> dict[str, bool]:
 
 
 @contextmanager
-def backward_sync_disabled(model: nn.Module) -> Generator[None, None, None]:
-    """Within this context backward passes accumulate local gradients without communicating."""
-    set_gradient_sync(model, False)
+def backward_sync_disabled(model: nn.Module, sharded: bool = False) -> Generator[None, None, None]:
+    """Within this context backward passes accumulate gradients without the step's exchange: locally and whole
+    (DDP; FSDP2 unless ``sharded``) or, with ``sharded`` (``ParallelConfig.sharded_accumulation``), reduce-
+    scattered into FSDP2's gradient shards every micro-batch, with only hybrid sharding's all-reduce deferred."""
+    set_gradient_sync(model, False, sharded)
     try:
         yield
     finally:
-        set_gradient_sync(model, True)
+        set_gradient_sync(model, True, sharded)

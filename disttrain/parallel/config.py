@@ -62,6 +62,17 @@ class OuterOptions:
         return self.lr == 1.0 and self.momentum == 0.0
 
 
+ACCUMULATE_GRADS = ("auto", "sharded", "unsharded")
+"""Values of ``parallel.accumulate_grads``."""
+
+
+def accumulates_sharded(zero_stage: int, accumulate_grads: str) -> bool:
+    """Whether gradient accumulation keeps ZeRO-2/3's gradients sharded: every micro-batch reduce-scatters its
+    gradients into the shards (``auto`` and ``sharded``); ``unsharded`` keeps whole local gradients until the
+    step's last micro-batch, which reduce-scatters once. Stages 0 and 1 never shard gradients."""
+    return zero_stage in (2, 3) and accumulate_grads != "unsharded"
+
+
 @dataclass
 class ParallelConfig:
     """How a run is spread over ranks: mesh degrees ``pp x dp_replicate x dp_shard x tp`` and options."""
@@ -78,6 +89,16 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     zero_stage: int = 0
     """0: plain replication; 1, 2, 3: ZeRO stage of the sharded data-parallel dimension."""
+    accumulate_grads: str = "auto"
+    """ZeRO-2/3 with batch.accumulation > 1: where gradients accumulate between micro-batches. sharded: every
+    micro-batch reduce-scatters its gradients into this rank's shard (gradient memory 1/dp_shard; one
+    reduce-scatter of the gradients per micro-batch, overlapped with backward like the last one). unsharded:
+    micro-batches before the last add into whole local gradients and the last reduce-scatters once (whole
+    gradients per rank while accumulating; one reduce-scatter per step). auto: sharded, the memory ZeRO-2/3
+    are chosen to save (whole gradients are dp_shard times larger), for data-parallel bytes that stay below
+    1.5x (ZeRO-3, which gathers parameters twice per micro-batch anyway) or 2x (ZeRO-2) of unsharded
+    accumulation's and overlap backward as the last micro-batch's do. sharded and unsharded need zero_stage 2
+    or 3 and pp 1 (a pipeline schedule reduces once per batch, after its microbatches)."""
     sequence_parallel: bool = False
     """With tp > 1: also shard norms and dropout along the sequence (less activation memory)."""
     activation_checkpointing: bool = False
@@ -127,6 +148,11 @@ class ParallelConfig:
         """Data-parallel replicas that exchange parameters or gradients by disttrain's own code, not DDP's."""
         return bool(self.sync_every or self.servers or self.federated)
 
+    @property
+    def sharded_accumulation(self) -> bool:
+        """Accumulation micro-batches reduce-scatter their gradients (see ``accumulate_grads``)."""
+        return accumulates_sharded(self.zero_stage, self.accumulate_grads)
+
     def fewest_ranks(self) -> int:
         """The smallest world size this preset runs on: its fixed degrees, and 2 for a degree of -1."""
         fewest = 1
@@ -138,6 +164,8 @@ class ParallelConfig:
         """Checks that need no world size."""
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "one of 0, 1, 2, 3")
+        if self.accumulate_grads not in ACCUMULATE_GRADS:
+            raise ConfigError("parallel.accumulate_grads", self.accumulate_grads, "auto, sharded or unsharded")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError("parallel.backend", self.backend, "null, gloo or nccl")
         if self.ddp.bucket_cap_mb <= 0:
@@ -196,5 +224,10 @@ class ParallelConfig:
             raise ConfigError("parallel.dp_shard", dims.dp_shard,
                               f"> 1 for zero_stage={self.zero_stage} (the ranks that share the model state); "
                               f"world size {dims.world_size} gives nothing to shard")
+        if self.accumulate_grads != "auto" and (self.zero_stage not in (2, 3) or dims.pp_enabled):
+            raise ConfigError("parallel.accumulate_grads", self.accumulate_grads,
+                              f"auto unless zero_stage is 2 or 3 and pp is 1 (only ZeRO-2/3 shard gradients; a "
+                              f"pipeline schedule reduces them once per batch; got zero_stage={self.zero_stage}, "
+                              f"pp={dims.pp})")
         if self.cpu_offload and self.zero_stage not in (2, 3):
             raise ConfigError("parallel.cpu_offload", True, "false unless zero_stage is 2 or 3")

@@ -70,16 +70,21 @@ def mixed_precision_policy(precision: str, device_type: str, reduce_dtype: torch
     return None
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn gradient communication on or off, for gradient accumulation without communication.
+def set_gradient_sync(model: nn.Module, enabled: bool, sharded: bool = False) -> None:
+    """Turn gradient communication on or off, for gradient accumulation.
 
-    FSDP2 modules (``set_requires_gradient_sync``; with it off they accumulate unsharded gradients, so
-    ZeRO-2/3 hold full-size gradients until the syncing micro-batch) and DDP (``no_sync``'s flag). The
-    last micro-batch of an accumulation window must run with ``enabled=True``.
+    DDP (``no_sync``'s flag) and FSDP2 modules (``set_requires_gradient_sync``; with it off they accumulate
+    whole gradients, so ZeRO-2/3 hold full-size gradients until the syncing micro-batch). ``sharded``: FSDP2
+    keeps reduce-scattering each backward into the gradient shards and only hybrid sharding's all-reduce
+    across replicas waits for the syncing micro-batch (``set_requires_all_reduce``). The last micro-batch of
+    an accumulation window must run with ``enabled=True``.
     """
     if isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = enabled
         return
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
+            if sharded:
+                module.set_requires_all_reduce(enabled, recurse=False)
+            else:
+                module.set_requires_gradient_sync(enabled, recurse=False)

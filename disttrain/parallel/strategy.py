@@ -160,8 +160,9 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient all-reduce on accumulation micro-batches (only the last one syncs)."""
-        with backward_sync_disabled(self.lightning_module.net):
+        """Skip the gradient all-reduce on accumulation micro-batches (only the last one syncs); ZeRO-2/3 with
+        sharded accumulation still reduce-scatter every micro-batch (``parallel.accumulate_grads``)."""
+        with backward_sync_disabled(self.lightning_module.net, self.parallel.sharded_accumulation):
             yield
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -63,9 +63,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipeline_units: int,
-                      devices_per_node: int) -> list[list[Layout]]:
+                      devices_per_node: int, accumulate_grads: str = "auto") -> list[list[Layout]]:
     """Candidate layouts, grouped by parallel degrees and options; each group lists micro-batches from the
-    largest down (the first that fits is the fastest of its group)."""
+    largest down (the first that fits is the fastest of its group). ``accumulate_grads``: the run's
+    ``parallel.accumulate_grads``, which every candidate keeps."""
     groups = []
     for tp in _divisors(world):
         if tp > 1 and (not inputs.has_tp_plan or tp > devices_per_node
@@ -86,7 +87,7 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
                     for micro in reversed(_divisors(per_replica)):
                         base = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, zero_stage=stage,
                                       activation_checkpointing=ac, micro_size=micro,
-                                      accumulation=per_replica // micro)
+                                      accumulation=per_replica // micro, accumulate_grads=accumulate_grads)
                         if pp == 1:
                             group.append(base)
                             continue
@@ -112,10 +113,11 @@ def _data_parallel_ways(dp: int, tp: int, devices_per_node: int, pp: int) -> lis
 
 
 def choose(inputs: PlanInputs, world: int, global_batch: int, pipeline_units: int,
-           valid: Callable[[Layout], bool] = lambda layout: True) -> Choice:
+           valid: Callable[[Layout], bool] = lambda layout: True, accumulate_grads: str = "auto") -> Choice:
     """The fastest layout that fits (ties to the simplest), from ``candidate_layouts`` that ``valid`` accepts."""
     fitting, too_big = [], []
-    for group in candidate_layouts(world, global_batch, inputs, pipeline_units, inputs.profile.devices_per_node):
+    for group in candidate_layouts(world, global_batch, inputs, pipeline_units, inputs.profile.devices_per_node,
+                                   accumulate_grads):
         group = [layout for layout in group if valid(layout)]
         estimates = (inputs.estimate(layout) for layout in group)
         last = None

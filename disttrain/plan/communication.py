@@ -28,6 +28,8 @@ class Collective:
     """Bytes this rank sends per step in the ring model."""
     seconds: float = 0.0
     """Predicted time per step on the profile's link."""
+    after_step: bool = False
+    """Runs after the optimiser step (ZeRO-1's parameter broadcast), when no backward is left to hide it."""
 
 
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -43,10 +45,12 @@ def group_link(profile: HardwareProfile, span: int) -> Link:
     return profile.intra_node if span <= profile.devices_per_node else profile.inter_node
 
 
-def collective(kind: str, group: str, size: int, buffer: float, calls: int, link: Link) -> Collective:
+def collective(kind: str, group: str, size: int, buffer: float, calls: int, link: Link,
+               after_step: bool = False) -> Collective:
+    """``calls`` calls of ``kind`` over ``group`` moving ``buffer`` bytes in all, timed on ``link``."""
     sent = RING_FACTOR[kind](size) * buffer
     seconds = sent / link.bandwidth + calls * RING_STEPS[kind](size) * link.latency
-    return Collective(kind, group, size, buffer, calls, sent, seconds)
+    return Collective(kind, group, size, buffer, calls, sent, seconds, after_step)
 
 
 def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
@@ -64,11 +68,13 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
         out.append(collective("all_reduce", "dp_replicate", dr, grads, 1, link_dr))
     if layout.zero_stage == 1 and ds > 1:
         out.append(collective("all_reduce", "dp_shard", ds, grads, 1, link_ds))
-        out.append(collective("broadcast", "dp_shard", ds, weights, ds, link_ds))
+        # each rank broadcasts the parameters it stepped: after the optimiser step, so nothing overlaps it
+        out.append(collective("broadcast", "dp_shard", ds, weights, ds, link_ds, after_step=True))
     if layout.zero_stage >= 2 and ds > 1:
         gathers = acc * (2 if layout.zero_stage == 3 else 1)
         out.append(collective("all_gather", "dp_shard", ds, weights * gathers, gathers, link_ds))
-        out.append(collective("reduce_scatter", "dp_shard", ds, grads, 1, link_ds))
+        scatters = acc if layout.sharded_accumulation else 1  # every micro-batch, or once per step
+        out.append(collective("reduce_scatter", "dp_shard", ds, grads * scatters, scatters, link_ds))
         if dr > 1:
             out.append(collective("all_reduce", "dp_replicate", dr, grads / ds, 1, link_dr))
     if tp > 1:

@@ -11,7 +11,7 @@ charged per collective in the ring model; time is the alpha-beta model of the pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disttrain.plan.communication import Collective, collectives
 from disttrain.plan.hardware import HardwareProfile
@@ -49,6 +49,9 @@ class Estimate:
     """Communication time not hidden behind compute."""
     tokens_per_step: int
     """Tokens (samples, for images) per optimiser step over all ranks."""
+    grads_alternative: float | None = None
+    """Gradient bytes under the other ``parallel.accumulate_grads`` choice (sharded <-> unsharded); None where
+    there is no choice (no ZeRO-2/3 accumulation without pipelining)."""
     watts: float | None = None
     """Power of all the devices the run occupies (a CPU run: every core of the machine), when known."""
     notes: list[str] = field(default_factory=list)
@@ -101,6 +104,10 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     ranks = rank_units(stats, layout)
     params = max(rank_params(stats, layout, units) for units in ranks)
     memory = model_state(params, layout, state)
+    alternative = None
+    if layout.zero_stage >= 2 and layout.pp == 1 and layout.accumulation > 1:
+        other = replace(layout, accumulate_grads="unsharded" if layout.sharded_accumulation else "sharded")
+        alternative = model_state(params, other, state)["grads"]
     checkpointed, plain = activations(stats, ranks[0], layout, scale * act_dtype)
     memory["activations"] = checkpointed if layout.activation_checkpointing else plain
     memory["transient"] = transient(stats, layout, state)
@@ -110,9 +117,11 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
                           gather_bf16=bf16 and not profile.cpu)
     compute = compute_seconds(stats, layout, ranks, profile, state, params, bf16)
     shared_cpu = profile.cpu
-    dp_time = sum(c.seconds for c in traffic if c.group.startswith("dp"))
-    other = sum(c.seconds for c in traffic if not c.group.startswith("dp"))
-    # data-parallel collectives overlap backward on GPUs; gloo on a shared CPU runs on the cores that compute
+    overlappable = [c for c in traffic if c.group.startswith("dp") and not c.after_step]
+    dp_time = sum(c.seconds for c in overlappable)
+    other = sum(c.seconds for c in traffic if not any(c is o for o in overlappable))
+    # data-parallel collectives of backward overlap it on GPUs; gloo on a shared CPU runs on the cores that
+    # compute; what runs after the optimiser step (ZeRO-1's broadcast) has nothing to overlap
     exposed = other + (dp_time if shared_cpu else max(0.0, dp_time - compute * 2 / 3))
     # CPU ranks of this machine share its memory: a whole machine's worth split over the ranks
     capacity = (profile.memory_bytes * profile.devices_per_node / layout.world_size if profile.cpu
@@ -120,4 +129,4 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
     return Estimate(layout, memory, phases, plain, checkpointed, capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
-                    compute, exposed, tokens, power(profile, layout.world_size))
+                    compute, exposed, tokens, alternative, power(profile, layout.world_size))

@@ -7,6 +7,7 @@ machine's profile is measured by ``python -m disttrain.plan --calibrate`` and st
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -117,7 +118,10 @@ def resolve_profile(name: str, memory_gb: float | None = None) -> HardwareProfil
     return profile
 
 
+@functools.cache
 def _quick_machine_profile() -> HardwareProfile:
+    """This machine measured briefly, once per process: every plan of a process (``parallel=auto``'s choice
+    and ``mode=plan``'s table of it) predicts with the same rates."""
     from disttrain.plan.calibrate import measure_compute, measure_memory_bandwidth, measure_op_overhead, this_machine
 
     compute, bandwidth = measure_compute(0.2), measure_memory_bandwidth(0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disttrain.parallel.config import accumulates_sharded
 from disttrain.parallel.dims import ParallelDims
 from disttrain.plan.model_stats import ROOT, ModelStats
 
@@ -54,6 +55,19 @@ class Layout(ParallelDims):
     """Pipeline schedule (pp > 1)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank (interleaved schedules)."""
+    accumulate_grads: str = "auto"
+    """``parallel.accumulate_grads``: where ZeRO-2/3 accumulate gradients between micro-batches."""
+
+    @property
+    def sharded_accumulation(self) -> bool:
+        """Accumulation micro-batches reduce-scatter into gradient shards (ZeRO-2/3 without pipelining)."""
+        return self.pp == 1 and accumulates_sharded(self.zero_stage, self.accumulate_grads)
+
+    @property
+    def whole_grads(self) -> bool:
+        """Each rank holds its gradients unsharded at their largest: no ZeRO-2/3, or micro-batches that
+        accumulate whole gradients before one reduce-scatter."""
+        return self.zero_stage < 2 or (self.accumulation > 1 and not self.sharded_accumulation)
 
     def describe(self) -> str:
         """Short text, e.g. ``dp_shard=4 zero3 tp=2 ac micro=8x2``."""

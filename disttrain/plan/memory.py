@@ -18,8 +18,8 @@ def model_state(params: float, layout: Layout, state: StateBytes) -> dict[str, f
         held = p + p / shard
     else:
         held = p
-    # accumulating micro-batches without syncing keeps whole gradients until the step's last micro-batch
-    grads = params * state.grad / (shard if layout.zero_stage >= 2 and layout.accumulation == 1 else 1)
+    # unsharded accumulation keeps whole gradients until the step's last micro-batch reduce-scatters them
+    grads = params * state.grad / (1 if layout.whole_grads else shard)
     return {"params": held, "grads": grads, "optimizer": params * state.optim / shard}
 
 

@@ -113,12 +113,20 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     flash, flash_backward = aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
     registry = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[flash],
                 aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[flash_backward]}
-    with recorder, _FusedAttention(), _OpCounter(registry, recorder.on_op), \
-            torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
-        logits = net(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        recorder.done_forward()
-        loss.backward()
+    # every pass starts without gradients, as a step after zero_grad does: a gradient left by an earlier pass
+    # on the same net would add an accumulating operator per parameter to this pass's backward
+    kept = {p: p.grad for p in net.parameters()}
+    net.zero_grad(set_to_none=True)
+    try:
+        with recorder, _FusedAttention(), _OpCounter(registry, recorder.on_op), \
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
+            logits = net(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            recorder.done_forward()
+            loss.backward()
+    finally:
+        for p, grad in kept.items():
+            p.grad = grad
     tokens = spec.block_size if spec.kind == "text" else 1
     # column-wise layers split weight and bias; row-wise layers split the weight and replicate the bias
     sharded = {name: any(fnmatchcase(name.rsplit(".", 1)[0], pattern) for pattern, style in (tp_plan or {}).items()

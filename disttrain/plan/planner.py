@@ -78,7 +78,8 @@ def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
                   zero_stage=parallel.zero_stage, activation_checkpointing=parallel.activation_checkpointing,
                   sequence_parallel=parallel.sequence_parallel, micro_size=batch.micro_size,
                   accumulation=batch.accumulation, microbatches=pipe.microbatches if dims.pp > 1 else 1,
-                  schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1)
+                  schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1,
+                  accumulate_grads=parallel.accumulate_grads)
 
 
 
@@ -124,7 +125,8 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
             return False
         return True
 
-    choice = choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid)
+    choice = choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid,
+                    parallel.accumulate_grads)
     why = choice.reason(alternatives)
     if choice.best is None:
         raise ConfigError("parallel", "auto", f"a layout that fits {world} rank(s) of {profile.name} with "

@@ -34,6 +34,11 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
             other, figure = (("without", e.activations_plain) if lay.activation_checkpointing
                              else ("with", e.activations_checkpointed))
             value += f" ({other} activation checkpointing: {human_bytes(figure)})"
+        if key == "grads" and e.grads_alternative is not None:
+            value += (" (accumulated sharded: a reduce-scatter every micro-batch; unsharded: "
+                      f"{human_bytes(e.grads_alternative)})" if lay.sharded_accumulation else
+                      " (accumulated unsharded: one reduce-scatter per step; sharded: "
+                      f"{human_bytes(e.grads_alternative)})")
         lines.append(f"| {label} | {value} |")
     verdict = "fits" if e.fits else f"DOES NOT FIT: {e.overflow()}"
     moment = max(e.phases, key=e.phases.get).replace("_", " ")
