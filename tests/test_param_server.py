@@ -64,7 +64,7 @@ def test_a_synchronous_parameter_server_is_ddp_and_its_servers_share_the_traffic
     assert max(load) <= sum(numels) / servers * 1.05  # whole tensors, balanced to 5%: S servers, 1/S the traffic
 
 
-SHAPES = [(40, 3), (64,), (5, 5), (7,), (3,)]
+SHAPES = [(40, 3), (64,), (5, 5), (7,), (3,), (9, 2), (11,), (4, 4), (13,), (6,), (2, 5), (17,)]
 
 
 def _rank_gradients(rank: int) -> list[torch.Tensor]:
@@ -75,8 +75,8 @@ def _rank_gradients(rank: int) -> list[torch.Tensor]:
 
 
 def _initial_parameters() -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    """Zeros: a step of SGD at learning rate 1 makes them minus the clipped gradients, every rounding kept."""
+    return [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
 
 
 def _one_step_with_three_servers() -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -90,7 +90,7 @@ def _one_step_with_three_servers() -> tuple[list[torch.Tensor], torch.Tensor, li
     params = _initial_parameters()
     for param, grad in zip(params, _rank_gradients(dist.get_rank()), strict=True):
         param.grad = grad
-    server = ParameterServerOptimizer(torch.optim.SGD(params, lr=0.1), dist.group.WORLD, 3, ByteCounter())
+    server = ParameterServerOptimizer(torch.optim.SGD(params, lr=1.0), dist.group.WORLD, 3, ByteCounter())
     server.clip_value = 0.5
     server.step()
     # one process holding every rank's gradients: added in rank order, then clipped and stepped as DDP's task does
@@ -101,7 +101,7 @@ def _one_step_with_three_servers() -> tuple[list[torch.Tensor], torch.Tensor, li
             param.grad += grads[rank][index]
         param.grad /= world
     norm = clip_grad_norm(reference, 0.5)
-    torch.optim.SGD(reference, lr=0.1).step()
+    torch.optim.SGD(reference, lr=1.0).step()
     return [p.detach() for p in params], server.last_norm, [p.detach() for p in reference], norm
 
 
