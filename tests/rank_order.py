@@ -2,11 +2,11 @@
 through point-to-point messages can equal bit for bit.
 
 gloo's ring all-reduce adds each of its N chunks of a bucket in a different order: with 4 ranks chunk k is
-((g[k-1] + g[k-2]) + g[k-3]) + g[k], indices modulo 4, so a quarter to a half of a bucket's elements differ by
-a rounding from any one fixed order of addition. Training amplifies such differences by a factor that depends
-on the trajectory, and the trajectory on the CPU's kernels (AVX-512, AVX2 or none): a comparison with stock
-DDP holds at 1e-6 on one CPU and not on another. With the order fixed on both sides, nothing is left to differ.
-"""
+((g[k-1] + g[k-2]) + g[k-3]) + g[k], indices modulo 4, so about a quarter of a bucket's elements come out a
+rounding apart from the rank order. Training grows such differences by a factor that depends on the
+trajectory, and the trajectory on the CPU's kernels (AVX-512, AVX2 or none): a comparison with stock DDP
+holds at 1e-6 on one CPU and not on another. With the order fixed on both sides nothing is left to differ.
+(No postponed annotations in this module: DDP checks the hook's annotations at run time.)"""
 
 from typing import Any
 
