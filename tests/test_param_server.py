@@ -1,7 +1,8 @@
 """The parameter server. Synchronous: averaged-gradient training through point-to-point messages, so it equals
-DDP (with clipping that binds on the averaged gradients), its servers' traffic falls with their number, and a
-killed run restarts bitwise with each server's optimiser state. Asynchronous: no applied update is more than
-``staleness`` versions late (from the servers' logs), and a restart resumes the servers' versions."""
+DDP bit for bit when both add in rank order (with clipping that binds on the averaged gradients), its servers'
+traffic falls with their number, and a killed run restarts bitwise with each server's optimiser state.
+Asynchronous: no applied update is more than ``staleness`` versions late (from the servers' logs), and a
+restart resumes the servers' versions."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ def _run(overrides: list[str], run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def ddp_four(tmp_path_factory):
+    """DDP on 4 ranks, its all-reduce replaced by a mean that adds the ranks' gradients in rank order as the
+    servers do: gloo's ring adds every chunk in its own order, and the rounding differences it leaves grow in
+    training by a factor that depends on the CPU (to 2e-5 of the loss in 30 steps on some)."""
     run_dir = tmp_path_factory.mktemp("ddp4")
-    _run(["parallel=ddp", "trainer.devices=4"], run_dir)
+    _run(["parallel=ddp", "trainer.devices=4", "+callbacks.order._target_=tests.rank_order.RankOrderMean"], run_dir)
     return run_dir
 
 
@@ -46,18 +50,74 @@ def test_a_synchronous_parameter_server_is_ddp_and_its_servers_share_the_traffic
     from tests.test_run import step_losses
 
     results = _run(["parallel=param_server", f"parallel.servers={servers}", "trainer.devices=4"], tmp_path / "ps")
-    ours, theirs = step_losses(tmp_path / "ps"), step_losses(ddp_four)
-    assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)  # measured: 1.0e-7 relative; weights 1.8e-7
+    # the same additions in the same order on every CPU: equal bit for bit, losses and weights
+    assert step_losses(tmp_path / "ps") == step_losses(ddp_four)
     mine = consolidated_weights(tmp_path / "ps" / "checkpoints" / "last.ckpt")
     ddp = consolidated_weights(ddp_four / "checkpoints" / "last.ckpt")
     for name in mine:
-        assert torch.allclose(mine[name], ddp[name], rtol=1e-6, atol=1e-6), name
+        assert torch.equal(mine[name], ddp[name]), name
     # a server receives the gradients of its parameters from the 3 other ranks and sends the parameters back
     numels = cnn_numels()
     load = [sum(n for n, o in zip(numels, owners([torch.empty(n) for n in numels], servers), strict=True) if o == s)
             for s in range(servers)]
     assert results["param_server"]["busiest_server_bytes_per_step"] == 2 * 3 * max(load) * 4
     assert max(load) <= sum(numels) / servers * 1.05  # whole tensors, balanced to 5%: S servers, 1/S the traffic
+
+
+SHAPES = [(40, 3), (64,), (5, 5), (7,), (3,), (9, 2), (11,), (4, 4), (13,), (6,), (2, 5), (17,)]
+
+
+def _rank_gradients(draw: int, rank: int) -> list[torch.Tensor]:
+    """Gradients whose magnitudes span six decades, so that every order of addition rounds differently."""
+    generator = torch.Generator().manual_seed(1000 * draw + rank)
+    return [torch.randn(shape, generator=generator) * 10.0 ** torch.randint(-3, 4, shape, generator=generator)
+            for shape in SHAPES]
+
+
+def _initial_parameters() -> list[torch.nn.Parameter]:
+    """Zeros: a step of SGD at learning rate 1 makes them minus the clipped gradients, every rounding kept."""
+    return [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
+
+
+def _steps_with_three_servers(draws: int) -> list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor],
+                                                        torch.Tensor]]:
+    """Per draw of gradients: the weights and norm of one step of 3 servers, and of the reference."""
+    import torch.distributed as dist
+
+    from disttrain.comm.counter import ByteCounter
+    from disttrain.parallel.clip import clip_grad_norm
+    from disttrain.parallel.param_server import ParameterServerOptimizer
+
+    world, steps = dist.get_world_size(), []
+    for draw in range(draws):
+        params = _initial_parameters()
+        for param, grad in zip(params, _rank_gradients(draw, dist.get_rank()), strict=True):
+            param.grad = grad
+        server = ParameterServerOptimizer(torch.optim.SGD(params, lr=1.0), dist.group.WORLD, 3, ByteCounter())
+        server.clip_value = 0.5
+        server.step()
+        # one process holding every rank's gradients: added in rank order, clipped and stepped as DDP's task does
+        reference, grads = _initial_parameters(), [_rank_gradients(draw, rank) for rank in range(world)]
+        for index, param in enumerate(reference):
+            param.grad = grads[0][index].clone()
+            for rank in range(1, world):
+                param.grad += grads[rank][index]
+            param.grad /= world
+        norm = clip_grad_norm(reference, 0.5)
+        torch.optim.SGD(reference, lr=1.0).step()
+        steps.append(([p.detach() for p in params], server.last_norm, [p.detach() for p in reference], norm))
+    return steps
+
+
+def test_every_server_adds_in_rank_order_and_the_norm_in_parameter_order():
+    from tests.dist_utils import run_on_ranks
+
+    # 3 servers of 4 ranks: a server that added its own gradient first, or a norm added up server by server,
+    # would round differently from the rank-order mean (in some of the draws: a rounding may come out alike)
+    for steps in run_on_ranks(_steps_with_three_servers, 4, 32):
+        for params, norm, reference, reference_norm in steps:
+            assert torch.equal(norm, reference_norm) and norm > 0.5  # the clipping binds
+            assert all(torch.equal(ours, theirs) for ours, theirs in zip(params, reference, strict=True))
 
 
 def test_a_killed_parameter_server_run_restarts_bitwise(tmp_path):

@@ -29,6 +29,27 @@ def grad_norm(parameters: Iterable[Tensor], across: dist.ProcessGroup | None = N
     return squared.sqrt()
 
 
+def owned_grad_norm(parameters: list[Tensor], owned: Iterable[Tensor], across: dist.ProcessGroup) -> Tensor:
+    """The global L2 norm of the gradients of ``parameters`` (every rank of ``across`` lists them alike) when
+    each parameter's gradient is held by one rank alone (``owned``: this rank's), bit for bit what
+    ``grad_norm(parameters)`` gives in one process that holds them all.
+
+    Each rank puts the norms of its parameters in their places of a vector of all of them; one all-reduce
+    fills the vector (every place has one value and zeros: exact in any order of addition); the squares add
+    up in the parameters' order. Adding up per-rank partial sums instead, as ``grad_norm(..., across)``
+    does, would round differently with every split of the parameters between ranks.
+    """
+    held = [p for p in owned if p.grad is not None]
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parameters) else torch.float32
+    norms = torch.zeros(len(parameters), dtype=dtype, device=parameters[0].device)
+    if held:
+        position = {id(p): index for index, p in enumerate(parameters)}
+        index = torch.tensor([position[id(p)] for p in held], device=norms.device)
+        norms.index_copy_(0, index, whole_norms([local_grad(p) for p in held], held).to(dtype))
+    dist.all_reduce(norms, group=across)
+    return norms.square().sum().sqrt()
+
+
 def clip_grad_norm(
     parameters: Iterable[Tensor], max_norm: float, across: dist.ProcessGroup | None = None
 ) -> Tensor:
@@ -38,8 +59,14 @@ def clip_grad_norm(
     """
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(params, across)
+    scale_to_norm(params, max_norm, total)
+    return total
+
+
+def scale_to_norm(parameters: Iterable[Tensor], max_norm: float, total: Tensor) -> None:
+    """Scale the gradients of ``parameters``, whose global L2 norm is ``total``, to a norm of at most
+    ``max_norm``."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     if grads:  # a rank may hold none of the parameters (a parameter server's worker)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return total

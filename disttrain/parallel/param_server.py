@@ -3,8 +3,9 @@
 Every rank trains a replica on its own data (no DDP); the first ``servers`` ranks also serve: each owns
 whole parameters (balanced by size, largest first) and their optimiser state. After backward every rank
 sends the gradients of each server's parameters to that server, each server averages what it received
-with its own, clips by the global norm (one scalar all-reduce of squared norms), steps its parameters with
-the run's optimiser, and sends them back to every rank. That is averaged-gradient training, through
+with its own (added in rank order), clips by the global norm (one all-reduce of the parameters' norms,
+added up in the parameters' order as one process holding them all would), steps its parameters with the
+run's optimiser, and sends them back to every rank. That is averaged-gradient training, through
 point-to-point messages instead of an all-reduce: a server receives and sends (N - 1) x its share of the
 model per step, so S servers cut the busiest server's traffic by S. torch RPC, which parameter servers
 used to be written with, is in maintenance mode; c10d's send/recv run on gloo and NCCL alike.
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.comm.counter import ByteCounter
-from disttrain.parallel.clip import clip_grad_norm
+from disttrain.parallel.clip import owned_grad_norm, scale_to_norm
 from disttrain.parallel.zero1 import rebuilt_optimizer
 
 
@@ -95,13 +96,18 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         received = {r: self._buffer(mine) for r in others} if mine else {}
         self._exchange({s: torch.cat([p.grad.reshape(-1) for p in self.shares[s]]) for s in remote}, received)
         if mine:
-            total = torch.cat([p.grad.reshape(-1) for p in mine])
-            for values in received.values():
+            # added in rank order on every server: one fixed order, which a reference can follow bit for bit
+            # (float addition is not associative; gloo's ring all-reduce adds each chunk in its own order)
+            parts = [received[r] if r != self.rank else torch.cat([p.grad.reshape(-1) for p in mine])
+                     for r in range(self.world)]
+            total = parts[0]
+            for values in parts[1:]:
                 total += values
             total /= self.world
             self._unflatten(total, [p.grad for p in mine])
-        if self.clip_value:  # every rank joins the norm's all-reduce; one holding no parameters adds 0
-            self.last_norm = clip_grad_norm(mine, self.clip_value, across=self.group)
+        if self.clip_value:  # every rank joins the norm's all-reduce; one holding no parameters adds zeros
+            self.last_norm = owned_grad_norm(self.params, mine, self.group)
+            scale_to_norm(mine, self.clip_value, self.last_norm)
         if self.inner is not None:
             self.inner_with_current_hyperparameters().step()
         # pull: each server's parameters back to every rank
