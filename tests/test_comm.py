@@ -168,7 +168,7 @@ def test_codecs_are_refused_where_they_cannot_carry_the_gradients(tmp_path):
 
     for overrides, message in ((["parallel=zero3", "comm=powersgd"], "one of none, fp16, bf16 with ZeRO-3"),
                                (["parallel=ddp", "comm=powersgd", "comm.rank=40"], "at most 28: above it no"),
-                               (["comm=powersgd", "comm.warmup_steps=1"], "2 or more"),
+                               (["comm=onebit", "comm.warmup_steps=-2"], "a number of optimiser steps >= 0"),
                                (["parallel=single", "comm=bf16"], "without data-parallel ranks"),
                                (["comm.name=zip"], "one of none, fp16, bf16")):
         with pytest.raises(ConfigError, match=message):
