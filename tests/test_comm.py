@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from disttrain.comm.codecs import CastCodec, Int8Codec, SignCodec
+from disttrain.comm.codecs import SIGN_BLOCK, CastCodec, Int8Codec, SignCodec
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
 from disttrain.comm.exchange import ErrorFeedback, compressed_mean
 from tests.dist_utils import run_on_ranks
@@ -63,11 +63,11 @@ def test_compressed_mean_is_the_simulated_algorithm_and_its_bytes_follow_the_rin
     # int8: within two steps of the code grid of the largest chunk (one rounding per phase)
     assert (int8[0][0] - exact).abs().max() <= 2 * max(rank_values(r).abs().max() for r in range(world)) / 127
     # bytes per rank: 2 (N - 1) / N of the (padded) payload; fp16 / bf16 exactly half of fp32; int8 one byte a
-    # value and onebit one bit a value, each row with its 4-byte scale
+    # value with a 4-byte scale per row, onebit one bit a value with a 4-byte scale per block of SIGN_BLOCK values
     assert full[0][1] == ring_allreduce_bytes(chunk * world, 4, world)
     assert [b for _, b in half] == [full[0][1] // 2] * world == [b for _, b in brain]
     assert [b for _, b in int8] == [2 * (world - 1) * (chunk + 4)] * world
-    assert [b for _, b in onebit] == [2 * (world - 1) * (-(-chunk // 8) + 4)] * world
+    assert [b for _, b in onebit] == [2 * (world - 1) * (-(-chunk // 8) + 4 * -(-chunk // SIGN_BLOCK))] * world
 
 
 def test_int8_rounding_is_unbiased():
@@ -87,6 +87,16 @@ def test_onebit_sends_signs_and_the_mean_magnitude():
     scale = values.abs().mean()
     assert torch.equal(decoded, torch.where(values >= 0, scale, -scale))
     assert SignCodec().encode(values).numel() == 2 + 4  # 9 signs in 2 bytes, and the scale
+
+
+def test_onebit_keeps_a_mean_magnitude_per_block():
+    values = torch.tensor([[0.5, -2.0, 0.0, 3.5, -100.0, 100.0, -300.0, 300.0, -0.5]])
+    codec = SignCodec(block=4)
+    decoded = codec.decode(codec.encode(values), values.shape[1])
+    # blocks of 4, the last one short: each value is sent at its own block's mean magnitude
+    scales = torch.tensor([1.5, 1.5, 1.5, 1.5, 200.0, 200.0, 200.0, 200.0, 0.5])
+    assert torch.equal(decoded, torch.where(values >= 0, scales, -scales))
+    assert codec.encode(values).numel() == 2 + 3 * 4  # 9 signs in 2 bytes, and three scales
 
 
 @pytest.mark.parametrize("codec", [Int8Codec(), SignCodec()], ids=["int8", "onebit"])
