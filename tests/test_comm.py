@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from disttrain.comm.codecs import SIGN_BLOCK, CastCodec, Int8Codec, SignCodec
+from disttrain.comm.codecs import SCALE_BLOCK, CastCodec, Int8Codec, SignCodec
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
 from disttrain.comm.exchange import ErrorFeedback, compressed_mean
 from tests.dist_utils import run_on_ranks
@@ -63,11 +63,11 @@ def test_compressed_mean_is_the_simulated_algorithm_and_its_bytes_follow_the_rin
     # int8: within two steps of the code grid of the largest chunk (one rounding per phase)
     assert (int8[0][0] - exact).abs().max() <= 2 * max(rank_values(r).abs().max() for r in range(world)) / 127
     # bytes per rank: 2 (N - 1) / N of the (padded) payload; fp16 / bf16 exactly half of fp32; int8 one byte a
-    # value with a 4-byte scale per row, onebit one bit a value with a 4-byte scale per block of SIGN_BLOCK values
+    # value and onebit one bit a value, with a 4-byte scale per block of SCALE_BLOCK values
     assert full[0][1] == ring_allreduce_bytes(chunk * world, 4, world)
     assert [b for _, b in half] == [full[0][1] // 2] * world == [b for _, b in brain]
-    assert [b for _, b in int8] == [2 * (world - 1) * (chunk + 4)] * world
-    assert [b for _, b in onebit] == [2 * (world - 1) * (-(-chunk // 8) + 4 * -(-chunk // SIGN_BLOCK))] * world
+    assert [b for _, b in int8] == [2 * (world - 1) * (chunk + 4 * -(-chunk // SCALE_BLOCK))] * world
+    assert [b for _, b in onebit] == [2 * (world - 1) * (-(-chunk // 8) + 4 * -(-chunk // SCALE_BLOCK))] * world
 
 
 def test_int8_rounding_is_unbiased():
@@ -79,6 +79,18 @@ def test_int8_rounding_is_unbiased():
     # each decoded value is one of the two grid points around it; their average converges on the value
     assert (mean - values).abs().max() <= 0.005 * values.abs().max()
     assert (codec.decode(codec.encode(values), 257) - values).abs().max() <= step
+
+
+def test_int8_keeps_a_grid_per_block():
+    small, large = torch.linspace(-1e-3, 1e-3, 4), torch.linspace(-10.0, 10.0, 4)
+    values = torch.cat([small, large, small[:1]]).view(1, -1)
+    codec = Int8Codec(block=4)
+    torch.manual_seed(0)
+    decoded = codec.decode(codec.encode(values), values.shape[1])
+    # each value within one step of its own block's grid (largest magnitude / 127), the small ones included
+    steps = torch.tensor([1e-3] * 4 + [10.0] * 4 + [1e-3]) / 127
+    assert ((decoded - values).abs() <= steps * (1 + 1e-6)).all()
+    assert codec.encode(values).numel() == 9 + 3 * 4  # a byte a value, and three scales
 
 
 def test_onebit_sends_signs_and_the_mean_magnitude():
