@@ -219,7 +219,7 @@ def digits_uncompressed(tmp_path_factory) -> dict:
 def test_compressed_runs_with_error_feedback_reach_the_uncompressed_accuracy(
         digits_uncompressed, tmp_path_factory, codec, warmup, ratio, points):
     # compressed from the first steps (the default warm-ups would leave most of these 190 steps in fp32)
-    results = digits_run(tmp_path_factory, codec, [f"comm={codec}", f"comm.warmup_steps={warmup}"])
+    results = digits_run(tmp_path_factory, codec, [f"comm={codec}", f"comm.warmup_steps={warmup}", "comm.rank=4"])
     # powersgd rank 4 on this CNN: 9.56x once compressing (its matrices have 32 or 64 rows); 8.77x over the 190
     # steps, the two fp32 warm-up steps included; int8 and onebit with a 4-byte scale per 256 values
     assert results["comm"]["compression_ratio"] >= ratio
