@@ -89,9 +89,9 @@ def loopback_link(world: int) -> Link:
     return fit_link(f"loopback, {world} ranks", samples)
 
 
-def train(overrides: list[str], world: int, run_dir: Path) -> dict:
+def train(overrides: list[str], world: int, run_dir: Path, logger: str = "none") -> dict:
     """The default digits run on ``world`` ranks with ``overrides``; its results.json."""
-    args = [*overrides, f"trainer.devices={world}", "logger=none", "callbacks=none", f"hydra.run.dir={run_dir}"]
+    args = [*overrides, f"trainer.devices={world}", f"logger={logger}", "callbacks=none", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True)
@@ -103,7 +103,7 @@ def train(overrides: list[str], world: int, run_dir: Path) -> dict:
 CURVE_CODECS = ("fp16", "bf16", "powersgd", "int8", "onebit")
 CURVE_RUN = ["model=gpt", "model.flavour=nano", "data=pydocs", "parallel=ddp", "trainer.limit_val_batches=8",
              "trainer.check_val_every_n_epoch=null", "trainer.run_test=false", "plots=false", "energy=false",
-             "checkpoint.save_last=false", "checkpoint.save_top_k=0", "logger=csv", "callbacks=none"]
+             "checkpoint.save_last=false", "checkpoint.save_top_k=0"]
 CURVE_WORLD = 2
 
 
@@ -157,7 +157,7 @@ def curves(codecs: list[str], steps: int, plot: Path) -> None:
         for label, codec, warmup, extra in curve_runs(codecs, steps):
             run_dir = Path(tmp) / re.sub(r"\W+", "_", label)
             started = time.perf_counter()
-            results = train([*overrides, *extra], CURVE_WORLD, run_dir)
+            results = train([*overrides, *extra], CURVE_WORLD, run_dir, logger="csv")
             logged = logged_series(run_dir / "csv" / "metrics.csv", ("train/loss", "val/loss"))
             series[label] = logged
             # the last training loss logged at or before each mark (it is logged every log_every_n_steps)
