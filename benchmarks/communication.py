@@ -134,10 +134,11 @@ def write_curves_plot(curves: dict[str, dict[str, list[tuple[float, float]]]], p
     if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(8, 5))
-    for label, series in curves.items():
-        line, = axes.plot(*zip(*series["train/loss"], strict=True), "-", label=label, linewidth=1)
+    colours = plt.get_cmap("tab20").colors  # more runs than the default cycle's 10 colours
+    for (label, series), colour in zip(curves.items(), colours, strict=False):
+        axes.plot(*zip(*series["train/loss"], strict=True), "-", label=label, linewidth=1, color=colour)
         if series["val/loss"]:
-            axes.plot(*zip(*series["val/loss"], strict=True), "o", color=line.get_color(), markersize=4)
+            axes.plot(*zip(*series["val/loss"], strict=True), "o", color=colour, markersize=4)
     axes.set_xlabel("optimiser step")
     axes.set_ylabel("cross-entropy (nats): training (lines), validation (dots)")
     axes.set_ylim(top=3.5)
