@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.codecs import CastCodec, Int8Codec, SignCodec
 from disttrain.comm.config import CommConfig
-from disttrain.comm.counter import ByteCounter
+from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, ring_allreduce_messages
 from disttrain.comm.exchange import Codec, ErrorFeedback, compressed_mean
 from disttrain.comm.powersgd import PowerSGDExchange
 from disttrain.comm.state import ExchangeState
@@ -36,7 +36,8 @@ def codec_of(config: CommConfig) -> Codec | None:
 def register_compression(ddp: DistributedDataParallel, config: CommConfig, counter: ByteCounter,
                          state: ExchangeState) -> None:
     """Make ``ddp`` average its gradients through ``config``'s codec or PowerSGD, counting the bytes sent;
-    ``state`` keeps what carries over between steps (residuals, PowerSGD's factors).
+    ``state`` keeps what carries over between steps (residuals, PowerSGD's factors, the exchange count); the
+    first ``config.warmup_steps`` exchanges are plain fp32 all-reduces.
 
     The buckets of an iteration are collected and exchanged as one payload in the model's parameter order
     when the last one arrives: DDP lays its buckets out again after the first iteration of every process,
@@ -46,13 +47,21 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
     group = ddp.process_group
     codec = codec_of(config)
     if config.name == "powersgd":
-        state.powersgd = PowerSGDExchange(group, config.rank, config.warmup_steps, config.error_feedback)
-        average = partial(state.powersgd.mean, counter=counter)
+        state.powersgd = PowerSGDExchange(group, config.rank, config.error_feedback)
+        compressed = partial(state.powersgd.mean, counter=counter)
     elif codec is not None:
         residuals = state.feedback if config.error_feedback else None
-        average = partial(_flat_mean, codec=codec, group=group, counter=counter, residuals=residuals)
+        compressed = partial(_flat_mean, codec=codec, group=group, counter=counter, residuals=residuals)
     else:
         return
+
+    def average(grads: list[torch.Tensor]) -> torch.Tensor:
+        # the hook runs once per optimiser step: DDP does not communicate on accumulation micro-batches
+        warming_up = state.exchanges < config.warmup_steps
+        mean = _fp32_mean(grads, group, counter) if warming_up else compressed(grads)
+        state.exchanges += 1
+        return mean
+
     position = {id(param): index for index, param in enumerate(ddp.module.parameters())}
     pending: list[tuple[dist.GradBucket, torch.futures.Future[torch.Tensor]]] = []
 
@@ -73,6 +82,15 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
         return done
 
     ddp.register_comm_hook(None, hook)
+
+
+def _fp32_mean(grads: list[torch.Tensor], group: dist.ProcessGroup, counter: ByteCounter) -> torch.Tensor:
+    """DDP's own exchange (each rank's gradients over the world size, summed in an fp32 all-reduce)."""
+    world = dist.get_world_size(group)
+    flat = torch.cat([grad.reshape(-1).float() for grad in grads]).div_(world)
+    dist.all_reduce(flat, group=group)
+    counter.add(ring_allreduce_bytes(flat.numel(), 4, world), ring_allreduce_messages(world))
+    return flat
 
 
 def _flat_mean(grads: list[torch.Tensor], codec: Codec, group: dist.ProcessGroup, counter: ByteCounter,

@@ -59,25 +59,27 @@ def largest_useful_rank(shapes: list[torch.Size]) -> int:
 
 
 class PowerSGDExchange:
-    """The mean of every rank's gradients, each matrix sent as a rank-``rank`` product P Q^T after
-    ``warmup_steps`` steps of plain fp32 all-reduce, with error feedback and warm-started Q."""
+    """The mean of every rank's gradients, each matrix sent as a rank-``rank`` product P Q^T from the first
+    call on, with error feedback and warm-started Q (the fp32 warm-up before it is the caller's)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, warmup_steps: int, error_feedback: bool) -> None:
-        self.state = PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                   start_powerSGD_iter=warmup_steps, min_compression_rate=MIN_COMPRESSION_RATE,
-                                   use_error_feedback=error_feedback, warm_start=True, random_seed=0)
+    def __init__(self, group: dist.ProcessGroup, rank: int, error_feedback: bool) -> None:
+        # torch insists on 2 fp32 iterations when residuals or Q carry over, because DDP lays its buckets out
+        # again after the first one; this payload keeps one layout from the first call, so none are needed
+        self.state = PowerSGDState(process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                   min_compression_rate=MIN_COMPRESSION_RATE, use_error_feedback=error_feedback,
+                                   warm_start=True, random_seed=0)
+        self.state.start_powerSGD_iter = 0
         self.state.compression_stats_logging_frequency = 2**62  # torch logs its own statistics otherwise
 
     def mean(self, grads: list[torch.Tensor], counter: ByteCounter) -> torch.Tensor:
         """The flat fp32 mean over ranks of ``grads`` (in the model's parameter order); counts the bytes."""
         flat = torch.cat([grad.reshape(-1).float() for grad in grads])
         world = dist.get_world_size(self.state.process_group)
-        compressing = self.state.iter >= self.state.start_powerSGD_iter
         before = self.state.total_numel_after_compression
         mean = powerSGD_hook(self.state, _PayloadBucket(flat, [grad.shape for grad in grads])).wait()
-        sent = self.state.total_numel_after_compression - before if compressing else flat.numel()
-        all_reduces = 3 if compressing else 1  # the uncompressed values, P and Q; in warm-up the whole payload
-        counter.add(ring_allreduce_bytes(sent, 4, world), all_reduces * ring_allreduce_messages(world))
+        sent = self.state.total_numel_after_compression - before
+        # three all-reduces: the values sent whole, P and Q
+        counter.add(ring_allreduce_bytes(sent, 4, world), 3 * ring_allreduce_messages(world))
         return mean
 
     def state_dict(self) -> dict[str, Any]:
