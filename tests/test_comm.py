@@ -197,6 +197,19 @@ def test_codecs_are_refused_where_they_cannot_carry_the_gradients(tmp_path):
             validate(compose_config(overrides, tmp_path / "run"))
 
 
+def test_an_unset_powersgd_rank_is_16_or_the_largest_this_model_can_use(tmp_path):
+    from disttrain.comm.config import DEFAULT_POWERSGD_RANK
+    from disttrain.config import validate
+    from tests.conftest import compose_config
+
+    micro = validate(compose_config(["parallel=ddp", "trainer.devices=2", "comm=powersgd", "model=gpt",
+                                     "model.flavour=micro", "data=pydocs"], tmp_path / "micro"))
+    nano = validate(compose_config(["parallel=ddp", "trainer.devices=2", "comm=powersgd", "model=gpt",
+                                    "model.flavour=nano", "data=pydocs"], tmp_path / "nano"))
+    assert (micro.train.comm.rank, nano.train.comm.rank) == (14, DEFAULT_POWERSGD_RANK)
+    assert "rank: 14" in micro.yaml  # the ranks read the rank taken
+
+
 def digits_run(tmp_path_factory, name: str, overrides: list[str]) -> dict:
     """The default digits run on 2 DDP ranks with ``overrides``; its results."""
     import json

@@ -11,6 +11,10 @@ CODECS = ("none", "fp16", "bf16", "powersgd", "int8", "onebit")
 """none: fp32 all-reduce (DDP's own); fp16/bf16: cast for the wire; powersgd: low-rank factors; int8: 8-bit
 codes with stochastic rounding; onebit: signs and a mean magnitude. All are reduced in fp32."""
 
+DEFAULT_POWERSGD_RANK = 16
+"""PowerSGD's rank where none is given: on GPT nano under AdamW it tracks fp32 from the first step, where rank 4
+and 8 ended 7.9% and 3.2% above it even after 100 fp32 steps (benchmarks/README.md)."""
+
 SHARDED_CODECS = ("none", "fp16", "bf16")
 """What ZeRO-2/3 can send: FSDP2 reduce-scatters gradients itself, in its ``reduce_dtype``."""
 
@@ -25,9 +29,10 @@ class CommConfig:
     error_feedback: bool = True
     """Add what each compression left out to the next payload (powersgd, int8, onebit); the residuals are in
     the checkpoint."""
-    rank: int = 4
-    """powersgd: rank of the factors P (n x rank) and Q (m x rank) that stand for an n x m gradient matrix
-    (conf/comm/powersgd.yaml sets 16: rank 4 and 8 fall behind fp32 on a transformer under AdamW)."""
+    rank: int | None = None
+    """powersgd: rank of the factors P (n x rank) and Q (m x rank) that stand for an n x m gradient matrix.
+    null: ``DEFAULT_POWERSGD_RANK``, or the largest rank at which some matrix of the model still shrinks where
+    that is smaller (rank 4 and 8 fall behind fp32 on a transformer under AdamW; benchmarks/README.md)."""
     warmup_steps: int = 0
     """Optimiser steps whose gradients are sent as a plain fp32 all-reduce before the codec starts (powersgd,
     int8, onebit, fp16, bf16). Absolute steps, not a fraction: the switch then falls on the same step whatever
@@ -39,8 +44,8 @@ class CommConfig:
         """Raise ConfigError for an unknown codec or an impossible option."""
         if self.name not in CODECS:
             raise ConfigError("comm.name", self.name, f"one of {', '.join(CODECS)}")
-        if self.rank < 1:
-            raise ConfigError("comm.rank", self.rank, "a positive rank")
+        if self.rank is not None and self.rank < 1:
+            raise ConfigError("comm.rank", self.rank, "a positive rank, or null")
         if self.warmup_steps < 0:
             raise ConfigError("comm.warmup_steps", self.warmup_steps, "a number of optimiser steps >= 0")
 
@@ -66,12 +71,15 @@ class CommConfig:
                               "DDP's all-reduce: parallel=ddp or zero1)")
 
     def check_model(self, net: Any) -> None:
-        """Refuse a PowerSGD rank at which no gradient matrix of ``net`` (a meta-device model) gets smaller."""
+        """Resolve an unset PowerSGD rank for ``net`` (a meta-device model), and refuse a rank at which none of
+        its gradient matrices gets smaller."""
         if self.name != "powersgd":
             return
         from disttrain.comm.powersgd import largest_useful_rank
 
         useful = largest_useful_rank([param.shape for param in net.parameters() if param.requires_grad])
+        if self.rank is None:
+            self.rank = max(1, min(DEFAULT_POWERSGD_RANK, useful))
         if self.rank > useful:
             raise ConfigError("comm.rank", self.rank,
                               f"at most {useful}: above it no gradient matrix of this model is smaller as "

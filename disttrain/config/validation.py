@@ -149,6 +149,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     net = model_on_meta(model, datamodule.spec)
     check_model_plan(model.name, net, p, dims, batch.micro_size)
     top.comm.check_model(net)
+    OmegaConf.update(cfg, "comm.rank", top.comm.rank)  # the ranks read the rank taken, not null
     notices += check_federated(top, cfg, dims.world_size, dims.dp_replicate, datamodule)
     if not top.federated.enabled:
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
