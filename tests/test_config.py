@@ -226,3 +226,11 @@ def test_accumulation_with_batchnorm_is_announced(make_config):
     assert any("batch.accumulation=2 with BatchNorm layers" in n for n in accumulating.notices), accumulating.notices
     assert not any("BatchNorm" in n for n in validate(make_config([])).notices)
     assert not any("BatchNorm" in n for n in validate(make_config([*GPT_TEXT, "batch.accumulation=2"])).notices)
+
+
+def test_a_config_error_crosses_processes_whole():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigError("federated.mu", 0.0, "a positive proximal weight")))
+    assert (err.key, err.value) == ("federated.mu", 0.0)
+    assert str(err) == "federated.mu=0.0 is invalid: a positive proximal weight"

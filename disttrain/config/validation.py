@@ -224,9 +224,9 @@ def validation_schedule(t: TrainerConfig, batches_per_epoch: int, accumulation: 
                        "(trainer.check_val_every_n_epoch=null)")
     total = t.max_steps * accumulation if t.max_steps > 0 else None
     if total is not None and interval > total and t.check_val_every_n_epoch is None:
-        notices.append(f"trainer.val_check_interval={interval} is beyond the run's {total} training batches "
-                       f"(trainer.max_steps={t.max_steps}): this run never validates (no val metrics, no best "
-                       "checkpoint)")
+        batches = f" ({total} training batches)" if accumulation > 1 else ""
+        notices.append(f"trainer.val_check_interval={interval} is beyond trainer.max_steps={t.max_steps}{batches}: "
+                       "this run never validates (no val metrics, no best checkpoint)")
     return notices
 
 
