@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
 from tests.dist_utils import run_on_ranks
-from tests.test_comm import psgd_model
+from tests.test_comm import PSGD_RANK, psgd_model
 
 WARMUP, STEPS, MICRO = 2, 4, 2
 
@@ -35,7 +35,7 @@ def _run(codec: str, warmup: int, steps: range, micro_batches: int = 1, saved: d
     model = psgd_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)
     counter, state = ByteCounter(), ExchangeState()
-    register_compression(ddp, CommConfig(name=codec, warmup_steps=warmup), counter, state)
+    register_compression(ddp, CommConfig(name=codec, rank=PSGD_RANK, warmup_steps=warmup), counter, state)
     if saved is not None:
         ExchangeStateCheckpoint(state).restore(saved, same_world=True)
     results = []
