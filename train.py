@@ -3,8 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from disttrain.cli import main_with_one_line_errors, train_from_cli
 from disttrain.config import register
+from disttrain.launch.cli import main_with_one_line_errors, train_from_cli
 
 register()  # the typed schema and resolvers, before Hydra composes
 

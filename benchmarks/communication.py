@@ -128,7 +128,7 @@ def curve_runs(codecs: list[str], steps: int) -> list[tuple[str, str, int, list[
 
 def write_curves_plot(curves: dict[str, dict[str, list[tuple[float, float]]]], path: Path) -> Path | None:
     """Training (lines) and validation (dots) loss of every run against steps, or None without matplotlib."""
-    from disttrain.plots import pyplot, save
+    from disttrain.report.plots import pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -149,7 +149,7 @@ def write_curves_plot(curves: dict[str, dict[str, list[tuple[float, float]]]], p
 
 def curves(codecs: list[str], steps: int, plot: Path) -> None:
     """The loss-curve comparison of ``--curves``."""
-    from disttrain.plots import logged_series
+    from disttrain.report.plots import logged_series
 
     overrides = [*CURVE_RUN, f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps // 3}"]
     marks = [steps // 10, steps // 3, 2 * steps // 3, steps]

@@ -35,8 +35,8 @@ def measure(rank: int, port: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from disttrain.models.gpt import GPT, GPTDims
+    from disttrain.parallel.model_plan import pipeline_units_of
     from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
-    from disttrain.parallel.plan import pipeline_units_of
     from disttrain.parallel.tp import apply_tp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -53,7 +53,7 @@ def measure(rank: int, port: int, out: dict) -> None:
 
 
 def main() -> None:
-    from disttrain.launch import free_port
+    from disttrain.parallel.process_group import free_port
 
     port = free_port()
     with mp.Manager() as manager:

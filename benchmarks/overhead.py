@@ -50,7 +50,7 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
     from hydra import compose, initialize_config_dir
 
     from disttrain.config import register
-    from disttrain.run import train
+    from disttrain.launch.job import train
 
     register()
 
@@ -141,7 +141,7 @@ def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: in
         out: dict = {}
         plain_loop(0, 1, 0, flavour, steps, global_batch, out)
         return out["steps_per_sec"]
-    from disttrain.launch import free_port
+    from disttrain.parallel.process_group import free_port
 
     port = free_port()
     with mp.Manager() as manager:

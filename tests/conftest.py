@@ -55,7 +55,7 @@ def make_config(tmp_path: Path):
 
 def single_process_curve(tmp_path_factory: pytest.TempPathFactory, overrides: list[str]) -> list[float]:
     """Train ``overrides`` in one process and return its per-step loss curve (the parity reference)."""
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.test_run import step_losses
 
     run_dir = tmp_path_factory.mktemp("single")
@@ -78,9 +78,9 @@ def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float
     import torch.nn.functional as F
     from omegaconf import OmegaConf
 
+    from disttrain.checkpoint.export import export
     from disttrain.config import validate
     from disttrain.data import build_datamodule
-    from disttrain.export import export
     from disttrain.models import build_model
 
     cfg = OmegaConf.load(run_dir / "config.yaml")

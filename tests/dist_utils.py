@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from disttrain.launch import free_port
-from disttrain.worker_start import warm_fork_server
+from disttrain.launch.fork_server import warm_fork_server
+from disttrain.parallel.process_group import free_port
 
 
 class RankError(RuntimeError):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from disttrain.export import consolidated_weights
+from disttrain.checkpoint.export import consolidated_weights
 from tests.conftest import ROOT, train_cli
 
 STEPS, EVERY = 12, 4

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain.checkpoint_io import load_index, load_metadata
+from disttrain.checkpoint.io import load_index, load_metadata
 from tests.fault_runs import assert_same_weights, logged_losses, run
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from disttrain.launch.job import train
 from disttrain.parallel.buffers import step_broadcast_needed
-from disttrain.run import train
 from tests.conftest import compose_config, exported_val_loss, logged_metric
 from tests.test_run import GPT_FAST, step_losses
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from disttrain.checkpoint_io import CheckpointReadError, load_metadata, load_sharded
-from disttrain.export import consolidated_weights
+from disttrain.checkpoint.export import consolidated_weights
+from disttrain.checkpoint.io import CheckpointReadError, load_metadata, load_sharded
 
 
 class Payload:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.checkpoint_io import load_index, load_metadata
-from disttrain.fault.checkpoints import damage, newest_complete
+from disttrain.checkpoint.folders import damage, newest_complete
+from disttrain.checkpoint.io import load_index, load_metadata
 from tests.fault_runs import STEPS, assert_no_orphans, logged_losses, run
 
 

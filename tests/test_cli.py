@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 
-from disttrain.run import train
+from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config, logged_metric, train_cli
 
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
@@ -178,7 +178,7 @@ def test_model_summary_leaves_out_flops_it_did_not_count(capsys):
     from lightning.pytorch.utilities.model_summary import summarize
     from torch import nn
 
-    from disttrain.callbacks import SummaryWithoutFlops
+    from disttrain.rank.callbacks import SummaryWithoutFlops
 
     model = pl.LightningModule()
     model.net = nn.Linear(3, 2)

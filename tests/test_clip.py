@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from disttrain.models.gpt import GPT, GPTDims
 from disttrain.parallel.clip import clip_grad_norm
 from disttrain.parallel.fsdp import apply_fsdp
+from disttrain.parallel.model_plan import pipeline_units_of
 from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
-from disttrain.parallel.plan import pipeline_units_of
 from disttrain.parallel.tp import apply_tp
 from tests.dist_utils import run_on_ranks
 

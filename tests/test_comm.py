@@ -132,7 +132,7 @@ RUN = ["parallel=ddp", "trainer.devices=2", "trainer.max_steps=30", "trainer.log
 
 @pytest.fixture(scope="module")
 def uncompressed(tmp_path_factory):
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     run_dir = tmp_path_factory.mktemp("none")
@@ -144,7 +144,7 @@ def uncompressed(tmp_path_factory):
 def test_a_compressed_ddp_run_sends_half_the_bytes_and_trains_as_the_uncompressed_one(uncompressed, tmp_path, codec):
     import json
 
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
     from tests.test_run import step_losses
 
@@ -167,7 +167,7 @@ def test_a_compressed_ddp_run_sends_half_the_bytes_and_trains_as_the_uncompresse
 def test_zero2_reduces_gradients_in_the_wire_dtype(uncompressed, tmp_path):
     import json
 
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
     from tests.test_run import step_losses
 
@@ -214,7 +214,7 @@ def digits_run(tmp_path_factory, name: str, overrides: list[str]) -> dict:
     """The default digits run on 2 DDP ranks with ``overrides``; its results."""
     import json
 
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     run_dir = tmp_path_factory.mktemp(name)

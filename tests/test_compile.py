@@ -7,7 +7,7 @@ import torch
 from disttrain.data.spec import DataSpec
 from disttrain.models.gpt import GPTConfig, build_gpt
 from disttrain.parallel.compile import compile_model
-from disttrain.parallel.plan import shard_units_of
+from disttrain.parallel.model_plan import shard_units_of
 
 
 def test_a_compiled_gpt_matches_eager_and_keeps_its_names():

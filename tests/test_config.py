@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from disttrain.config import BatchConfig, resolve_batch, validate
 from disttrain.errors import ConfigError
+from disttrain.launch.job import train
 from disttrain.parallel.dims import ParallelDims
-from disttrain.run import train
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_TEXT = ["model=gpt", "data=pydocs"]
@@ -189,7 +190,8 @@ def test_precision_auto_takes_bf16_where_native_and_measured_faster(make_config,
     cfg = make_config(["trainer.precision=auto", "trainer.accelerator=cpu", "model=gpt", "data=pydocs",
                        "batch.global_size=8"])
     run = validate(cfg)
-    assert run.train.trainer.precision == chosen and cfg.trainer.precision == chosen  # workers read the choice
+    assert run.train.trainer.precision == chosen  # and workers read the choice, not auto:
+    assert OmegaConf.create(run.yaml).trainer.precision == chosen and cfg.trainer.precision == "auto"
     assert any(notice.startswith(f"trainer.precision=auto: {chosen} ({says}") for notice in run.notices), run.notices
     # the run's own model and micro-batch are timed, both ways; without native bf16 nothing is
     assert timed == ([("GPT", (8, 64), False), ("GPT", (8, 64), True)] if native else [])
@@ -234,3 +236,14 @@ def test_a_config_error_crosses_processes_whole():
     err = pickle.loads(pickle.dumps(ConfigError("federated.mu", 0.0, "a positive proximal weight")))
     assert (err.key, err.value) == ("federated.mu", 0.0)
     assert str(err) == "federated.mu=0.0 is invalid: a positive proximal weight"
+
+
+def test_validation_leaves_the_callers_config_unchanged(make_config):
+    """Validation decides (ranks per node, PowerSGD's rank, the validation schedule) into the resolved copy that
+    workers read, never into the object it was given."""
+    cfg = make_config(["trainer.devices=auto", "parallel=ddp", "comm=powersgd", "model=gpt", "data=pydocs"])
+    before = OmegaConf.to_yaml(cfg)
+    run = validate(cfg)
+    assert OmegaConf.to_yaml(cfg) == before
+    resolved = OmegaConf.create(run.yaml)
+    assert resolved.trainer.devices == run.train.trainer.devices == 2 and resolved.comm.rank == run.train.comm.rank

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.energy import RaplMeter, counter_delta, open_meter, rapl_zones
+from disttrain.rank.energy import RaplMeter, counter_delta, open_meter, rapl_zones
 
 WRAP = 262_143_328_850  # max_energy_range_uj of a real package
 
@@ -96,8 +96,8 @@ def test_the_estimate_is_labelled_and_converted_from_kwh(tmp_path, monkeypatch):
 
 
 def test_a_run_reports_its_energy_per_step_and_sample(make_config, tmp_path, monkeypatch):
-    from disttrain import energy
-    from disttrain.run import train
+    from disttrain.launch.job import train
+    from disttrain.rank import energy
 
     root = fake_powercap(tmp_path / "powercap", {"package-0": 0})
     calls = {"n": 0}
@@ -120,7 +120,7 @@ def test_a_run_reports_its_energy_per_step_and_sample(make_config, tmp_path, mon
 
 
 def test_energy_off_leaves_it_out(make_config, tmp_path):
-    from disttrain.run import train
+    from disttrain.launch.job import train
 
     run_dir = tmp_path / "run"
     train(make_config(["trainer.max_steps=2", "trainer.run_test=false", "trainer.limit_val_batches=1",

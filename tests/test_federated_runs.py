@@ -19,7 +19,7 @@ SHARED = ["trainer.devices=2", "trainer.log_every_n_steps=1", "trainer.run_test=
 
 
 def _train(overrides: list[str], run_dir) -> dict:
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     train(compose_config([*SHARED, *overrides], run_dir))
@@ -27,7 +27,7 @@ def _train(overrides: list[str], run_dir) -> dict:
 
 
 def test_fedavg_with_every_iid_client_each_round_is_local_sgd(tmp_path):
-    from disttrain.export import consolidated_weights
+    from disttrain.checkpoint.export import consolidated_weights
     from tests.test_run import step_losses
 
     _train(["parallel=localsgd", f"parallel.sync_every={K}", f"trainer.max_steps={R * K}",
@@ -58,7 +58,7 @@ def test_a_killed_federated_run_resumes_at_a_round_boundary_bitwise(tmp_path):
 
 
 def test_iid_fedavg_reaches_centralised_accuracy_within_two_points_in_30_rounds(tmp_path):
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     common = ["trainer.devices=1", "logger=csv", "callbacks=none"]

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from disttrain.config import validate
-from disttrain.run import train
+from disttrain.launch.job import train
 
 RECIPES = ("lars_large_batch", "lamb_large_batch")
 

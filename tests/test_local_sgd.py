@@ -25,7 +25,7 @@ RUN = ["trainer.devices=2", f"trainer.max_steps={STEPS}", "trainer.log_every_n_s
 
 
 def _run(overrides: list[str], run_dir) -> dict:
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     train(compose_config([*RUN, *overrides], run_dir))
@@ -33,7 +33,7 @@ def _run(overrides: list[str], run_dir) -> dict:
 
 
 def test_local_sgd_meeting_every_step_is_ddp(tmp_path):
-    from disttrain.export import consolidated_weights
+    from disttrain.checkpoint.export import consolidated_weights
     from tests.test_run import step_losses
 
     _run(["parallel=ddp"], tmp_path / "ddp")

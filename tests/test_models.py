@@ -10,7 +10,7 @@ from disttrain.errors import ConfigError
 from disttrain.models import FLAVOURS, MODELS, CNNConfig, DataSpec, GPTConfig, build_model, resolve_gpt_dims
 from disttrain.models.cnn import CNN, BasicBlock
 from disttrain.models.gpt import GPT, Block
-from disttrain.parallel.plan import pipeline_units_of
+from disttrain.parallel.model_plan import pipeline_units_of
 
 DIGITS = DataSpec(kind="image", num_classes=10, in_channels=1, image_size=8)
 CIFAR = DataSpec(kind="image", num_classes=7, in_channels=3, image_size=32)

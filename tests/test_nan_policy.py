@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from disttrain.checkpoint_io import load_metadata
-from disttrain.export import consolidated_weights
-from disttrain.fault.checkpoints import damage
+from disttrain.checkpoint.export import consolidated_weights
+from disttrain.checkpoint.folders import damage
+from disttrain.checkpoint.io import load_metadata
 from disttrain.fault.config import NON_FINITE_EXIT
 from tests.fault_runs import assert_no_orphans, logged_losses, run
 
@@ -69,7 +69,7 @@ def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
 def test_a_skipped_steps_loss_counts_nowhere_in_the_epochs_mean():
     from disttrain.data.spec import DataSpec
     from disttrain.optim import AdamWConfig, SchedulerConfig
-    from disttrain.task import TrainTask
+    from disttrain.rank.task import TrainTask
 
     task = TrainTask(torch.nn.Linear(4, 2), DataSpec("image", num_classes=2, in_channels=1, image_size=2),
                      AdamWConfig(), SchedulerConfig(), total_steps=3)

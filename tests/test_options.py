@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from disttrain.run import train
+from disttrain.launch.job import train
 from tests.conftest import compose_config
 from tests.test_configs import CASES, needs
 

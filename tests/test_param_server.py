@@ -21,7 +21,7 @@ RUN = ["trainer.max_steps=30", "trainer.log_every_n_steps=1", "trainer.run_test=
 
 
 def _run(overrides: list[str], run_dir) -> dict:
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     train(compose_config([*RUN, *overrides], run_dir))
@@ -46,7 +46,7 @@ def cnn_numels() -> list[int]:
 
 @pytest.mark.parametrize("servers", [1, 2])
 def test_a_synchronous_parameter_server_is_ddp_and_its_servers_share_the_traffic(ddp_four, tmp_path, servers):
-    from disttrain.export import consolidated_weights
+    from disttrain.checkpoint.export import consolidated_weights
     from tests.test_run import step_losses
 
     results = _run(["parallel=param_server", f"parallel.servers={servers}", "trainer.devices=4"], tmp_path / "ps")

@@ -16,9 +16,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from disttrain.checkpoint_io import load_metadata
-from disttrain.export import consolidated_weights
-from disttrain.run import train
+from disttrain.checkpoint.export import consolidated_weights
+from disttrain.checkpoint.io import load_metadata
+from disttrain.launch.job import train
 from tests.conftest import compose_config, exported_val_loss, logged_metric
 from tests.test_run import GPT_FAST, step_losses
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from disttrain.errors import ConfigError
 from disttrain.models.gpt import GPT, GPTDims
+from disttrain.parallel.model_plan import pipeline_units_of
 from disttrain.parallel.pipeline.split import (
     SCHEDULES,
     build_schedule,
@@ -20,7 +21,6 @@ from disttrain.parallel.pipeline.split import (
     stage_indices,
     unit_split_points,
 )
-from disttrain.parallel.plan import pipeline_units_of
 from tests.dist_utils import run_on_ranks
 
 DIMS = GPTDims(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from disttrain.run import train
+from disttrain.launch.job import train
 from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 from tests.test_tp_run import assert_close_curves
@@ -56,8 +56,8 @@ def test_cnn_stages_chain_to_the_whole_model():
     from disttrain.data.digits import DigitsConfig
     from disttrain.models import build_model
     from disttrain.models.cnn import CNNConfig
+    from disttrain.parallel.model_plan import pipeline_units_of
     from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
-    from disttrain.parallel.plan import pipeline_units_of
 
     model = build_model(CNNConfig(blocks_per_stage=2), build_datamodule(DigitsConfig(), 4, 0).spec).eval()
     units = pipeline_units_of(model)

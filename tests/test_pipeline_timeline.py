@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from disttrain.launch.job import train
 from disttrain.parallel.pipeline.timeline import JSON_FILE, PNG_FILE, ActionRecorder, build_timeline, write_timeline
-from disttrain.plots import TIMELINE_COLOURS
-from disttrain.run import train
+from disttrain.report.plots import TIMELINE_COLOURS
 from tests.test_run import GPT_FAST
 
 MICROBATCHES = 4

@@ -185,8 +185,8 @@ def _model_parallel_state_rank(layouts: list[str], layers: list[int]) -> list[in
 
     from disttrain.models.gpt import GPT, GPTDims
     from disttrain.parallel.fsdp import apply_fsdp
+    from disttrain.parallel.model_plan import pipeline_units_of
     from disttrain.parallel.pipeline.split import build_stage_module, unit_split_points
-    from disttrain.parallel.plan import pipeline_units_of
     from disttrain.parallel.tp import apply_tp
 
     def local(t: torch.Tensor) -> int:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from disttrain.plots import LOSS_FILE, TIME_FILE, write_run_plots
+from disttrain.report.plots import LOSS_FILE, TIME_FILE, write_run_plots
 
 pytest.importorskip("matplotlib")
 
@@ -27,7 +27,7 @@ def drawn_pixels(path) -> float:
 
 
 def test_a_run_draws_its_loss_curves_and_wall_time(make_config, tmp_path):
-    from disttrain.run import train
+    from disttrain.launch.job import train
 
     run_dir = tmp_path / "run"
     train(make_config(RUN, run_dir))
@@ -57,7 +57,7 @@ def test_the_loss_plot_draws_each_logged_series(tmp_path):
 
 
 def test_without_matplotlib_or_when_off_nothing_is_drawn(make_config, tmp_path, monkeypatch):
-    from disttrain.run import train
+    from disttrain.launch.job import train
 
     off = tmp_path / "off"
     train(make_config([*RUN, "plots=false"], off))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from disttrain.config import validate
-from disttrain.run import train
+from disttrain.launch.job import train
 
 
 def test_recipes_state_what_they_reproduce(make_config):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.checkpoint_io import load_metadata
+from disttrain.checkpoint.io import load_metadata
 from disttrain.fault.config import HUNG_EXIT, PREEMPTED_EXIT
 from tests.conftest import ROOT
 from tests.fault_runs import (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.checkpoint_io import load_metadata
-from disttrain.run import train
+from disttrain.checkpoint.io import load_metadata
+from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config, train_cli
 from tests.test_run import GPT_FAST, step_losses
 
@@ -74,7 +74,7 @@ def test_a_run_ending_between_save_points_saves_its_last_step(tmp_path):
 
 
 def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
-    from disttrain.run import resume_path
+    from disttrain.checkpoint.folders import resume_path
 
     assert resume_path("auto", tmp_path) is None
     assert capsys.readouterr().err == (f"disttrain: resume=auto found no complete checkpoint in "

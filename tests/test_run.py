@@ -10,11 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from disttrain.checkpoint.export import export
 from disttrain.config import validate
 from disttrain.data import build_datamodule
-from disttrain.export import export
+from disttrain.launch.job import train
 from disttrain.models import build_model
-from disttrain.run import train
 
 GPT_FAST = [
     "model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.checkpoint_io import load_metadata
-from disttrain.run import train
+from disttrain.checkpoint.io import load_metadata
+from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config, train_cli
 from tests.test_run import GPT_FAST
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.launch import free_port
+from disttrain.parallel.process_group import free_port
 from tests.conftest import ROOT
 from tests.fault_runs import (
     KILL_AT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain.run import train
+from disttrain.launch.job import train
 from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 

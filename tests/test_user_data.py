@@ -255,7 +255,7 @@ def test_a_node_without_a_target_or_with_bad_workers_is_refused():
 
 
 def test_user_data_trains_under_ddp_and_resumes_mid_epoch_exactly(tmp_path, capsys):
-    from disttrain.run import train
+    from disttrain.launch.job import train
     from tests.conftest import compose_config
     from tests.test_run import step_losses
 

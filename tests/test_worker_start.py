@@ -1,4 +1,4 @@
-"""Ranks forked from the fork server start as ``python -m disttrain.worker`` started at that moment does: the
+"""Ranks forked from the fork server start as ``python -m disttrain.rank.run`` started at that moment does: the
 job's environment, working directory and import path of now (not the server's), the thread count it sets,
 rank 0 on the job's output and the others in their logs, and no second run of the job's main script."""
 
@@ -15,8 +15,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from disttrain.run import train
-from disttrain.worker_start import warm_fork_server
+from disttrain.launch.fork_server import warm_fork_server
+from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config
 
 SHORT = ["parallel=ddp", "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
@@ -66,7 +66,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 from tests.conftest import compose_config
-from disttrain.run import train
+from disttrain.launch.job import train
 
 print("the script ran", flush=True)
 train(compose_config({SHORT!r} + ["trainer.run_test=false"], {str(tmp_path / "run")!r}))

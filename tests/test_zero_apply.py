@@ -31,7 +31,7 @@ from disttrain.optim import Lamb, Lars, param_groups
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed
 from disttrain.parallel.dims import MESH_DIM_NAMES
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
-from disttrain.parallel.plan import shard_units_of
+from disttrain.parallel.model_plan import shard_units_of
 from disttrain.parallel.zero1 import (
     load_zero1_state_dict,
     shard_optimizer_state,

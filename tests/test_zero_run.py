@@ -8,11 +8,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from disttrain.checkpoint.export import export
 from disttrain.config import validate
 from disttrain.data import build_datamodule
-from disttrain.export import export
+from disttrain.launch.job import train
 from disttrain.models import build_model
-from disttrain.run import train
 from tests.conftest import single_process_curve
 from tests.test_run import GPT_FAST, step_losses
 

@@ -1,7 +1,7 @@
 """A run's configuration: the typed schema (``schema``) and the one validation pass (``validation``)."""
 
 from disttrain.config.batch import ResolvedBatch, resolve_batch
-from disttrain.config.plan import ExecutionPlan
+from disttrain.config.execution import ExecutionPlan
 from disttrain.config.schema import (
     PRECISIONS,
     BatchConfig,

@@ -24,6 +24,18 @@ from disttrain.parallel.config import ParallelConfig
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
 """The config groups shipped beside the package."""
 
+RANK_STARTS = ("auto", "fork_server", "interpreter")
+"""The values of ``trainer.rank_start``."""
+
+
+def fork_server_available() -> bool:
+    """Whether this platform has multiprocessing's fork server (every POSIX system; not Windows), which
+    ``trainer.rank_start=fork_server`` needs."""
+    import multiprocessing
+
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
 PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-true")
 """The precisions the strategy runs (Lightning's ModelParallelStrategy plugins)."""
 

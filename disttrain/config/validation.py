@@ -2,14 +2,15 @@
 
 Everything is checked here, before any worker rank starts; every mistake is one ``ConfigError`` naming the
 key, the value and what is allowed. The pieces live beside it: ``typed`` (nodes into schemas), ``batch``
-(the batch numbers) and ``plan`` (the execution plan and the model's parallel plan).
+(the batch numbers) and ``execution`` (the kind of run and what the Trainer is told).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -17,16 +18,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from disttrain import checks
 from disttrain.config.batch import ResolvedBatch, resolve_batch
-from disttrain.config.plan import ExecutionPlan, check_model_plan, execution_plan, model_on_meta
+from disttrain.config.execution import ExecutionPlan, execution_plan
 from disttrain.config.precision import resolve_precision
-from disttrain.config.schema import PRECISIONS, TrainConfig, TrainerConfig
+from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-from disttrain.worker_start import RANK_STARTS, fork_server_available
+from disttrain.parallel.model_checks import check_model_plan, model_on_meta
 
 
 @dataclass(frozen=True)
@@ -81,50 +82,30 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
-    """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input."""
+    """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input.
+
+    A straight sequence: the groups as typed objects, the checks of their values, then named steps that decide
+    what the checks cannot (ranks per node, the planner's layout for ``parallel=auto``, the data, the precision
+    probe, the model's parallel plan, the kind of run). ``cfg`` itself is never changed: the decisions are
+    written into the resolved copy that workers read (``RunConfig.yaml``).
+    """
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    from disttrain.data import DATA, build_datamodule
-    from disttrain.models import MODELS
-    from disttrain.optim import OPTIMIZERS, SchedulerConfig
+    from disttrain.data import build_datamodule
 
+    cfg = copy.deepcopy(cfg)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
-    top = typed("", cfg, TrainConfig)
-    model = model_typed(cfg.model, MODELS)
-    data = data_typed(cfg.data, DATA)
-    optim = registry_typed("optim", cfg.optim, OPTIMIZERS)
-    scheduler = typed("scheduler", cfg.scheduler, SchedulerConfig)
-    notices = [notice for part in (data, optim, scheduler) for notice in (part.validate() or [])]
-    top.parallel.validate()
-    if top.parallel.cpu_offload and not _uses_gpu(top.trainer.accelerator):
-        raise ConfigError("parallel.cpu_offload", True,
-                          "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
-    _validate_trainer(top.trainer)
-    top.fault_tolerance.validate(top.parallel.timeout_s)
-    top.comm.validate()
-    if top.checkpoint.keep_last < 1:
-        raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")
-    every = top.checkpoint.every_n_train_steps
-    if every is not None and (every < 1 or not top.checkpoint.save_last):
-        raise ConfigError("checkpoint.every_n_train_steps", every, "null, or a positive number of steps with "
-                          "checkpoint.save_last=true (its save points write last.ckpt)")
+    top, model, data, optim, scheduler = _typed_groups(cfg)
+    notices = _check_options(top, model, data, optim, scheduler)
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
     notices += [devices_notice] if devices_notice else []
-    OmegaConf.update(cfg, "trainer.devices", top.trainer.devices)  # workers read the number, not auto
-    if getattr(model, "sync_batchnorm", False) and not _uses_gpu(top.trainer.accelerator):
-        raise ConfigError("model.sync_batchnorm", True,
-                          "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
-    if top.resume not in (None, "auto"):
-        top.resume = checkpoint_folder(top.resume)
-        OmegaConf.update(cfg, "resume", top.resume)
     world = world_size if world_size is not None else world_size_of(top.trainer)
-    if top.mode not in ("train", "plan"):
-        raise ConfigError("mode", top.mode, "train (fit and test) or plan (print the plan and stop)")
-    if top.parallel.name == "auto":
-        notices.append(_choose_parallel(top, cfg, model, data, optim, world))
+    chose_layout = top.parallel.name == "auto"
+    if chose_layout:
+        notices.append(_choose_parallel(top, model, data, optim, world))
     p = top.parallel
     dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp)
     p.check_dims(dims)
@@ -136,40 +117,94 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
-    if top.mode == "plan":  # a plan does not run the measured probe (its model may not fit here)
+    notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
+    net = model_on_meta(model, datamodule.spec)
+    check_model_plan(model.name, net, p, dims, batch.micro_size)
+    top.comm.check_model(net)
+    notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
+    plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
+    if plan.kind != "federated":
+        steps_per_epoch = datamodule.num_train_samples // batch.global_size
+        notices += length_notices(top.trainer, steps_per_epoch)
+        notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
+    if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
+        notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
+                       f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
+                       "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
+    return RunConfig(top, model, data, optim, scheduler, dims, batch, _resolved_yaml(cfg, top, chose_layout),
+                     tuple(notices), plan, datamodule)
+
+
+def _typed_groups(cfg: DictConfig) -> tuple[TrainConfig, Any, Any, Any, Any]:
+    """The config's groups as typed objects: the top level, model, data, optimiser and schedule."""
+    from disttrain.data import DATA
+    from disttrain.models import MODELS
+    from disttrain.optim import OPTIMIZERS, SchedulerConfig
+
+    return (typed("", cfg, TrainConfig), model_typed(cfg.model, MODELS), data_typed(cfg.data, DATA),
+            registry_typed("optim", cfg.optim, OPTIMIZERS), typed("scheduler", cfg.scheduler, SchedulerConfig))
+
+
+def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, scheduler: Any) -> list[str]:
+    """Every check of a value or a pair of values that needs nothing built; the notices they give."""
+    notices = [notice for part in (data, optim, scheduler) for notice in (part.validate() or [])]
+    top.parallel.validate()
+    gpu = _uses_gpu(top.trainer.accelerator)
+    if top.parallel.cpu_offload and not gpu:
+        raise ConfigError("parallel.cpu_offload", True,
+                          "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
+    _validate_trainer(top.trainer)
+    top.fault_tolerance.validate(top.parallel.timeout_s)
+    top.comm.validate()
+    if top.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")
+    every = top.checkpoint.every_n_train_steps
+    if every is not None and (every < 1 or not top.checkpoint.save_last):
+        raise ConfigError("checkpoint.every_n_train_steps", every, "null, or a positive number of steps with "
+                          "checkpoint.save_last=true (its save points write last.ckpt)")
+    if getattr(model, "sync_batchnorm", False) and not gpu:
+        raise ConfigError("model.sync_batchnorm", True,
+                          "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
+    if top.resume not in (None, "auto"):
+        top.resume = checkpoint_folder(top.resume)
+    if top.mode not in ("train", "plan"):
+        raise ConfigError("mode", top.mode, "train (fit and test) or plan (print the plan and stop)")
+    return notices
+
+
+def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) -> list[str]:
+    """``trainer.precision=auto``: the planner's choice for a plan (its model may not fit here to be measured),
+    else bf16 where this device computes it natively and measures faster; the notice that says which."""
+    if top.mode == "plan":
         from disttrain.plan.hardware import resolve_profile
         from disttrain.plan.planner import planned_precision
 
         top.trainer.precision = planned_precision(top.trainer.precision,
                                                   resolve_profile(top.plan.profile, top.plan.memory_gb))
-    top.trainer.precision, precision_notice = resolve_precision(
-        top.trainer.precision, _uses_gpu(top.trainer.accelerator), model, datamodule.spec, batch.micro_size)
-    notices += [precision_notice] if precision_notice else []
-    OmegaConf.update(cfg, "trainer.precision", top.trainer.precision)  # workers read what auto chose
-    net = model_on_meta(model, datamodule.spec)
-    check_model_plan(model.name, net, p, dims, batch.micro_size)
-    top.comm.check_model(net)
-    OmegaConf.update(cfg, "comm.rank", top.comm.rank)  # the ranks read the rank taken, not null
-    notices += check_federated(top, cfg, dims.world_size, dims.dp_replicate, datamodule)
-    if not top.federated.enabled:
-        steps_per_epoch = datamodule.num_train_samples // batch.global_size
-        notices += length_notices(top.trainer, steps_per_epoch)
-        notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
-        OmegaConf.update(cfg, "trainer.check_val_every_n_epoch", top.trainer.check_val_every_n_epoch)
-    if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
-        notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
-                       f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
-                       "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
-    plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
-    if top.federated.enabled:  # clients clip their own local steps
-        plan = replace(plan, trainer_clip=None)
-    return RunConfig(top, model, data, optim, scheduler, dims, batch, OmegaConf.to_yaml(cfg), tuple(notices), plan,
-                     datamodule)
+    top.trainer.precision, notice = resolve_precision(top.trainer.precision, _uses_gpu(top.trainer.accelerator),
+                                                      model, spec, micro_size)
+    return [notice] if notice else []
 
 
-def _choose_parallel(top: TrainConfig, cfg: DictConfig, model: Any, data: Any, optim: Any, world: int) -> str:
-    """``parallel=auto``: put the chosen degrees, options and micro-batch into ``top`` and ``cfg`` (workers read
-    the choice, not auto) and return the notice that says why."""
+def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool) -> str:
+    """The resolved config with validation's decisions written in (what workers read, so they never decide
+    again): ranks per node, the resume folder, precision, PowerSGD's rank, validation and length settings, the
+    FedProx weight and, for ``parallel=auto``, the chosen layout and batch."""
+    t = top.trainer
+    for key, value in (("trainer.devices", t.devices), ("trainer.precision", t.precision),
+                       ("trainer.max_steps", t.max_steps),
+                       ("trainer.check_val_every_n_epoch", t.check_val_every_n_epoch), ("resume", top.resume),
+                       ("comm.rank", top.comm.rank), ("federated.mu", top.federated.mu)):
+        OmegaConf.update(cfg, key, value)
+    if chose_layout:
+        OmegaConf.update(cfg, "parallel", OmegaConf.structured(top.parallel), merge=False)
+        OmegaConf.update(cfg, "batch", OmegaConf.structured(top.batch), merge=False)
+    return OmegaConf.to_yaml(cfg)
+
+
+def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> str:
+    """``parallel=auto``: run the planner, put the chosen degrees, options and micro-batch into ``top`` and return
+    the notice that says why."""
     from disttrain.data import build_datamodule
     from disttrain.plan.hardware import resolve_profile
     from disttrain.plan.planner import apply_layout, choose_parallel
@@ -183,8 +218,6 @@ def _choose_parallel(top: TrainConfig, cfg: DictConfig, model: Any, data: Any, o
                                      optim, top.trainer.precision, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation
-    OmegaConf.update(cfg, "parallel", OmegaConf.structured(top.parallel), merge=False)
-    OmegaConf.update(cfg, "batch", OmegaConf.structured(top.batch), merge=False)
     return notice
 
 

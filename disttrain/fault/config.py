@@ -19,6 +19,18 @@ NON_FINITE_EXIT = 65
 LOST_PEER_EXIT = 69
 """A rank's collective failed because another rank went away: a consequence, never the cause (EX_UNAVAILABLE)."""
 NAN_POLICIES = ("stop", "skip")
+RESTARTS_FILE = "restarts.json"
+"""In the log folder: one record per restart (attempt, rank, exit, cause, end of log), written by the supervisor."""
+FAILURE_KEY = "disttrain/failure"
+"""Store key where a rank that detected a hang leaves its one-line diagnosis for the supervisor."""
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this run's ranks (torchrun's and disttrain's variable, or a
+    SLURM requeue's); a restarted rank resumes from the newest complete checkpoint."""
+    import os
+
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 @dataclass

@@ -81,7 +81,7 @@ class StepAgreement:
 
     def _kept(self) -> str:
         """Which checkpoint a stop leaves to resume from, in words (read once, on the way out)."""
-        from disttrain.fault.checkpoints import newest_complete, saved_step
+        from disttrain.checkpoint.folders import newest_complete, saved_step
 
         newest = newest_complete(self.checkpoints)[0] if self.checkpoints is not None else None
         if newest is None:

@@ -21,8 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from disttrain.fault.config import HUNG_EXIT
-from disttrain.fault.supervisor import FAILURE_KEY
+from disttrain.fault.config import FAILURE_KEY, HUNG_EXIT
 
 
 class RankWatchdog(pl.Callback):

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from disttrain.errors import ConfigError
 from disttrain.federated.partition import empty_clients
 
 
-def check_federated(top: Any, cfg: DictConfig, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
+def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
     """Refuse impossible federated settings; set ``trainer.max_steps`` to the rounds; notices for the user."""
     from disttrain.federated.task import client_partitions
 
     fed, p = top.federated, top.parallel
     fed.validate()
-    OmegaConf.update(cfg, "federated.mu", fed.mu)  # the config written for the ranks says the weight taken
     if not fed.enabled:
         if p.federated:
             raise ConfigError("federated.clients", fed.clients, "a positive number of clients with parallel=federated")
@@ -34,7 +31,6 @@ def check_federated(top: Any, cfg: DictConfig, world_size: int, dp_replicate: in
         raise ConfigError("trainer.max_steps", top.trainer.max_steps,
                           f"-1 with parallel=federated (federated.rounds={fed.rounds} sets the length)")
     top.trainer.max_steps = fed.rounds
-    OmegaConf.update(cfg, "trainer.max_steps", fed.rounds)
     if fed.dp.noise_multiplier:
         try:
             import opacus  # noqa: F401

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from disttrain.plots import pyplot, save
+from disttrain.report.plots import pyplot, save
 
 PLOT_FILE = "federated_accuracy.png"
 

@@ -21,7 +21,7 @@ from disttrain.federated.config import FederatedConfig
 from disttrain.federated.partition import labels_of, partition
 from disttrain.federated.rounds import FederatedRounds, RoundStats, rounds_epsilon
 from disttrain.federated.server import RULES, ServerOptimizer
-from disttrain.task import TrainTask
+from disttrain.rank.task import TrainTask
 
 
 def client_partitions(cfg: FederatedConfig, dataset: Any, seed: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from disttrain.parallel.plan import shard_units_of
+from disttrain.parallel.model_plan import shard_units_of
 
 
 class CheckpointedForward:

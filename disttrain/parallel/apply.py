@@ -29,7 +29,7 @@ from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
 from disttrain.parallel.local_sgd import broadcast_module
-from disttrain.parallel.plan import shard_units_of, tp_plan_of
+from disttrain.parallel.model_plan import shard_units_of, tp_plan_of
 from disttrain.parallel.tp import apply_tp
 
 
@@ -45,10 +45,12 @@ def apply_parallelism(
     counter: ByteCounter | None = None,
     exchange: ExchangeState | None = None,
     compile: bool = False,
+    ddp_exchange: bool = True,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper). ``comm``:
     what data-parallel gradients are sent as, with the bytes counted in ``counter`` and what carries over
-    between steps kept in ``exchange``. ``compile``: torch.compile the model (or each unit when sharded)."""
+    between steps kept in ``exchange``. ``compile``: torch.compile the model (or each unit when sharded).
+    ``ddp_exchange``: replicas exchange gradients through DDP (False: the kind of run exchanges them itself)."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
@@ -65,7 +67,7 @@ def apply_parallelism(
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
         )
-    if dims.dp_enabled and parallel.exchanges_outside_ddp:  # replicas without DDP's all-reduce
+    if dims.dp_enabled and not ddp_exchange:  # replicas without DDP's all-reduce
         broadcast_module(model, dims.dp_mesh(mesh).get_group())
         return model
     if dims.dp_enabled:

@@ -156,6 +156,18 @@ class AsyncParameterServerOptimizer(ParameterServerOptimizer):
         for g, source, lr in zip(self.inner.param_groups, self._sources, loaded["lr"].tolist(), strict=True):
             g["lr"] = source["lr"] = lr
 
+    def saved_state(self, model: nn.Module) -> dict[str, Any]:
+        """``checkpoint_state``: what a checkpoint holds of this rank."""
+        return self.checkpoint_state()
+
+    def state_template(self, model: nn.Module) -> dict[str, Any]:
+        """``checkpoint_state``: live tensors, which a load fills in place."""
+        return self.checkpoint_state()
+
+    def load_saved_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Take the versions and learning rates loaded into ``state_template``'s tensors."""
+        self.adopt_loaded_state()
+
     def write_log(self, directory: Path) -> None:
         """This server's log, one JSON object per gradient."""
         if self.copies:

@@ -144,11 +144,6 @@ class ParallelConfig:
         return self.name == "federated"
 
     @property
-    def exchanges_outside_ddp(self) -> bool:
-        """Data-parallel replicas that exchange parameters or gradients by disttrain's own code, not DDP's."""
-        return bool(self.sync_every or self.servers or self.federated)
-
-    @property
     def sharded_accumulation(self) -> bool:
         """Accumulation micro-batches reduce-scatter their gradients (see ``accumulate_grads``)."""
         return accumulates_sharded(self.zero_stage, self.accumulate_grads)

@@ -6,7 +6,7 @@ gathered parameters after its forward and gathers them again in backward (1.5x t
 DDP). FSDP2 always frees them after backward, so between steps both stages hold only shards of the
 parameters, gradients and optimiser state.
 
-The units of sharding are the model's shard units (``disttrain.parallel.plan.shard_units_of``: its
+The units of sharding are the model's shard units (``disttrain.parallel.model_plan.shard_units_of``: its
 ``shard_units()``, by default its repeated blocks), and last the root, which takes all remaining
 parameters, e.g. GPT's embeddings, final norm and the LM head, whose weight is tied to the token
 embedding: both names refer to one parameter of the root unit, so it is gathered once and its gradient is
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.parallel.plan import shard_units_of
+from disttrain.parallel.model_plan import shard_units_of
 
 
 def apply_fsdp(

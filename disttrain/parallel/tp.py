@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from disttrain.errors import ConfigError
 from disttrain.models.protocol import TP_STYLES
-from disttrain.parallel.plan import matching_modules
+from disttrain.parallel.model_plan import matching_modules
 
 SEQUENCE_STYLES = ("sequence_norm", "sequence_gather", "sequence_split")
 """Styles that apply only with sequence parallelism."""

@@ -56,7 +56,7 @@ def module_names(net: nn.Module, modules: list[nn.Module]) -> list[str]:
 def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim: Any, precision: str,
                 profile: HardwareProfile) -> PlanInputs:
     """Measure ``net`` (built on the meta device) for a plan of a run with these options."""
-    from disttrain.parallel.plan import pipeline_units_of, shard_units_of, tp_plan_of
+    from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 
     pipeline = pipeline_units_of(net, parallel.pipeline_units) or []
     shards = module_names(net, shard_units_of(net, parallel.shard_units, parallel.min_params_per_unit))
@@ -107,9 +107,9 @@ def preset_name(layout: Layout) -> str:
 def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
                     precision: str, profile: HardwareProfile, alternatives: int = 3) -> tuple[Layout, str]:
     """``parallel=auto``: the chosen layout and the lines that say why (ConfigError if nothing fits)."""
-    from disttrain.config.plan import check_model_plan
     from disttrain.errors import ConfigError
     from disttrain.parallel.dims import ParallelDims
+    from disttrain.parallel.model_checks import check_model_plan
     from disttrain.plan.auto import choose
     from disttrain.plan.report import human_bytes
 
@@ -151,7 +151,7 @@ def print_plan(run: Any) -> Estimate:
     """``mode=plan``: print the plan of a validated run, write plan.json (and its picture); return it."""
     from pathlib import Path
 
-    from disttrain.config.plan import model_on_meta
+    from disttrain.parallel.model_checks import model_on_meta
     from disttrain.plan.hardware import resolve_profile
     from disttrain.plan.report import render, write_plan
 

@@ -88,7 +88,7 @@ def write_plan(e: Estimate, profile: HardwareProfile, run_dir: Path, plots: bool
 
 def draw_memory(e: Estimate, path: Path) -> Path | None:
     """A stacked bar of the per-rank memory terms against the capacity (None without matplotlib)."""
-    from disttrain.plots import pyplot, save
+    from disttrain.report.plots import pyplot, save
 
     plt = pyplot()
     if plt is None:

@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.model_plan import pipeline_units_of, tp_plan_of
 from disttrain.parallel.pipeline.split import (
     UnitStage,
     build_schedule,
@@ -32,7 +33,6 @@ from disttrain.parallel.pipeline.split import (
     unit_split_points,
 )
 from disttrain.parallel.pipeline.timeline import ActionRecorder, records_on
-from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
 from disttrain.parallel.tp import apply_tp
 
 

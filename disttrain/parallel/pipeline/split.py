@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from disttrain.errors import ConfigError
-from disttrain.parallel.plan import pipeline_units_of
+from disttrain.parallel.model_plan import pipeline_units_of
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "GPipe",

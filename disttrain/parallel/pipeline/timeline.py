@@ -141,7 +141,7 @@ def build_timeline(records: list[dict[str, Any]], about: dict[str, Any]) -> dict
 
 def write_timeline(timeline: dict[str, Any], folder: Path, draw: bool) -> list[Path]:
     """``folder/pipeline_timeline.json`` always, and its picture when ``draw`` and matplotlib is installed."""
-    from disttrain.plots import draw_pipeline_timeline
+    from disttrain.report.plots import draw_pipeline_timeline
 
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / JSON_FILE]

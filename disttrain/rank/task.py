@@ -16,10 +16,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
-from disttrain.hook_dispatch import FastHookName
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.param_server import ParameterServerOptimizer
+from disttrain.rank.hook_dispatch import FastHookName
 
 LN2 = math.log(2.0)
 # Epoch metrics are logged from torchmetrics' compute(), which has already reduced them over all ranks.

@@ -11,7 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from disttrain.plots import pyplot, save
+from disttrain.report.plots import pyplot, save
 
 TABLE_FILE = "summary.csv"
 MARKDOWN_FILE = "summary.md"

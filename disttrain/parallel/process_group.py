@@ -1,17 +1,10 @@
-"""Starting ranks: the job process owns the run and supervises plain-Python workers that never re-run Hydra.
-
-Lightning's own subprocess launcher re-executes the command line in every rank, which re-expands a Hydra
-sweep inside each worker; this launcher hands workers the resolved config file instead. Under torchrun or
-SLURM the ranks already exist, and this module only joins them.
-"""
+"""The process group of a run's ranks: which launcher started them (torchrun, SLURM, the job process), how many
+there are per node, and joining and leaving the group."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,8 +14,6 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-
-RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
 def external_environment() -> ClusterEnvironment | None:
@@ -83,41 +74,3 @@ def shutdown_process_group() -> None:
     """Destroy the process group: Lightning leaves it alive, which would hang the next job of a sweep."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@contextmanager
-def rank_environment(values: dict[str, str]) -> Iterator[None]:
-    """Set the rank variables for the duration of one job and restore the previous ones afterwards."""
-    saved = {key: os.environ.get(key) for key in RANK_VARIABLES}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def single_rank_environment() -> dict[str, str]:
-    """Rank variables of a one-process run (the process group still needs an address)."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "NODE_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
-
-
-def spawn_and_run(world_size: int, config_path: Path, log_dir: Path, max_restarts: int = 0,
-                  rank_start: str = "auto") -> int:
-    """Start every rank as a worker reading ``config_path`` and supervise them until all finish.
-
-    The job process hosts the rendezvous store (so a stopped rank never takes it down), shows rank 0's
-    output as its own and writes the others' to ``log_dir/rank<N>.log``. When a rank fails, the others
-    are stopped and, while restarts remain, all ranks start again and resume from the newest complete
-    checkpoint. Ranks are forked from the fork server or started as new interpreters (``rank_start``, one of
-    ``trainer.rank_start``'s values). Returns the number of restarts; raises ``RanksStopped`` when the job
-    cannot finish.
-    """
-    from disttrain.fault.supervisor import Supervisor
-    from disttrain.worker_start import forks_ranks
-
-    return Supervisor(world_size, config_path, log_dir, max_restarts, forks_ranks(rank_start)).run()

@@ -1,52 +1,13 @@
-"""How a run executes (decided once, during validation), and whether the model has what the degrees need."""
+"""Whether a model has what the parallel degrees need from it, checked on a copy built on the meta device."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from disttrain.config.batch import ResolvedBatch
-from disttrain.config.schema import TrainerConfig
 from disttrain.errors import ConfigError
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-
-
-@dataclass(frozen=True)
-class ExecutionPlan:
-    """How a run executes, decided once during validation (the runner and the strategy only read it)."""
-
-    pipelined: bool
-    """Pipeline stages run a schedule per step: the task optimises manually (accumulates and clips itself)."""
-    trainer_accumulation: int
-    """Lightning's ``accumulate_grad_batches`` (1 when the task accumulates itself)."""
-    trainer_clip: float | None
-    """Lightning's ``gradient_clip_val`` (None when the task clips itself)."""
-    inference_mode: bool
-    """Evaluate under ``torch.inference_mode`` (not for pipeline stages, whose activations autograd tracks)."""
-    full_eval_batches: bool
-    """Pad evaluation to whole batches on every rank (pipeline stages need one batch shape throughout)."""
-    microbatch_shape: tuple[int, ...] = ()
-    """Shape of one pipeline microbatch's input (pipelined runs)."""
-    microbatch_dtype: str = "float32"
-    """Its dtype: int64 for token ids, float32 for images."""
-    loss_divisor: int = 1
-    """Microbatches x accumulation: a pipelined microbatch loss is divided by it."""
-    loss_ranks: int = 1
-    """Ranks that hold the last stage's losses (data-parallel x tensor-parallel)."""
-
-
-def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerConfig, parallel: ParallelConfig,
-                   spec: Any) -> ExecutionPlan:
-    """The plan for a run of these degrees, batch and data."""
-    if not dims.pp_enabled:
-        return ExecutionPlan(False, batch.accumulation, trainer.gradient_clip_val, True, False)
-    size = batch.micro_size // parallel.pipeline.microbatches
-    text = spec.kind == "text"
-    shape = (size, spec.block_size) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
-    return ExecutionPlan(True, 1, None, False, True, shape, "int64" if text else "float32",
-                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.tp)
 
 
 def model_on_meta(model: Any, spec: Any) -> Any:
@@ -69,8 +30,8 @@ def model_on_meta(model: Any, spec: Any) -> Any:
 def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
     """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
     schedule can cut, and shard units that exist (from its methods or from ``parallel``)."""
+    from disttrain.parallel.model_plan import pipeline_units_of, tp_plan_of
     from disttrain.parallel.pipeline.split import check_pipeline, check_units
-    from disttrain.parallel.plan import pipeline_units_of, tp_plan_of
     from disttrain.parallel.tp import check_tp_plan
 
     for key in ("pipeline_units", "shard_units"):

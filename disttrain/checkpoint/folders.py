@@ -1,4 +1,5 @@
-"""Which checkpoint a resumed or restarted run continues from: the newest one that is complete.
+"""Checkpoint folders: which one a resumed or restarted run continues from (the newest complete one), and the
+save points kept beside it.
 
 A checkpoint folder is written as ``<name>.partial`` and renamed when every rank's shards and the index
 are on disk, so a folder without the suffix was complete once; a file truncated or lost since (a full
@@ -9,9 +10,10 @@ records, and such a folder is skipped, with a warning, for the one before it.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
-from disttrain.checkpoint_io import INDEX_FILE, METADATA_FILE, load_index, load_metadata
+from disttrain.checkpoint.io import INDEX_FILE, METADATA_FILE, load_index, load_metadata
 
 RETIRED = re.compile(r"^last-step(\d+)\.ckpt$")
 """Earlier save points kept by ``checkpoint.keep_last``."""
@@ -77,3 +79,20 @@ def retire_and_prune(checkpoints: Path, keep_last: int) -> None:
                      key=lambda p: int(RETIRED.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
     for old in retired[max(0, keep_last - 1):]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_path(resume: str | None, run_dir: Path, announce: bool = True) -> str | None:
+    """The checkpoint to continue from: none, the run directory's newest complete one (auto), or a given path.
+    ``announce``: print which damaged checkpoints were skipped."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        newest, skipped = newest_complete(run_dir / "checkpoints")
+        if announce:
+            for warning in skipped:
+                print(f"disttrain: {warning}", file=sys.stderr, flush=True)
+            if newest is None:
+                print(f"disttrain: resume=auto found no complete checkpoint in {run_dir / 'checkpoints'}: starting "
+                      "from step 0", file=sys.stderr, flush=True)
+        return str(newest) if newest is not None else None
+    return resume

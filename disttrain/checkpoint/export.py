@@ -1,6 +1,6 @@
 """Export a sharded checkpoint to one consolidated weights file for inference.
 
-    python -m disttrain.export RUN_DIR/checkpoints/last.ckpt model.pt
+    python -m disttrain.checkpoint.export RUN_DIR/checkpoints/last.ckpt model.pt
 
 The output holds only the model's tensors (names as in the bare model, e.g. ``embed.wte.weight``) and loads
 with ``torch.load(path, weights_only=True)`` into a model built from the run's ``config.yaml``.
@@ -21,7 +21,7 @@ def consolidated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Read every rank's shard of the model from a checkpoint folder, in one process, as full tensors."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from disttrain.checkpoint_io import SafeFileSystemReader, load_index, reading
+    from disttrain.checkpoint.io import SafeFileSystemReader, load_index, reading
 
     if not (checkpoint / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint folder (no .metadata inside)")

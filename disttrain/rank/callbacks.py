@@ -100,7 +100,7 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         if self.save_last and trainer.is_global_zero and self.dirpath is not None:
-            from disttrain.fault.checkpoints import retire_and_prune
+            from disttrain.checkpoint.folders import retire_and_prune
 
             retire_and_prune(Path(self.dirpath), self.keep_last)
         super()._save_last_checkpoint(trainer, monitor_candidates)
@@ -126,7 +126,7 @@ class ThroughputMeter(pl.Callback):
     """
 
     def __init__(self, global_batch: int, tokens_per_sample: int = 1) -> None:
-        from disttrain.timing import command_start_time
+        from disttrain.report.timing import command_start_time
 
         self.global_batch = global_batch
         self.tokens_per_sample = tokens_per_sample

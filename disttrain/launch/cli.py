@@ -62,16 +62,16 @@ def main_with_one_line_errors(hydra_main: Callable[[], Any], argv: list[str] | N
 
 
 def train_from_cli(cfg: DictConfig) -> float | None:
-    """``disttrain.run.train(cfg)``; on a ConfigError print ``Error: <message>``, remove the job directory
+    """``disttrain.launch.job.train(cfg)``; on a ConfigError print ``Error: <message>``, remove the job directory
     Hydra made for it (when it holds nothing else), and exit with status 2. ``HYDRA_FULL_ERROR=1`` raises
     instead, for the whole traceback."""
     from disttrain.fault.steps import NonFiniteStep, Preempted
-    from disttrain.fault.supervisor import RanksStopped
-    from disttrain.run import train
+    from disttrain.launch.job import train
+    from disttrain.launch.supervisor import RanksStopped
 
     _Composing.end()  # the job's own errors are reported as below, or by Hydra
     if _may_start_ranks(cfg):  # the fork server imports torch and Lightning while this process does the same
-        from disttrain.worker_start import forks_ranks, warm_fork_server
+        from disttrain.launch.fork_server import forks_ranks, warm_fork_server
 
         if forks_ranks(str(OmegaConf.select(cfg, "trainer.rank_start", default="auto"))):
             warm_fork_server()

@@ -18,17 +18,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from disttrain.fault.config import HUNG_EXIT, LOST_PEER_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT, PREEMPTION_SIGNALS
+from disttrain.fault.config import (
+    FAILURE_KEY,
+    HUNG_EXIT,
+    LOST_PEER_EXIT,
+    NON_FINITE_EXIT,
+    PREEMPTED_EXIT,
+    PREEMPTION_SIGNALS,
+    RESTARTS_FILE,
+)
 from disttrain.fault.steps import Preempted
-from disttrain.worker_start import ForkedRank
+from disttrain.launch.fork_server import ForkedRank
 
 RankProcess = subprocess.Popen | ForkedRank
 """A running worker rank: forked from the fork server, or a new interpreter where the platform has none."""
 
-RESTARTS_FILE = "restarts.json"
-"""In the log folder: one record per restart (attempt, rank, exit, cause, end of log)."""
-FAILURE_KEY = "disttrain/failure"
-"""Store key where a rank that detected a hang leaves its one-line diagnosis for the supervisor."""
 POLL_S = 0.2
 CAUSE_GRACE_S = 2.0
 """How long a rank that only lost contact with the others waits for the failure that caused it to show."""
@@ -168,7 +172,7 @@ class Supervisor:
         if self.fork_ranks:
             out, err = (1, 2) if log_fd is None else (log_fd, log_fd)
             return ForkedRank(self.config_path, env, out, err)
-        command = [sys.executable, "-m", "disttrain.worker", str(self.config_path)]
+        command = [sys.executable, "-m", "disttrain.rank.run", str(self.config_path)]
         if log_fd is None:
             return subprocess.Popen(command, env=env)
         return subprocess.Popen(command, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
@@ -213,7 +217,7 @@ class Supervisor:
 
     def _saved_step(self) -> int | None:
         """The step of the checkpoint the ranks saved as they stopped (None if it cannot be read)."""
-        from disttrain.checkpoint_io import load_metadata
+        from disttrain.checkpoint.io import load_metadata
 
         try:
             return int(load_metadata(self.config_path.parent / "checkpoints" / "last.ckpt")["global_step"])

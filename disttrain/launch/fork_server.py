@@ -18,17 +18,11 @@ from contextlib import contextmanager
 from multiprocessing import forkserver, reduction, spawn
 from pathlib import Path
 
+from disttrain.config.schema import fork_server_available
 from disttrain.fault.config import PREEMPTION_SIGNALS
 
-RANK_STARTS = ("auto", "fork_server", "interpreter")
-"""The values of ``trainer.rank_start``."""
-PRELOAD = ["disttrain.worker"]
+PRELOAD = ["disttrain.rank.run"]
 """What the fork server imports before it forks a rank (the worker and, through it, torch and Lightning)."""
-
-
-def fork_server_available() -> bool:
-    """Whether this platform has multiprocessing's fork server (every POSIX system; not Windows)."""
-    return "forkserver" in multiprocessing.get_all_start_methods()
 
 
 def forks_ranks(rank_start: str) -> bool:
@@ -140,7 +134,7 @@ def _received_fd(duplicate) -> int:
 
 def _run_forked(config_path: str, env: dict[str, str], cwd: str, sys_path: Sequence[str], stdout_fd: int,
                 stderr_fd: int) -> None:
-    """The rank's body in the forked process: become what ``python -m disttrain.worker CONFIG`` started with
+    """The rank's body in the forked process: become what ``python -m disttrain.rank.run CONFIG`` started with
     ``env`` in ``cwd`` would be, then run the worker."""
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
@@ -158,6 +152,6 @@ def _run_forked(config_path: str, env: dict[str, str], cwd: str, sys_path: Seque
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from disttrain.worker import run_and_exit
+    from disttrain.rank.run import run_and_exit
 
     run_and_exit(Path(config_path))

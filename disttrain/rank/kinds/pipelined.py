@@ -1,16 +1,21 @@
-"""The task for pipeline-parallel runs: a schedule runs forward and backward of all micro-batches at once."""
+"""Pipeline parallelism: the model is cut into stages and a schedule runs forward and backward of all
+micro-batches of a batch at once; the task accumulates, clips and steps itself."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from torch import nn
 
 from disttrain.fault.steps import SkippedStep
 from disttrain.parallel.clip import clip_grad_norm
-from disttrain.parallel.pipeline.runtime import PipelineSlot
-from disttrain.task import TrainTask
+from disttrain.parallel.pipeline.runtime import PipelineSlot, scaled_cross_entropy
+from disttrain.rank.kinds.base import RunKind
+from disttrain.rank.task import TrainTask
 
 
 class PipelineTask(TrainTask):
@@ -105,3 +110,27 @@ class PipelineTask(TrainTask):
             scaled, logits = result
             loss_sum = scaled.detach() * self.accumulation * batch[1].numel()
             self._update_eval_metrics(stage, loss_sum, logits.detach(), batch[1])
+
+
+class Pipelined(RunKind):
+    """Stages on the ranks of each pipeline; the schedule's loss reaches the last stage only."""
+
+    name = "pipelined"
+    gradients_agree = False
+
+    def pipeline_slot(self) -> PipelineSlot:
+        """The slot the strategy fills with the stages and schedule, and the task runs (one per rank)."""
+        if not hasattr(self, "_slot"):
+            plan = self.run.plan
+            example = torch.zeros(plan.microbatch_shape, dtype=getattr(torch, plan.microbatch_dtype))
+            self._slot = PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
+        return self._slot
+
+    def task(self, net: nn.Module, datamodule: Any) -> tuple[pl.LightningModule, Any]:
+        """``PipelineTask``: the schedule per batch, accumulation and clipping by hand."""
+        run, cfg = self.run, self.run.train
+        task = PipelineTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
+                            agreement=self.agreement, pipeline=self.pipeline_slot(),
+                            accumulation=run.batch.accumulation, clip=cfg.trainer.gradient_clip_val,
+                            loss_ranks=run.plan.loss_ranks, plots=cfg.plots)
+        return task, datamodule

@@ -1,0 +1,78 @@
+"""What of an optimiser a checkpoint holds, keyed by parameter name under every layout.
+
+Plain optimisers (also over FSDP2's DTensor parameters) go through ``torch.distributed.checkpoint.state_dict``;
+ZeRO-1's ``ZeroRedundancyOptimizer`` through ``disttrain.parallel.zero1``; a wrapper that knows its own state
+(a parameter server's) implements ``CheckpointedOptimizer``, so this module names no kind of run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from disttrain.parallel.zero1 import load_zero1_named_state_dict, zero1_named_state_dict, zero1_named_template
+
+# Optimiser state keyed by parameter name, hyper-parameters included: pipeline stages hold different
+# parameters, and nested param groups of different stages would collide in one checkpoint.
+FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+
+
+@runtime_checkable
+class CheckpointedOptimizer(Protocol):
+    """An optimiser wrapper that says itself what a checkpoint holds of it and how a load restores it."""
+
+    def saved_state(self, model: nn.Module) -> dict[str, Any]:
+        """The state to write (tensors keyed by parameter name)."""
+        ...
+
+    def state_template(self, model: nn.Module) -> dict[str, Any]:
+        """Tensors of the saved layout for a load to fill in place."""
+        ...
+
+    def load_saved_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Take ``state`` (the template, filled) as this optimiser's."""
+        ...
+
+
+def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimiser behind Lightning's ``LightningOptimizer`` (itself where it is none)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state to save: sharded (DTensor) for FSDP, whole otherwise."""
+    optimizer = unwrapped(optimizer)
+    if isinstance(optimizer, CheckpointedOptimizer):
+        return optimizer.saved_state(model)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return zero1_named_state_dict(model, optimizer, FLAT_STATE)
+    return get_optimizer_state_dict(model, optimizer, options=FLAT_STATE)
+
+
+def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a load of ``optimizer``'s saved state fills."""
+    optimizer = unwrapped(optimizer)
+    if isinstance(optimizer, CheckpointedOptimizer):
+        return optimizer.state_template(model)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return zero1_named_template(model, optimizer, FLAT_STATE)
+    return get_optimizer_state_dict(model, optimizer, options=FLAT_STATE)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Make the loaded ``state`` (``optimizer_template``'s, filled) ``optimizer``'s own."""
+    optimizer = unwrapped(optimizer)
+    if isinstance(optimizer, CheckpointedOptimizer):
+        optimizer.load_saved_state(model, state)
+    elif isinstance(optimizer, ZeroRedundancyOptimizer):
+        load_zero1_named_state_dict(model, optimizer, state, FLAT_STATE)
+    else:
+        set_optimizer_state_dict(model, optimizer, state, options=FLAT_STATE)

@@ -1,0 +1,127 @@
+"""A run's checkpoints as sharded folders (``torch.distributed.checkpoint``): written beside the target and
+swapped in whole, optionally in the background, and read back into an already parallelised model."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from disttrain.checkpoint.io import METADATA_FILE, load_metadata, load_sharded
+from disttrain.checkpoint.optimizer_state import load_optimizer_state, optimizer_template
+
+
+class Ranks(Protocol):
+    """What the checkpoints need of the strategy: the ranks' agreement on paths and moments."""
+
+    is_global_zero: bool
+    global_rank: int
+    world_size: int
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank."""
+        ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        ...
+
+
+class ShardedCheckpoints:
+    """Saves and loads the checkpoints of one Trainer. ``per_replica``: data-parallel replicas hold different
+    parameters between exchanges (Local SGD, DiLoCo, an asynchronous parameter server), so each rank's state is
+    kept under its own key; ``async_save``: shards are staged in memory and written in the background."""
+
+    def __init__(self, ranks: Ranks, async_save: bool = False, per_replica: bool = False) -> None:
+        self.ranks = ranks
+        """The strategy, for barriers and broadcasts."""
+        self.async_save = async_save
+        """Write in the background (one save in flight)."""
+        self.per_replica = per_replica
+        """Each rank's state under its own key."""
+        self.saves = 0
+        """Checkpoints this process saved."""
+        self.blocking_s = 0.0
+        """Seconds training waited for them (staging only, when saving asynchronously)."""
+        self._pending: tuple[Any, Path, Path] | None = None
+        self._group: Any = None
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write never
+        damages the previous checkpoint at ``filepath``. Asynchronously, the swap happens when the next save
+        begins or fit ends (``wait``)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        started = time.perf_counter()
+        ranks = self.ranks
+        path = Path(ranks.broadcast(str(filepath)))
+        self.wait()  # one save in flight
+        staging = path.with_name(path.name + ".partial")
+        if ranks.is_global_zero:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        ranks.barrier()
+        shards = {"state_dict": checkpoint.pop("state_dict"),
+                  **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}}
+        if self.per_replica:
+            shards = {f"replica{ranks.global_rank}": shards}
+            checkpoint["replicas"] = ranks.world_size
+        if ranks.is_global_zero:
+            torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
+        if self.async_save:
+            if self._group is None:  # its own group: background writes never interleave with training's
+                self._group = torch.distributed.new_group(backend="gloo")
+            # the save plan is the same at every save of a run: cached, the planning collective runs once
+            future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._group,
+                                    planner=DefaultSavePlanner(enable_plan_caching=True))
+            self._pending = (future, staging, path)
+        else:
+            dcp.save(shards, checkpoint_id=staging)
+            self._swap_in(staging, path)
+        self.saves += 1
+        self.blocking_s += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any, and swap it into place (every rank calls this at the same point)."""
+        if self._pending is None:
+            return
+        future, staging, path = self._pending
+        self._pending = None
+        future.result()
+        self._swap_in(staging, path)
+
+    def _swap_in(self, staging: Path, path: Path) -> None:
+        ranks = self.ranks
+        ranks.barrier()
+        if ranks.is_global_zero:
+            retired = path.with_name(path.name + ".old")
+            if path.exists():
+                path.rename(retired)
+            staging.rename(path)
+            if retired.exists():
+                shutil.rmtree(retired) if retired.is_dir() else retired.unlink()
+        ranks.barrier()
+
+    def load(self, checkpoint_path: Any, model: nn.Module, optimizers: list[Any]) -> dict[str, Any]:
+        """Load model and optimiser shards into the already-parallelised ``model`` (any world size); returns the
+        checkpoint's small metadata (loop, callback and scheduler state)."""
+        path = Path(self.ranks.broadcast(str(checkpoint_path)))
+        metadata = load_metadata(path)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        for idx, optimizer in enumerate(optimizers):
+            state[f"optimizer_{idx}"] = optimizer_template(model, optimizer)
+        if self.per_replica:
+            load_sharded({f"replica{self.ranks.global_rank % metadata.get('replicas', 1)}": state}, path)
+        else:
+            load_sharded(state, path)
+        set_model_state_dict(model, state["state_dict"])
+        for idx, optimizer in enumerate(optimizers):
+            load_optimizer_state(model, optimizer, state[f"optimizer_{idx}"])
+        return metadata

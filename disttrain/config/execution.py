@@ -1,0 +1,68 @@
+"""How a run executes, decided once during validation: its kind and what the Trainer and the task are told."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from disttrain.config.batch import ResolvedBatch
+from disttrain.config.schema import TrainerConfig
+from disttrain.parallel.config import ParallelConfig
+from disttrain.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How a run executes, decided once during validation (the runner and the strategy only read it)."""
+
+    kind: str
+    """The kind of run (one of ``RUN_KINDS``): how updates are exchanged, and so which task, optimiser wrap,
+    callbacks and results sections the rank builds (``disttrain.rank.kinds``)."""
+    trainer_accumulation: int
+    """Lightning's ``accumulate_grad_batches`` (1 when the task accumulates itself)."""
+    trainer_clip: float | None
+    """Lightning's ``gradient_clip_val`` (None when the task clips itself)."""
+    inference_mode: bool
+    """Evaluate under ``torch.inference_mode`` (not for pipeline stages, whose activations autograd tracks)."""
+    full_eval_batches: bool
+    """Pad evaluation to whole batches on every rank (pipeline stages need one batch shape throughout)."""
+    microbatch_shape: tuple[int, ...] = ()
+    """Shape of one pipeline microbatch's input (pipelined runs)."""
+    microbatch_dtype: str = "float32"
+    """Its dtype: int64 for token ids, float32 for images."""
+    loss_divisor: int = 1
+    """Microbatches x accumulation: a pipelined microbatch loss is divided by it."""
+    loss_ranks: int = 1
+    """Ranks that hold the last stage's losses (data-parallel x tensor-parallel)."""
+
+
+RUN_KINDS = ("synchronous", "pipelined", "local_sgd", "param_server", "federated")
+"""Every kind of run, by the name ``disttrain.rank.kinds`` builds it by."""
+
+
+def run_kind(parallel: ParallelConfig, dims: ParallelDims) -> str:
+    """The one decision of which kind of run this is (the rank side never asks again)."""
+    if parallel.federated:
+        return "federated"
+    if dims.pp_enabled:
+        return "pipelined"
+    if parallel.servers:
+        return "param_server"
+    if parallel.sync_every:
+        return "local_sgd"
+    return "synchronous"
+
+
+def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerConfig, parallel: ParallelConfig,
+                   spec: Any) -> ExecutionPlan:
+    """The plan for a run of these degrees, batch and data."""
+    kind = run_kind(parallel, dims)
+    if kind == "federated":  # clients clip their own local steps
+        return ExecutionPlan(kind, batch.accumulation, None, True, False)
+    if kind != "pipelined":
+        return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False)
+    size = batch.micro_size // parallel.pipeline.microbatches
+    text = spec.kind == "text"
+    shape = (size, spec.block_size) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
+    return ExecutionPlan(kind, 1, None, False, True, shape, "int64" if text else "float32",
+                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.tp)

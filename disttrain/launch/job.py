@@ -1,0 +1,105 @@
+"""The job process: validate the composed config once, make the run directory, then start the ranks.
+
+Lightning's own subprocess launcher re-executes the command line in every rank, which re-expands a Hydra sweep
+inside each worker; the job hands its workers the resolved config file instead, and they never re-run Hydra.
+Under torchrun or SLURM the ranks already exist: each joins the others and trains in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from disttrain.config.typed import parallel_options
+from disttrain.config.validation import validate
+from disttrain.launch.fork_server import forks_ranks
+from disttrain.launch.supervisor import Supervisor
+from disttrain.parallel.process_group import external_environment, free_port, init_process_group
+from disttrain.rank.results import RESULTS_FILE
+from disttrain.rank.run import run_rank
+from disttrain.report.timing import record_command_start
+
+CONFIG_FILE = "config.yaml"
+"""In the run directory: the resolved config, which every worker rank reads."""
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Validate ``cfg``, start its ranks, train, test, write the run directory; return the optimised metric.
+
+    Called by ``train.py`` in the Hydra job process. Every check happens here, before any worker starts.
+    """
+    env = external_environment()
+    if env is not None:  # torchrun / SLURM started every rank, and each of them composed the config
+        parallel = parallel_options(cfg)
+        init_process_group(env, parallel.backend, parallel.timeout_s)
+        OmegaConf.update(cfg, "run_dir", str(_agree_on_run_dir(Path(cfg.run_dir))))  # before the one validation
+        run = validate(cfg)
+        if env.global_rank() == 0:
+            (Path(run.train.run_dir) / CONFIG_FILE).write_text(run.yaml)
+        return run_rank(run)
+    record_command_start()
+    run = validate(cfg)
+    run_dir = Path(run.train.run_dir)
+    for notice in run.notices:
+        print(notice, flush=True)
+    if run.train.mode == "plan":
+        from disttrain.plan.planner import print_plan
+
+        print_plan(run)
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / CONFIG_FILE
+    config_path.write_text(run.yaml)
+    restarts = run.train.fault_tolerance.max_restarts
+    if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
+        with rank_environment(single_rank_environment()):
+            return run_rank(run)
+    # the job hosts the rendezvous store, shows rank 0's output as its own and restarts failed ranks
+    Supervisor(run.dims.world_size, config_path, run_dir / "logs", restarts,
+               forks_ranks(run.train.trainer.rank_start)).run()
+    return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
+
+
+@contextmanager
+def rank_environment(values: dict[str, str]) -> Iterator[None]:
+    """Set the rank variables for the duration of one job and restore the previous ones afterwards."""
+    saved = {key: os.environ.get(key) for key in RANK_VARIABLES}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def single_rank_environment() -> dict[str, str]:
+    """Rank variables of a one-process run (the process group still needs an address)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "NODE_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def _agree_on_run_dir(own: Path) -> Path:
+    """Under an external launcher every rank ran Hydra: all adopt rank 0's directory and drop their own (loggers'
+    ``save_dir`` interpolates ``${run_dir}``, so they follow when validation resolves the config)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    chosen = [str(own)]
+    dist.broadcast_object_list(chosen, src=0)
+    agreed = Path(chosen[0])
+    if dist.get_rank() == 0:
+        agreed.mkdir(parents=True, exist_ok=True)
+    elif own.resolve() != agreed.resolve() and own.exists():
+        shutil.rmtree(own, ignore_errors=True)  # only Hydra's bookkeeping was written there
+    dist.barrier()
+    return agreed

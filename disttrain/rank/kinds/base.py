@@ -1,0 +1,80 @@
+"""The interface every kind of run implements, with the behaviour of synchronous data/model parallelism.
+
+A kind decides how updates are exchanged (not how the model is cut: that is ``ParallelDims``): which task runs a
+training step, how the strategy wraps the optimiser and writes checkpoints, which callbacks it adds, and its
+sections of ``results.json``. The rank's assembly (``disttrain.rank.run``) calls these and never asks which kind
+it holds; a kind overrides only what it does differently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from disttrain.comm.meter import comm_meter_of
+from disttrain.config.validation import RunConfig
+from disttrain.fault.steps import StepAgreement
+from disttrain.parallel.pipeline.runtime import PipelineSlot
+from disttrain.parallel.strategy import DistTrainStrategy, OptimizerWrap
+from disttrain.parallel.zero1 import shard_optimizer_state
+from disttrain.rank.task import TrainTask
+
+
+class RunKind:
+    """One way of training, chosen by validation (``ExecutionPlan.kind``) and built once per rank."""
+
+    name: ClassVar[str] = ""
+    """The kind's name in ``ExecutionPlan.kind`` (``disttrain.config.execution.RUN_KINDS``)."""
+    exchanges_through_ddp: ClassVar[bool] = True
+    """Data-parallel replicas exchange gradients through DDP or FSDP2 (False: the kind exchanges them itself)."""
+    per_replica_checkpoints: ClassVar[bool] = False
+    """Replicas hold different parameters between exchanges: a checkpoint keeps every rank's own."""
+    gradients_agree: ClassVar[bool] = True
+    """After backward every rank holds the same gradients or shards of them (see ``TrainTask``)."""
+
+    def __init__(self, run: RunConfig, agreement: StepAgreement) -> None:
+        self.run = run
+        """The validated run."""
+        self.agreement = agreement
+        """The ranks' agreement on preemption and non-finite steps, which the task consults."""
+        self.comm_meter: Any = None
+        """The gradient-exchange meter (set by ``callbacks``)."""
+
+    def steps_per_epoch(self, datamodule: Any) -> int:
+        """Optimiser steps in one epoch of ``datamodule``."""
+        return datamodule.num_train_samples // self.run.batch.global_size
+
+    def total_steps(self, datamodule: Any) -> int:
+        """Optimiser steps of the whole run (sets the length of the learning-rate schedule)."""
+        t = self.run.train.trainer
+        return t.max_steps if t.max_steps > 0 else max(1, t.max_epochs * self.steps_per_epoch(datamodule))
+
+    def task(self, net: nn.Module, datamodule: Any) -> tuple[pl.LightningModule, Any]:
+        """The task whose training step this kind runs, and the data module the Trainer reads."""
+        run = self.run
+        return TrainTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
+                         agreement=self.agreement, gradients_agree=self.gradients_agree), datamodule
+
+    def pipeline_slot(self) -> PipelineSlot | None:
+        """Where pipeline stages and their schedule go (None: the model is not cut into stages)."""
+        return None
+
+    def optimizer_wrap(self) -> OptimizerWrap | None:
+        """How the strategy wraps the task's optimiser: ZeRO-1 shards its state over the sharding ranks."""
+        return _zero1 if self.run.train.parallel.zero_stage == 1 else None
+
+    def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
+        """What the kind adds to the Trainer once the strategy exists: the gradient-exchange meter."""
+        self.comm_meter = comm_meter_of(self.run.train.comm, strategy)
+        return [self.comm_meter]
+
+    def results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The kind's sections of ``results.json``, after fit and test."""
+        return {"comm": self.comm_meter.result}
+
+
+def _zero1(optimizer: torch.optim.Optimizer, strategy: DistTrainStrategy) -> torch.optim.Optimizer:
+    return shard_optimizer_state(optimizer, strategy.device_mesh["dp_shard"].get_group())

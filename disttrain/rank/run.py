@@ -1,0 +1,116 @@
+"""A rank's run: its entry point (``python -m disttrain.rank.run CONFIG``) and the straight sequence that builds
+the model, data, kind of run and Trainer, fits, tests and writes the results."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from disttrain.checkpoint.folders import resume_path
+from disttrain.comm.state import ExchangeStateCheckpoint
+from disttrain.config.validation import RunConfig, validate
+from disttrain.fault.config import LOST_PEER_EXIT, restart_count
+from disttrain.fault.rng import RandomStates
+from disttrain.fault.steps import NonFiniteStep, Preempted, StepAgreement, StepDecisions
+from disttrain.fault.watchdog import RankWatchdog
+from disttrain.models import build_model
+from disttrain.parallel.process_group import shutdown_process_group
+from disttrain.rank.callbacks import ThroughputMeter
+from disttrain.rank.energy import EnergyMeter
+from disttrain.rank.kinds import KINDS
+from disttrain.rank.results import Fitted, close_loggers, restart_causes, run_results, test_best, write_results
+from disttrain.rank.trainer import build_trainer
+from disttrain.report.console import quiet_noise
+
+# what a rank sees when another rank died under it: the consequence, not the cause
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "connectFullMesh failed")
+
+
+def run_rank(run: RunConfig) -> float | None:
+    """Train on this rank (the process group may already exist); rank 0 writes ``results.json``."""
+    cfg = run.train
+    quiet_noise()
+    agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints")
+    agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
+    watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
+    try:
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        datamodule = run.datamodule
+        datamodule.accumulation = run.batch.accumulation
+        datamodule.full_eval_batches = run.plan.full_eval_batches
+        spec = datamodule.spec
+        kind = KINDS[run.plan.kind](run, agreement)
+        task, datamodule = kind.task(build_model(run.model, spec), datamodule)
+        meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
+        trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement)])
+        energy = EnergyMeter(cfg.trainer.log_every_n_steps)
+        trainer.callbacks += [*([energy] if cfg.energy else []), *kind.callbacks(trainer.strategy),
+                              ExchangeStateCheckpoint(trainer.strategy.comm_state)]
+        restart = restart_count()
+        resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
+        trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
+        trainer.strategy.wait_for_checkpoint()  # the last save lands before testing from it
+        fitted = Fitted.of(trainer, meter)
+        test_s = test_best(trainer, task, datamodule, fitted) if cfg.trainer.run_test else 0.0
+        close_loggers(trainer)
+        results = run_results(run, trainer, fitted, meter, test_s)
+        if cfg.energy:
+            results["energy"] = energy.result(fitted.steps, run.batch.global_size)
+        results.update(kind.results(trainer))
+        results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
+                                      "skipped_steps": agreement.skipped_steps}
+        if trainer.is_global_zero:
+            write_results(run, results, agreement.skipped_steps, trainer.global_step)
+        return results["objective"]
+    finally:
+        watchdog.stop()
+        shutdown_process_group()
+
+
+def run_worker(config_path: Path) -> None:
+    """A worker rank started by the job process: the resolved config, validated here once, no Hydra."""
+    run_rank(validate(OmegaConf.load(config_path)))
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether ``err`` is this rank's view of another rank's death (a failed collective or connection)."""
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(
+        marker in str(err) for marker in PEER_LOST))
+
+
+def run_and_exit(config_path: Path) -> None:
+    """Run this rank of the run whose resolved config is ``config_path``, then leave the process with the rank's
+    exit status (0, a diagnosed code, or 1 after printing the traceback)."""
+    code = 0
+    try:
+        run_worker(config_path)
+    except Preempted as stop:
+        code = stop.code
+    except NonFiniteStep as err:
+        print(f"Error: {err}", file=sys.stderr)
+        code = err.exit_code
+    except Exception as err:  # noqa: BLE001 - every failure ends the rank; only its report differs
+        code = 1
+        if lost_a_peer(err):  # the supervisor names the rank that failed first; one line here is enough
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"disttrain: rank {os.environ.get('RANK', '?')} lost contact with another rank: {first}",
+                  file=sys.stderr)
+            code = LOST_PEER_EXIT
+        else:
+            traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The rank's work is complete and its process group destroyed; C++ threads left by torch.distributed
+    # were seen to abort the interpreter's final teardown ("terminate called without an active exception"),
+    # which would report a finished rank as failed. Leave without running that teardown.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run_and_exit(Path(sys.argv[1]))
