@@ -49,8 +49,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from disttrain.parallel.pipeline.split import build_schedule, placement, stage_indices  # noqa: E402
-from disttrain.parallel.pipeline.timeline import ActionRecorder  # noqa: E402
-from disttrain.report.plots import draw_pipeline_timeline  # noqa: E402
+from disttrain.parallel.pipeline.timeline import (
+    ActionRecorder,  # noqa: E402
+    draw_pipeline_timeline,  # noqa: E402
+)
 from tests.dist_utils import run_on_ranks  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

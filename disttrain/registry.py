@@ -16,7 +16,9 @@ class Entry(Generic[T]):
     """One registered component: its typed config schema and the function that builds it."""
 
     schema: type
+    """The dataclass its config node is checked against."""
     builder: Callable[..., T]
+    """Builds the component from a config of that schema."""
 
 
 class Registry(Generic[T]):

@@ -79,7 +79,7 @@ def test_a_flower_client_app_trains_exactly_as_the_simulated_client(tmp_path, ma
     from flwr.supercore.task_identity import TaskIdentity
     from omegaconf import OmegaConf
 
-    from disttrain.federated.flower import FlowerClient, client_app, flower_strategy, load_run
+    from disttrain.launch.flower import FlowerClient, client_app, flower_strategy, load_run
 
     config_path = tmp_path / "config.yaml"
     cfg = make_config(["parallel=federated", "trainer.devices=1", "federated.partition=dirichlet",

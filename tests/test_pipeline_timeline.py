@@ -8,8 +8,14 @@ import json
 import pytest
 
 from disttrain.launch.job import train
-from disttrain.parallel.pipeline.timeline import JSON_FILE, PNG_FILE, ActionRecorder, build_timeline, write_timeline
-from disttrain.report.plots import TIMELINE_COLOURS
+from disttrain.parallel.pipeline.timeline import (
+    JSON_FILE,
+    PNG_FILE,
+    TIMELINE_COLOURS,
+    ActionRecorder,
+    build_timeline,
+    write_timeline,
+)
 from tests.test_run import GPT_FAST
 
 MICROBATCHES = 4

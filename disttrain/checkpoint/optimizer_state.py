@@ -1,8 +1,8 @@
 """What of an optimiser a checkpoint holds, keyed by parameter name under every layout.
 
 Plain optimisers (also over FSDP2's DTensor parameters) go through ``torch.distributed.checkpoint.state_dict``;
-ZeRO-1's ``ZeroRedundancyOptimizer`` through ``disttrain.parallel.zero1``; a wrapper that knows its own state
-(a parameter server's) implements ``CheckpointedOptimizer``, so this module names no kind of run.
+a wrapper whose state lies elsewhere (ZeRO-1's shards, a parameter server's) implements ``CheckpointedOptimizer``,
+so this module names no layout and no kind of run.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
-
-from disttrain.parallel.zero1 import load_zero1_named_state_dict, zero1_named_state_dict, zero1_named_template
 
 # Optimiser state keyed by parameter name, hyper-parameters included: pipeline stages hold different
 # parameters, and nested param groups of different stages would collide in one checkpoint.
@@ -52,8 +49,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     optimizer = unwrapped(optimizer)
     if isinstance(optimizer, CheckpointedOptimizer):
         return optimizer.saved_state(model)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return zero1_named_state_dict(model, optimizer, FLAT_STATE)
     return get_optimizer_state_dict(model, optimizer, options=FLAT_STATE)
 
 
@@ -62,8 +57,6 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
     optimizer = unwrapped(optimizer)
     if isinstance(optimizer, CheckpointedOptimizer):
         return optimizer.state_template(model)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return zero1_named_template(model, optimizer, FLAT_STATE)
     return get_optimizer_state_dict(model, optimizer, options=FLAT_STATE)
 
 
@@ -72,7 +65,5 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     optimizer = unwrapped(optimizer)
     if isinstance(optimizer, CheckpointedOptimizer):
         optimizer.load_saved_state(model, state)
-    elif isinstance(optimizer, ZeroRedundancyOptimizer):
-        load_zero1_named_state_dict(model, optimizer, state, FLAT_STATE)
     else:
         set_optimizer_state_dict(model, optimizer, state, options=FLAT_STATE)

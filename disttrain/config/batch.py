@@ -13,8 +13,11 @@ class ResolvedBatch:
     """The three batch numbers after resolution; ``global_size == micro_size * accumulation * dp``."""
 
     global_size: int
+    """Samples per optimiser step over all data-parallel ranks."""
     micro_size: int
+    """Samples per forward and backward on one rank."""
     accumulation: int
+    """Micro-batches a rank accumulates into one optimiser step."""
 
 
 def resolve_batch(batch: BatchConfig, dp: int) -> ResolvedBatch:

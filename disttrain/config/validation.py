@@ -35,12 +35,19 @@ class RunConfig:
     """A validated run: typed objects for every group plus the resolved numbers derived from them."""
 
     train: TrainConfig
+    """The top-level groups (trainer, parallel, comm, checkpoint, fault tolerance, federated, ...)."""
     model: Any
+    """The typed model config (a registered model's schema, or a user model by ``_target_``)."""
     data: Any
+    """The typed data config."""
     optim: Any
+    """The typed optimiser config."""
     scheduler: Any
+    """The learning-rate schedule."""
     dims: ParallelDims
+    """The resolved parallel degrees."""
     batch: ResolvedBatch
+    """The resolved batch numbers."""
     yaml: str
     """The resolved config as YAML (what workers receive and what is written to the run directory)."""
     notices: tuple[str, ...] = ()

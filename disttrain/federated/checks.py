@@ -10,7 +10,7 @@ from disttrain.federated.partition import empty_clients
 
 def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
     """Refuse impossible federated settings; set ``trainer.max_steps`` to the rounds; notices for the user."""
-    from disttrain.federated.task import client_partitions
+    from disttrain.federated.partition import client_partitions
 
     fed, p = top.federated, top.parallel
     fed.validate()

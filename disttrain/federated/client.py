@@ -37,10 +37,15 @@ class ClientData:
     """Client ``client``'s samples (``indices`` into ``dataset``) and how it batches them."""
 
     dataset: Dataset
+    """The training split the clients share."""
     indices: torch.Tensor
+    """This client's samples of it."""
     client: int
+    """The client's number (seeds its shuffling)."""
     batch_size: int
+    """Samples per local step."""
     seed: int
+    """The run's seed."""
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -8,6 +8,8 @@ sees the samples that data parallelism gives the ranks in their first epoch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -71,3 +73,10 @@ def describe(parts: list[torch.Tensor], labels: torch.Tensor | None) -> dict[str
         classes = [len(torch.unique(labels[part])) for part in parts if len(part)]
         summary["mean_classes"] = float(np.mean(classes)) if classes else 0.0
     return summary
+
+
+def client_partitions(cfg: Any, dataset: Any, seed: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Each client's sample indices of ``dataset`` (and the labels, where samples have one)."""
+    labels = labels_of(dataset) if cfg.partition != "iid" else None
+    parts = partition(len(dataset), cfg.clients, cfg.partition, seed, labels, cfg.alpha, cfg.classes_per_client)
+    return parts, labels

@@ -31,6 +31,7 @@ class RoundStats:
     """What one round did, the same on every rank."""
 
     round: int
+    """The round's number, from 0."""
     clients: list[int]
     """The clients drawn."""
     train_loss: float

@@ -53,11 +53,15 @@ class Failure:
     """The first rank of an attempt that exited with an error, and what it left behind."""
 
     attempt: int
+    """The attempt it ended (0: the first start)."""
     rank: int
+    """The rank that failed first."""
     code: int | None
     """The rank's exit status (negative: the signal that killed it; None: it would not stop)."""
     cause: str | None = None
+    """What went wrong, in one line, where a rank diagnosed it (a hang, a non-finite step)."""
     log_tail: list[str] = field(default_factory=list)
+    """The last lines of its log."""
     exit: str = ""
     """``code`` in words."""
     found_by: int | None = None

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from disttrain.checkpoint.optimizer_state import load_optimizer_state, optimizer_state, optimizer_template
 from disttrain.comm.counter import ByteCounter
 from disttrain.parallel.clip import owned_grad_norm, scale_to_norm
 from disttrain.parallel.zero1 import rebuilt_optimizer
@@ -145,21 +146,15 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def saved_state(self, model: nn.Module) -> dict[str, Any]:
         """What a checkpoint holds of this rank: its server's optimiser state (none on a rank that serves
         nothing), with the hyper-parameters the schedule has reached."""
-        from disttrain.checkpoint.optimizer_state import optimizer_state
-
         inner = self.inner_with_current_hyperparameters()
         return {} if inner is None else optimizer_state(model, inner)
 
     def state_template(self, model: nn.Module) -> dict[str, Any]:
         """What a load of ``saved_state`` fills."""
-        from disttrain.checkpoint.optimizer_state import optimizer_template
-
         return {} if self.inner is None else optimizer_template(model, self.inner)
 
     def load_saved_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Take the loaded state, and the learning rate it was saved with."""
-        from disttrain.checkpoint.optimizer_state import load_optimizer_state
-
         if self.inner is not None:
             load_optimizer_state(model, self.inner, state)
         self.adopt_loaded_state()

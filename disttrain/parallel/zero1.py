@@ -31,6 +31,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from disttrain.checkpoint.optimizer_state import FLAT_STATE
+
+
+class Zero1Optimizer(ZeroRedundancyOptimizer):
+    """torch's ``ZeroRedundancyOptimizer`` that says itself what a checkpoint holds of it: the whole state keyed by
+    parameter name, as a plain optimiser's (``disttrain.checkpoint.optimizer_state.CheckpointedOptimizer``)."""
+
+    def saved_state(self, model: nn.Module) -> dict[str, Any]:
+        """The whole state by parameter name (a collective over the optimiser's group)."""
+        return zero1_named_state_dict(model, self, FLAT_STATE)
+
+    def state_template(self, model: nn.Module) -> dict[str, Any]:
+        """Tensors of that layout for a load to fill (no collective)."""
+        return zero1_named_template(model, self, FLAT_STATE)
+
+    def load_saved_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Keep this rank's part of the loaded whole state."""
+        load_zero1_named_state_dict(model, self, state, FLAT_STATE)
+
 
 def shard_optimizer_state(
     optimizer: torch.optim.Optimizer, process_group: dist.ProcessGroup | None = None
@@ -46,8 +65,8 @@ def shard_optimizer_state(
     if optimizer.state:
         raise ValueError("shard_optimizer_state needs an optimiser that has not stepped yet (its state is not empty)")
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=process_group,
-                                   **constructor_options(optimizer))
+    return Zero1Optimizer(groups, optimizer_class=type(optimizer), process_group=process_group,
+                          **constructor_options(optimizer))
 
 
 def constructor_options(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

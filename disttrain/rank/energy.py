@@ -23,8 +23,11 @@ class RaplZone:
     """One top-level RAPL domain (a CPU package): its counter file and the value at which it wraps."""
 
     name: str
+    """The domain's name (e.g. ``package-0``)."""
     energy_file: Path
+    """Its cumulative energy counter, in microjoules."""
     max_range_uj: int
+    """The value at which that counter wraps to 0."""
 
 
 def rapl_zones(root: Path = POWERCAP) -> list[RaplZone]:

@@ -41,10 +41,15 @@ class Pipeline:
     """This rank's part of a pipeline: its schedule and whether it holds the first and the last stage."""
 
     schedule: Any
+    """The ``torch.distributed.pipelining`` schedule over this rank's stages."""
     has_first: bool
+    """This rank holds the first stage (it is fed the inputs)."""
     has_last: bool
+    """This rank holds the last stage (it computes the losses)."""
     pp_group: dist.ProcessGroup
+    """The ranks of this pipeline."""
     losses: list[torch.Tensor] = field(default_factory=list)
+    """The last stage's microbatch losses of the current batch."""
     recorder: ActionRecorder | None = None
     """Times the actions of a recorded step (``pipeline.timeline``, on the pipeline of global rank 0)."""
 

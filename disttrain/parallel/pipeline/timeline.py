@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disttrain.report.plots import pyplot, save
+
 JSON_FILE = "pipeline_timeline.json"
 PNG_FILE = "pipeline_timeline.png"
 ACTION_NAMES = {"F": "forward", "B": "backward (full)", "I": "backward, input gradient",
@@ -141,8 +143,6 @@ def build_timeline(records: list[dict[str, Any]], about: dict[str, Any]) -> dict
 
 def write_timeline(timeline: dict[str, Any], folder: Path, draw: bool) -> list[Path]:
     """``folder/pipeline_timeline.json`` always, and its picture when ``draw`` and matplotlib is installed."""
-    from disttrain.report.plots import draw_pipeline_timeline
-
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / JSON_FILE]
     written[0].write_text(json.dumps(timeline, indent=1) + "\n")
@@ -152,3 +152,49 @@ def write_timeline(timeline: dict[str, Any], folder: Path, draw: bool) -> list[P
         png = draw_pipeline_timeline([(title, timeline)], folder / PNG_FILE)
         written += [png] if png is not None else []
     return written
+
+
+TIMELINE_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+"""Colour of each pipeline action type (forward, full backward, input-gradient and weight-gradient halves)."""
+_IDLE = "#eeeeee"
+
+
+def draw_pipeline_timeline(panels: list[tuple[str, dict[str, Any]]], path: Path) -> Path | None:
+    """One panel per ``(title, timeline)``, one row per pipeline rank: a box per compute action, coloured by
+    its type and labelled with its microbatch (``stage.microbatch`` where a rank holds several stages), over
+    a grey step; each title ends with the step time and the measured bubble fraction.
+
+    A timeline is a dict as in ``pipeline_timeline.json`` (see disttrain.parallel.pipeline.timeline):
+    ``step_s``, ``bubble_fraction`` and ``ranks``, each with ``actions`` (type, stage, microbatch, start_s,
+    end_s in seconds from the step start) and optionally ``stages``."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    from matplotlib.patches import Patch
+
+    rows = sum(len(timeline["ranks"]) for _, timeline in panels)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(14, 1.4 + 0.55 * rows), squeeze=False)
+    for ax, (title, timeline) in zip(axes[:, 0], panels, strict=True):
+        step = timeline["step_s"]
+        several = any(len(rank.get("stages") or ()) > 1 for rank in timeline["ranks"])
+        for row, rank in enumerate(timeline["ranks"]):
+            ax.broken_barh([(0, step)], (row - 0.4, 0.8), facecolors=_IDLE)
+            for action in rank["actions"]:
+                start, end = action["start_s"], action["end_s"]
+                ax.broken_barh([(start, end - start)], (row - 0.4, 0.8), facecolors=TIMELINE_COLOURS[action["type"]],
+                               edgecolor="white", linewidth=0.5)
+                if end - start > step / 80:  # a label only where it fits
+                    label = f"{action['stage']}.{action['microbatch']}" if several else str(action["microbatch"])
+                    ax.text((start + end) / 2, row, label, ha="center", va="center", fontsize=6, color="white")
+        labels = "stage.microbatch" if several else "microbatch"
+        ax.set_title(f"{title}: step {step * 1000:.1f} ms, bubble {timeline['bubble_fraction']:.2f} "
+                     f"(labels: {labels})", fontsize=9)
+        ax.set_yticks(range(len(timeline["ranks"])), [f"rank {r}" for r in range(len(timeline["ranks"]))])
+        ax.invert_yaxis()
+        ax.set_xlim(0, step)
+    axes[-1, 0].set_xlabel("seconds from the step start")
+    shown = {a["type"] for _, timeline in panels for rank in timeline["ranks"] for a in rank["actions"]}
+    handles = [Patch(color=c, label=ACTION_NAMES[k]) for k, c in TIMELINE_COLOURS.items() if k in shown]
+    figure.legend(handles=[*handles, Patch(color=_IDLE, label="idle")], loc="upper right", ncol=5, fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (1.4 + 0.55 * rows)))
+    return save(figure, plt, path)

@@ -14,12 +14,12 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from disttrain.comm.meter import comm_meter_of
 from disttrain.config.validation import RunConfig
 from disttrain.fault.steps import StepAgreement
 from disttrain.parallel.pipeline.runtime import PipelineSlot
 from disttrain.parallel.strategy import DistTrainStrategy, OptimizerWrap
 from disttrain.parallel.zero1 import shard_optimizer_state
+from disttrain.rank.comm_meter import comm_meter_of
 from disttrain.rank.task import TrainTask
 
 

@@ -1,17 +1,146 @@
-"""Federated learning: each training step is a round in which drawn clients train locally and the server steps
-on their aggregate (``disttrain.federated``)."""
+"""Federated learning as a kind of run: each training step is a round in which the drawn clients train locally
+and the server steps on their aggregate (the rounds themselves live in ``disttrain.federated``).
+
+The task evaluates and checkpoints like any other (validation of the global model after each round, the
+server optimiser's moments in the checkpoint), while its training step is a whole round. The training loader
+only counts rounds; the round number is the global step, so a run resumed from a checkpoint continues at the
+next round exactly.
+"""
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from disttrain.federated.config import FederatedConfig
+from disttrain.federated.partition import client_partitions
 from disttrain.federated.plot import write_round_plot
-from disttrain.federated.task import FederatedTask, RoundsData, client_partitions
+from disttrain.federated.rounds import FederatedRounds, RoundStats, rounds_epsilon
+from disttrain.federated.server import RULES, ServerOptimizer
 from disttrain.rank.kinds.base import RunKind
+from disttrain.rank.task import TrainTask
+
+
+class RoundsData(pl.LightningDataModule):
+    """The run's data module for federated training: rounds to train, and the wrapped module's evaluation."""
+
+    def __init__(self, inner: Any, rounds: int) -> None:
+        super().__init__()
+        self.inner, self.rounds = inner, rounds
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the wrapped module's splits."""
+        self.inner.trainer = self.trainer  # its loaders shard evaluation over the ranks
+        self.inner.setup(stage)
+
+    def train_dataloader(self) -> DataLoader:
+        """One item per round (the task reads the round from the global step)."""
+        return DataLoader(list(range(self.rounds)), batch_size=1)
+
+    def val_dataloader(self) -> DataLoader:
+        """The wrapped module's validation split, sharded over the ranks."""
+        return self.inner.val_dataloader()
+
+    def test_dataloader(self) -> DataLoader:
+        """The wrapped module's test split, sharded over the ranks."""
+        return self.inner.test_dataloader()
+
+
+class FederatedTask(TrainTask):
+    """``TrainTask`` whose training step is a federated round of ``fed`` over the clients' ``parts``."""
+
+    def __init__(self, net: Any, spec: Any, optim_cfg: Any, scheduler_cfg: Any, fed: FederatedConfig,
+                 train_set: Any, parts: list[torch.Tensor], clip: float | None, seed: int, **kwargs: Any) -> None:
+        super().__init__(net, spec, optim_cfg, scheduler_cfg, total_steps=fed.rounds, **kwargs)
+        self.automatic_optimization = False
+        self.fed, self.train_set, self.parts, self.clip, self.seed = fed, train_set, parts, clip, seed
+        self.rounds: FederatedRounds | None = None
+        self.seconds = 0.0
+        """Wall time of this process's rounds (local training and aggregation, not validation)."""
+        self.history: list[dict[str, Any]] = []
+        """Per round: the clients' metrics, bytes, privacy spent, and the global model's validation metrics."""
+
+    def setup(self, stage: str) -> None:
+        """The round runner, over the data-parallel ranks, once the strategy has placed the model."""
+        if self.rounds is None and stage == "fit":
+            group = self.trainer.strategy.device_mesh["dp_replicate"].get_group()
+            self.rounds = FederatedRounds(self.net, self.train_set, self.parts, self.fed, self.optim_cfg, self.clip,
+                                          self.seed, group, self.device)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        """One round: local training of the drawn clients, aggregation, the server's step."""
+        started = time.perf_counter()
+        mean_update, stats = self.rounds.run(self.global_step)
+        optimizer = self.optimizers()
+        self.rounds.apply(mean_update, optimizer.optimizer)
+        self._record(stats)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.seconds += time.perf_counter() - started
+
+    def _record(self, stats: RoundStats) -> None:
+        loss = self.agreement.reduce_loss(torch.tensor(stats.train_loss, device=self.device), self.trainer.world_size)
+        epsilon = rounds_epsilon(self.fed, self.rounds.sample_rate, stats.round + 1)
+        row = {"round": stats.round + 1, "train_loss": stats.train_loss, "client_acc_mean": stats.client_acc_mean,
+               "client_acc_std": stats.client_acc_std, "client_loss_mean": stats.client_loss_mean,
+               "samples": stats.samples, "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
+               "clients": stats.clients}
+        if not math.isnan(epsilon):
+            row["epsilon"] = epsilon
+        self.history.append(row)
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        for key in ("client_acc_mean", "client_acc_std", "client_loss_mean", "bytes_up", "bytes_down", "epsilon"):
+            if key in row:
+                self.log(f"fed/{key}", float(row[key]), on_step=True, on_epoch=False)
+        self._log_position(self.global_step + 1, on_step=True)
+        self.losses["train_loss"].update(torch.tensor(stats.train_loss))
+        self.agreement.check_finite("the training loss", loss, self.global_step + 1)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The round's row was logged in the training step."""
+
+    def on_validation_epoch_end(self) -> None:
+        """Log the global model's validation metrics and keep them with the round's row."""
+        super().on_validation_epoch_end()
+        if self.history and not self.trainer.sanity_checking:
+            metrics = self.trainer.callback_metrics
+            for key in ("val/acc", "val/loss"):
+                if key in metrics:
+                    self.history[-1][key] = float(metrics[key])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The server's optimiser over the global model's parameters (no schedule: one step per round)."""
+        server = self.fed.server
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        return ServerOptimizer(params, RULES[self.fed.strategy], server.resolved_lr(self.fed.strategy), server.beta1,
+                               server.beta2, server.tau)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's federated figures for results.json."""
+        last = self.history[-1] if self.history else {}
+        result = {
+            "clients": self.fed.clients, "clients_per_round": self.fed.per_round, "rounds": self.global_step,
+            "strategy": self.fed.strategy, "partition": self.fed.partition,
+            "weighting": self.fed.resolved_weighting, "secure_aggregation": self.fed.secure_aggregation,
+            "bytes_up_per_round": last.get("bytes_up"), "bytes_down_per_round": last.get("bytes_down"),
+            "client_acc_mean": last.get("client_acc_mean"), "client_acc_std": last.get("client_acc_std"),
+            "client_samples_per_sec": (sum(row["samples"] for row in self.history) / self.seconds
+                                       if self.seconds else None),
+            "history": [{k: v for k, v in row.items() if k != "clients"} for row in self.history],
+        }
+        if self.fed.dp.enabled:
+            result["privacy"] = {**asdict(self.fed.dp), "sample_rate": self.rounds.sample_rate,
+                                 "epsilon": rounds_epsilon(self.fed, self.rounds.sample_rate, self.global_step),
+                                 "accountant": "opacus.accountants.RDPAccountant"}
+        return result
 
 
 class Federated(RunKind):

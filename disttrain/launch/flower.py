@@ -7,7 +7,7 @@ plays: it trains exactly as the simulated client of that id does (its partition,
 clipping, FedProx term), and the server runs Flower's own strategy with the run's server options::
 
     # client.py                                          # server.py
-    from disttrain.federated.flower import client_app    from disttrain.federated.flower import server_app
+    from disttrain.launch.flower import client_app    from disttrain.launch.flower import server_app
     app = client_app("path/to/config.yaml")              app = server_app("path/to/config.yaml")
 
 Differential privacy and secure aggregation are disttrain's simulation features; under Flower use its own
@@ -38,7 +38,7 @@ class FlowerClient:
     """One process's clients: the run's model, data and partitions, built once and reused for every message."""
 
     def __init__(self, run: Any) -> None:
-        from disttrain.federated.task import client_partitions
+        from disttrain.federated.partition import client_partitions
         from disttrain.models import build_model
 
         cfg = run.train

@@ -1,0 +1,74 @@
+"""The shape of the package: no import cycles, and nothing outside the job side imports it.
+
+Imports are read with ``ast`` from every module of ``disttrain``, those inside functions included: a deferred
+import ties two modules as much as one at the top, it only hides the tie until the function runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent / "disttrain"
+JOB_SIDE = "disttrain.launch"
+"""The job process's package (command line, job, fork server, supervisor): it may import any other package;
+no other package may import it (a rank never reaches back into the process that started it)."""
+
+
+def module_names() -> dict[str, Path]:
+    """Every module of ``disttrain`` by its dotted name (a package by its ``__init__``)."""
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``disttrain`` that module ``name`` imports, anywhere in its body."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # a relative import, from the package outwards
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:  # ``from package import module`` names a module, not the package
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {target for target in found if target in modules and target != name}
+
+
+def import_graph() -> nx.DiGraph:
+    """``disttrain``'s modules and the imports between them."""
+    modules = module_names()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        graph.add_edges_from((name, target) for target in imports_of(name, path, modules))
+    return graph
+
+
+def test_no_module_takes_part_in_an_import_cycle():
+    cycles = [sorted(part) for part in nx.strongly_connected_components(import_graph()) if len(part) > 1]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_nothing_outside_the_job_side_imports_it():
+    def job_side(module: str) -> bool:
+        return module == JOB_SIDE or module.startswith(JOB_SIDE + ".")
+
+    upward = sorted((a, b) for a, b in import_graph().edges if job_side(b) and not job_side(a))
+    assert not upward, f"imports into {JOB_SIDE} from outside it: {upward}"
+
+
+def test_the_graph_sees_deferred_and_package_imports():
+    """The walk finds an import inside a function and tells ``from package import module`` from a name."""
+    graph = import_graph()
+    assert graph.has_edge("disttrain.launch.cli", "disttrain.launch.job")  # deferred, inside train_from_cli
+    assert graph.has_edge("disttrain.rank.run", "disttrain.rank.kinds")
+    assert graph.has_edge("disttrain.rank.kinds", "disttrain.rank.kinds.federated")
