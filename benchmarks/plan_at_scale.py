@@ -26,10 +26,11 @@ from disttrain.config.typed import model_typed  # noqa: E402
 from disttrain.data.spec import DataSpec  # noqa: E402
 from disttrain.models import MODELS, build_model  # noqa: E402
 from disttrain.parallel.config import ParallelConfig  # noqa: E402
-from disttrain.plan.hardware import PROFILES, HardwareProfile  # noqa: E402
+from disttrain.plan.devices import HardwareProfile  # noqa: E402
+from disttrain.plan.hardware import PROFILES  # noqa: E402
 from disttrain.plan.layout import Layout  # noqa: E402
 from disttrain.plan.planner import choose_parallel, plan_inputs  # noqa: E402
-from disttrain.plan.report import human_bytes  # noqa: E402
+from disttrain.plan.units import human_bytes  # noqa: E402
 
 MODELS_AT_SCALE = {
     # name: (model config, sequence length, vocabulary, sequences per GPU)

@@ -13,8 +13,8 @@ from omegaconf import MISSING
 from torch.utils.data import Dataset
 
 from disttrain import checks
-from disttrain.data import DATA
 from disttrain.data.base import DataModule
+from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 

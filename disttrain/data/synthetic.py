@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import Dataset
 
 from disttrain import checks
-from disttrain.data import DATA
 from disttrain.data.base import DataModule, InMemoryTensors
+from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
 
 

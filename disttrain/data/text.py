@@ -11,8 +11,8 @@ from omegaconf import MISSING
 from torch.utils.data import Dataset
 
 from disttrain import checks
-from disttrain.data import DATA
 from disttrain.data.base import DataModule
+from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
 from disttrain.data.windows import MemmapTokens, TokenWindows
 from disttrain.errors import ConfigError

@@ -10,7 +10,7 @@ from torch import nn
 from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import MODELS
+from disttrain.models.registry import MODELS
 
 
 @dataclass

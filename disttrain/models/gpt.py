@@ -21,9 +21,9 @@ from torch import nn
 
 from disttrain import checks
 from disttrain.data.spec import DataSpec
-from disttrain.errors import ConfigError
-from disttrain.models import MODELS
 from disttrain.models.attention import causal_attention
+from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.registry import MODELS
 
 FLAVOURS: dict[str, dict[str, int]] = {
     "micro": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
@@ -94,32 +94,7 @@ class GPTDims:
 
 def resolve_gpt_dims(cfg: GPTConfig, spec: DataSpec) -> GPTDims:
     """Combine flavour, explicit sizes and the data's spec into checked sizes; ConfigError if impossible."""
-    if spec.kind != "text":
-        raise ConfigError("model.name", cfg.name, f"a model for {spec.kind} data; gpt needs text data")
-    if cfg.flavour not in FLAVOURS:
-        raise ConfigError("model.flavour", cfg.flavour, f"one of {list(FLAVOURS)}")
-    for key in _DIMS:
-        value = getattr(cfg, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"model.{key}", value, "a positive integer, or null for the default")
-    preset = FLAVOURS[cfg.flavour]
-    dims = {key: getattr(cfg, key) if getattr(cfg, key) is not None else preset.get(key) for key in _DIMS}
-    if cfg.block_size is None and spec.block_size is not None:
-        dims["block_size"] = spec.block_size
-    if cfg.vocab_size is None and spec.vocab_size is not None:
-        dims["vocab_size"] = spec.vocab_size
-    if dims["vocab_size"] is None:
-        raise ConfigError("model.vocab_size", None,
-                          f"a vocabulary size: the data has none and flavour {cfg.flavour!r} no default")
-    if dims["n_embd"] % dims["n_head"]:
-        raise ConfigError("model.n_head", dims["n_head"], f"a divisor of model.n_embd={dims['n_embd']}")
-    if spec.block_size is not None and dims["block_size"] < spec.block_size:
-        raise ConfigError("model.block_size", dims["block_size"],
-                          f"at least the data's block size {spec.block_size}, or null to use the data's")
-    if spec.vocab_size is not None and dims["vocab_size"] < spec.vocab_size:
-        raise ConfigError("model.vocab_size", dims["vocab_size"],
-                          f"at least the data's vocabulary {spec.vocab_size}, or null to use the data's")
-    return GPTDims(**dims)
+    return GPTDims(**resolve_dims(cfg, spec, "gpt", FLAVOURS, _DIMS))
 
 
 class CausalSelfAttention(nn.Module):
@@ -161,14 +136,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, C] -> [B, T, C]``."""
         return self.drop(self.proj(self.act(self.fc(x))))
-
-
-def sequence_length(idx: torch.Tensor, block_size: int) -> int:
-    """The length ``T`` of token ids ``[B, T]``; ValueError when it exceeds ``block_size``."""
-    t = idx.size(1)
-    if t > block_size:
-        raise ValueError(f"sequence length {t} exceeds the model's block_size {block_size}")
-    return t
 
 
 class Embeddings(nn.Module):

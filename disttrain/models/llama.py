@@ -29,9 +29,9 @@ from torch import nn
 from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import MODELS
 from disttrain.models.attention import causal_attention
-from disttrain.models.gpt import sequence_length
+from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.registry import MODELS
 
 FLAVOURS: dict[str, dict[str, int]] = {
     "micro": {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32},
@@ -127,39 +127,19 @@ def default_mlp_hidden(n_embd: int, multiple_of: int) -> int:
 
 def resolve_llama_dims(cfg: LlamaConfig, spec: DataSpec) -> LlamaDims:
     """Combine flavour, explicit sizes and the data's spec into checked sizes; ConfigError if impossible."""
-    if spec.kind != "text":
-        raise ConfigError("model.name", cfg.name, f"a model for {spec.kind} data; llama needs text data")
-    if cfg.flavour not in FLAVOURS:
-        raise ConfigError("model.flavour", cfg.flavour, f"one of {list(FLAVOURS)}")
-    for key in _DIMS:
-        value = getattr(cfg, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"model.{key}", value, "a positive integer, or null for the default")
-    preset = FLAVOURS[cfg.flavour]
-    dims = {key: getattr(cfg, key) if getattr(cfg, key) is not None else preset.get(key) for key in _DIMS}
-    if cfg.block_size is None and spec.block_size is not None:
-        dims["block_size"] = spec.block_size
-    if cfg.vocab_size is None and spec.vocab_size is not None:
-        dims["vocab_size"] = spec.vocab_size
-    if dims["vocab_size"] is None:
-        raise ConfigError("model.vocab_size", None,
-                          f"a vocabulary size: the data has none and flavour {cfg.flavour!r} no default")
+    dims = resolve_dims(cfg, spec, "llama", FLAVOURS, _DIMS, check_heads=_check_heads)
+    hidden = cfg.mlp_hidden if cfg.mlp_hidden is not None else default_mlp_hidden(dims["n_embd"], cfg.multiple_of)
+    return LlamaDims(**dims, mlp_hidden=hidden)
+
+
+def _check_heads(dims: dict[str, int]) -> None:
+    """What rotary embeddings and grouped-query attention need of the heads; ConfigError if they cannot have it."""
     n_embd, n_head, n_kv_head = dims["n_embd"], dims["n_head"], dims["n_kv_head"]
-    if n_embd % n_head:
-        raise ConfigError("model.n_head", n_head, f"a divisor of model.n_embd={n_embd}")
     if (n_embd // n_head) % 2:
         raise ConfigError("model.n_head", n_head, f"a divisor of model.n_embd={n_embd} that leaves an even head "
                           f"width (rotary embeddings rotate pairs of features); {n_embd}/{n_head} is odd")
     if n_head % n_kv_head:
         raise ConfigError("model.n_kv_head", n_kv_head, f"a divisor of model.n_head={n_head}")
-    if spec.block_size is not None and dims["block_size"] < spec.block_size:
-        raise ConfigError("model.block_size", dims["block_size"],
-                          f"at least the data's block size {spec.block_size}, or null to use the data's")
-    if spec.vocab_size is not None and dims["vocab_size"] < spec.vocab_size:
-        raise ConfigError("model.vocab_size", dims["vocab_size"],
-                          f"at least the data's vocabulary {spec.vocab_size}, or null to use the data's")
-    hidden = cfg.mlp_hidden if cfg.mlp_hidden is not None else default_mlp_hidden(n_embd, cfg.multiple_of)
-    return LlamaDims(**dims, mlp_hidden=hidden)
 
 
 def apply_rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:

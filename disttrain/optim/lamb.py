@@ -13,9 +13,10 @@ from torch import Tensor, nn
 
 from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim import OPTIMIZERS
 from disttrain.optim.groups import param_groups
-from disttrain.optim.norms import local, local_grad, pair_norms
+from disttrain.optim.norms import local, pair_norms
+from disttrain.optim.registry import OPTIMIZERS
+from disttrain.optim.stepping import closure_and_grads
 
 
 class Lamb(torch.optim.Optimizer):
@@ -64,35 +65,26 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One LAMB step over all parameters that have a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss, grads = closure_and_grads(self, closure)
         todo: list[tuple[dict[str, Any], Tensor, Tensor, Tensor]] = []  # group, param, local w, local u
-        for group in self.param_groups:
+        for group, p, g in grads:
             b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = local_grad(p)
-                if g.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = state["step"].item()
-                m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                bc1, bc2 = (1 - b1**t, 1 - b2**t) if group["bias_correction"] else (1.0, 1.0)
-                u = (m / bc1).div_((v / bc2).sqrt_().add_(group["eps"]))
-                w = local(p)
-                if group["weight_decay"] != 0:
-                    u.add_(w, alpha=group["weight_decay"])
-                todo.append((group, p, w, u))
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t = state["step"].item()
+            m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            bc1, bc2 = (1 - b1**t, 1 - b2**t) if group["bias_correction"] else (1.0, 1.0)
+            u = (m / bc1).div_((v / bc2).sqrt_().add_(group["eps"]))
+            w = local(p)
+            if group["weight_decay"] != 0:
+                u.add_(w, alpha=group["weight_decay"])
+            todo.append((group, p, w, u))
         adapted = [item for item in todo if item[0]["adapt"]]
         w_norms, u_norms = pair_norms(adapted, shard_local=self.shard_local_norms)
         ratios = iter(_trust_ratios(w_norms, u_norms, adapted))

@@ -13,9 +13,10 @@ from torch import Tensor, nn
 
 from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim import OPTIMIZERS
 from disttrain.optim.groups import param_groups
-from disttrain.optim.norms import local, local_grad, pair_norms
+from disttrain.optim.norms import local, pair_norms
+from disttrain.optim.registry import OPTIMIZERS
+from disttrain.optim.stepping import closure_and_grads
 
 
 class Lars(torch.optim.Optimizer):
@@ -61,19 +62,9 @@ class Lars(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One LARS step over all parameters that have a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        todo: list[tuple[dict[str, Any], Tensor, Tensor, Tensor]] = []  # group, param, local w, local g
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = local_grad(p)
-                if g.is_sparse:
-                    raise RuntimeError("Lars does not support sparse gradients")
-                todo.append((group, p, local(p), g))
+        loss, grads = closure_and_grads(self, closure)
+        # group, param, local w, local g
+        todo: list[tuple[dict[str, Any], Tensor, Tensor, Tensor]] = [(group, p, local(p), g) for group, p, g in grads]
         adapted = [item for item in todo if item[0]["adapt"]]
         w_norms, g_norms = pair_norms(adapted, shard_local=self.shard_local_norms)
         local_lrs = iter(_local_lrs(w_norms, g_norms, adapted))

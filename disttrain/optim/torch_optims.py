@@ -9,8 +9,8 @@ from torch import nn
 
 from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim import OPTIMIZERS
 from disttrain.optim.groups import kernel_options, param_groups
+from disttrain.optim.registry import OPTIMIZERS
 
 
 @dataclass

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disttrain.plan.estimate import Estimate
+from disttrain.plan.inputs import PlanInputs
 from disttrain.plan.layout import Layout
-from disttrain.plan.planner import PlanInputs
+from disttrain.plan.units import human_bytes
 
 TIE = 0.03
 """Relative step-time difference below which two layouts count as equally fast."""
@@ -46,8 +47,6 @@ class Choice:
 
 
 def _line(e: Estimate) -> str:
-    from disttrain.plan.report import human_bytes
-
     return (f"{e.layout.describe()}: {e.step_s * 1e3:.3g} ms/step predicted, {human_bytes(e.total_bytes)} of "
             f"{human_bytes(e.capacity)} per rank")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.plan.hardware import HardwareProfile, Link
+from disttrain.plan.devices import HardwareProfile, Link
 from disttrain.plan.layout import Layout, StateBytes
 from disttrain.plan.model_stats import ModelStats
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from disttrain.plan.communication import Collective, collectives
-from disttrain.plan.hardware import HardwareProfile
+from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.layout import Layout, StateBytes, rank_params, rank_units
 from disttrain.plan.memory import activations, model_state, state_peak, transient
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.step_time import bubble_fraction, compute_seconds, power
+from disttrain.plan.units import human_bytes
 
 
 @dataclass
@@ -88,8 +89,6 @@ class Estimate:
         """Why it does not fit: how far over and the largest term; empty when it fits."""
         if self.fits:
             return ""
-        from disttrain.plan.report import human_bytes
-
         term = max(self.memory, key=self.memory.get)
         over = self.total_bytes - self.capacity
         return (f"needs {human_bytes(self.total_bytes)} per rank of {human_bytes(self.capacity)} "

@@ -1,4 +1,4 @@
-"""Hardware profiles: what a device computes, holds and sends, for predicted step times.
+"""Hardware profiles by name, for predicted step times: the stated ones, and this machine's.
 
 Built-in profiles state vendors' published peaks (dense, no sparsity) times an achievable fraction; this
 machine's profile is measured by ``python -m disttrain.plan --calibrate`` and stored as JSON (see
@@ -10,51 +10,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from disttrain.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link between the devices of a collective."""
-
-    bandwidth: float
-    """Bytes per second each device can send (one direction)."""
-    latency: float
-    """Seconds per message (the alpha of the alpha-beta model)."""
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    """One kind of device and the links between devices of a node and across nodes."""
-
-    name: str
-    """Profile name (``plan.profile``)."""
-    flops: dict[str, float]
-    """Achievable matrix-multiply FLOP/s per device by compute dtype (``fp32``, ``bf16``): peak x
-    ``EFFICIENCY`` for stated specs, measured on large matrix products for a calibrated machine."""
-    memory_bandwidth: float
-    """Achievable memory bytes per second per device (shared by the ranks of a CPU)."""
-    op_overhead: float
-    """Seconds each operator costs beyond its work (dispatch, autograd; a kernel launch on a GPU)."""
-    memory_bytes: float
-    """Memory per device a run may fill (bytes)."""
-    intra_node: Link
-    """Link between devices of one node (NVLink; loopback for CPU ranks)."""
-    inter_node: Link
-    """Link between nodes (InfiniBand / Ethernet), per device."""
-    devices_per_node: int
-    """Devices (ranks) per node; groups within one node use ``intra_node``."""
-    watts: float | None = None
-    """Power per device under load (TDP for stated specs), for predicted energy; None when unknown."""
-    source: str = ""
-    """Where the numbers come from (datasheet, calibration and when)."""
-    cpu: bool = False
-    """A CPU whose device is one core: ranks on a node share its cores (threads per rank = cores / ranks), and
-    its memory (``memory_bytes`` is per core)."""
-
+from disttrain.plan.devices import HardwareProfile, Link
 
 GB = 1e9
 # Stated specs: NVIDIA H100 SXM5 and A100 SXM4 80GB datasheets (dense bf16 989 / 312 TFLOP/s, fp32 67 / 19.5,

@@ -2,49 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from disttrain.plan.estimate import Estimate, estimate
-from disttrain.plan.hardware import HardwareProfile
-from disttrain.plan.layout import Layout, StateBytes, state_bytes
+from disttrain.plan.auto import choose
+from disttrain.plan.devices import HardwareProfile
+from disttrain.plan.estimate import Estimate
+from disttrain.plan.inputs import PlanInputs
+from disttrain.plan.layout import Layout, state_bytes
 from disttrain.plan.model_stats import ModelStats, measure_model
-
-
-@dataclass
-class PlanInputs:
-    """What a plan needs besides the layout: the measured model, the state bytes, precision and profile."""
-
-    stats: ModelStats
-    """The model at one micro-batch (activations and FLOPs scale with the layout's micro-batch)."""
-    state: StateBytes
-    """Bytes per parameter element of model state."""
-    bf16: bool
-    """bf16-mixed precision (activations and compute in bf16)."""
-    profile: HardwareProfile
-    """The hardware predicted for."""
-    has_tp_plan: bool
-    """The model (or config) declares a tensor-parallel plan."""
-    num_heads: int | None = None
-    """Attention heads, where the model says (tp must divide them)."""
-    measure: Any = None
-    """Callable micro-batch size -> ModelStats (passes are cached per size)."""
-    _cache: dict[int, ModelStats] = field(default_factory=dict)
-
-    def stats_for(self, micro_size: int) -> ModelStats:
-        """The model measured at ``micro_size`` (operator costs do not scale linearly: weights are read once)."""
-        if self.measure is None or micro_size == self.stats.micro_size:
-            return self.stats
-        if micro_size not in self._cache:
-            self._cache[micro_size] = self.measure(micro_size)
-        return self._cache[micro_size]
-
-    def estimate(self, layout: Layout) -> Estimate:
-        """The prediction for ``layout``, from a pass at its micro-batch (per pipeline microbatch)."""
-        size = max(1, layout.micro_size // (layout.microbatches if layout.pp > 1 else 1))
-        return estimate(self.stats_for(size), layout, self.profile, self.state, self.bf16)
+from disttrain.plan.units import human_bytes
 
 
 def module_names(net: nn.Module, modules: list[nn.Module]) -> list[str]:
@@ -110,8 +78,6 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
     from disttrain.errors import ConfigError
     from disttrain.parallel.dims import ParallelDims
     from disttrain.parallel.model_checks import check_model_plan
-    from disttrain.plan.auto import choose
-    from disttrain.plan.report import human_bytes
 
     inputs = plan_inputs(net, spec, 1, parallel, optim, planned_precision(precision, profile), profile)
 

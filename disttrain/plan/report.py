@@ -7,19 +7,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
-from disttrain.plan.hardware import HardwareProfile
+from disttrain.plan.units import human_bytes
 
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimiser state", "activations": "activations",
          "transient": "transient (gathered units, unreduced gradients)"}
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in the largest unit that keeps a number >= 1 (decimal units, as memory is sold)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> str:

@@ -3,7 +3,7 @@ activation checkpointing, the optimiser's memory traffic, the pipeline bubble, a
 
 from __future__ import annotations
 
-from disttrain.plan.hardware import HardwareProfile
+from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.layout import Layout, StateBytes, unit_on_rank, within
 from disttrain.plan.model_stats import ModelStats, Op
 

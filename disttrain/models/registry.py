@@ -1,0 +1,27 @@
+"""Model registry: configs name a model (``model.name``) and ``build_model`` builds it for the data.
+
+Each model module registers a builder ``(cfg, spec) -> nn.Module`` together with its config schema, a
+dataclass whose ``validate(spec)`` rejects impossible values before any rank starts. The registry lives
+apart from the package so that the model modules can register in it while the package imports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from disttrain.data.spec import DataSpec
+from disttrain.models.target import TargetModelConfig, build_target_model
+from disttrain.registry import Registry
+
+MODELS: Registry[nn.Module] = Registry("model")
+"""Built-in models by name: each model module adds its own when it is imported."""
+
+
+def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
+    """Validate ``cfg`` against the data's ``spec`` and build the model it names (a registry name, or a
+    ``_target_`` for a user's model), on the current device."""
+    if isinstance(cfg, TargetModelConfig):
+        return build_target_model(cfg, spec)
+    return MODELS.build(cfg, spec)

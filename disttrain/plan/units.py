@@ -1,0 +1,11 @@
+"""Numbers as a plan writes them for people: the terminal table, ``parallel=auto``'s log and its errors."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps a number >= 1 (decimal units, as memory is sold)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
