@@ -58,6 +58,19 @@ def test_no_module_takes_part_in_an_import_cycle():
     assert not cycles, f"import cycles: {cycles}"
 
 
+def test_the_packages_stand_in_layers():
+    """No circle between ``disttrain``'s packages either: each imports only packages below it, so none runs back
+    up into a package that depends on it."""
+    packages = nx.DiGraph()
+    for a, b in import_graph().edges:
+        top_a, top_b = a.split(".")[:2], b.split(".")[:2]
+        if top_a != top_b:
+            packages.add_edge(".".join(top_a), ".".join(top_b), via=f"{a} -> {b}")
+    circles = [sorted(part) for part in nx.strongly_connected_components(packages) if len(part) > 1]
+    ties = [packages.edges[a, b]["via"] for part in circles for a in part for b in part if packages.has_edge(a, b)]
+    assert not circles, f"packages in a circle: {circles}, tied by {ties}"
+
+
 def test_nothing_outside_the_job_side_imports_it():
     def job_side(module: str) -> bool:
         return module == JOB_SIDE or module.startswith(JOB_SIDE + ".")

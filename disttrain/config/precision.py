@@ -15,22 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.data.spec import DataSpec, example_batch
+from disttrain.plan.devices import native_bf16
 
 PROBE_STEPS = 3
 """Timed forward and backward passes per precision (after one untimed warm-up)."""
 REQUIRED_SPEEDUP = 1.05
 """bf16 autocast must be at least this much faster than fp32 to be chosen (fp32 is the exact one)."""
-
-
-def native_bf16(uses_gpu: bool) -> tuple[bool, str]:
-    """Whether the device computes bf16 natively (a GPU that supports it; a CPU with AMX or AVX512-BF16),
-    and what was found."""
-    if uses_gpu:
-        supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return supported, "the GPU supports bf16" if supported else "the GPU has no bf16"
-    found = [name for name, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
-             if getattr(torch.cpu, probe, lambda: False)()]
-    return bool(found), f"this CPU has {' and '.join(found)}" if found else "this CPU has no bf16 instructions"
 
 
 def step_seconds(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bf16: bool) -> float:

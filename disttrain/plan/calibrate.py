@@ -41,7 +41,7 @@ def measure_compute(seconds: float = 1.0, threads: int = 1) -> dict[str, float]:
     """Matrix-multiply and convolution FLOP/s on ``threads`` threads per dtype (``fp32``, ``fp32_conv``,
     ``bf16``, ``bf16_conv``; bf16 only measured where the CPU computes it natively, elsewhere a third of fp32,
     what emulated bf16 measured on such CPUs)."""
-    from disttrain.config.precision import native_bf16
+    from disttrain.plan.devices import native_bf16
 
     with _threads(threads):
         rates = {"fp32": _matmul_rate(torch.float32, seconds), "fp32_conv": _conv_rate(None, seconds)}

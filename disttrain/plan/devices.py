@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Link:
@@ -44,3 +46,14 @@ class HardwareProfile:
     cpu: bool = False
     """A CPU whose device is one core: ranks on a node share its cores (threads per rank = cores / ranks), and
     its memory (``memory_bytes`` is per core)."""
+
+
+def native_bf16(uses_gpu: bool) -> tuple[bool, str]:
+    """Whether the device computes bf16 natively (a GPU that supports it; a CPU with AMX or AVX512-BF16),
+    and what was found."""
+    if uses_gpu:
+        supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return supported, "the GPU supports bf16" if supported else "the GPU has no bf16"
+    found = [name for name, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
+             if getattr(torch.cpu, probe, lambda: False)()]
+    return bool(found), f"this CPU has {' and '.join(found)}" if found else "this CPU has no bf16 instructions"
