@@ -8,6 +8,7 @@ single batched all-reduce per process group as the layer-wise optimisers use.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -70,3 +71,14 @@ def scale_to_norm(parameters: Iterable[Tensor], max_norm: float, total: Tensor) 
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     if grads:  # a rank may hold none of the parameters (a parameter server's worker)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+
+@runtime_checkable
+class ClipsWhatItApplies(Protocol):
+    """An optimiser wrapper that clips the gradients it applies itself (a synchronous parameter server clips the
+    averaged gradients, which only its servers hold), so the task leaves the local ones alone."""
+
+    clips_averaged_gradients: bool
+    """True where this wrapper clips; the task then only hands it the norm."""
+    clip_value: float | None
+    """The norm to clip to (set by the task each step)."""

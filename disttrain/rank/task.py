@@ -17,8 +17,7 @@ from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.optim import build_optimizer, build_scheduler
-from disttrain.parallel.clip import clip_grad_norm, grad_norm
-from disttrain.parallel.param_server import ParameterServerOptimizer
+from disttrain.parallel.clip import ClipsWhatItApplies, clip_grad_norm, grad_norm
 from disttrain.rank.hook_dispatch import FastHookName
 
 LN2 = math.log(2.0)
@@ -221,7 +220,7 @@ class TrainTask(FastHookName, pl.LightningModule):
         """Clip by the global norm of whole parameters, also when some are tensor-parallel shards; log the
         norm before clipping as ``train/grad_norm``."""
         server = getattr(optimizer, "_optimizer", optimizer)
-        if isinstance(server, ParameterServerOptimizer) and server.clips_averaged_gradients:
+        if isinstance(server, ClipsWhatItApplies) and server.clips_averaged_gradients:
             server.clip_value = gradient_clip_val
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
