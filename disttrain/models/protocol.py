@@ -1,13 +1,16 @@
 """What the parallel code may ask of a model: optional methods with fixed names, and nothing else.
 
-A model is any ``nn.Module`` whose ``forward`` maps a batch of inputs to logits. It qualifies for a
+A model is any ``nn.Module`` whose ``forward`` maps a batch of inputs to logits (a tensor, or a ``ModelOutput``,
+dict or tuple holding them: see ``logits_of``). It qualifies for a
 ``parallel`` preset by declaring what that preset needs (or the user declares it in config, under
 ``parallel.tp_plan``, ``parallel.pipeline_units`` and ``parallel.shard_units``, for a model they cannot edit):
 
 ``tp_plan(self) -> dict[str, str]``
     Module-name pattern (``fnmatch`` per dotted part, e.g. ``blocks.*.attn.q``) -> style, the Megatron plan
     over DTensor. Styles: ``colwise`` (output features split over the tp ranks), ``rowwise`` (input features
-    split, partial outputs summed), and for sequence parallelism, applied only when it is on:
+    split, partial outputs summed), ``per_head`` (a module applied to each attention head's features, on the
+    heads a rank holds, such as Qwen3's q/k norms: whole weights whose gradients are summed over the tp ranks),
+    and for sequence parallelism, applied only when it is on:
     ``sequence_norm`` (a norm that runs on the local part of the sequence), ``sequence_gather`` (a module whose
     input arrives split along the sequence and must be whole: attention, MLP, the head) and
     ``sequence_split`` (a module whose whole output is split along the sequence: the embedding). A module
@@ -25,15 +28,21 @@ A model is any ``nn.Module`` whose ``forward`` maps a batch of inputs to logits.
     Names of the modules that each become an FSDP unit (and the unit of activation checkpointing);
     a ``ModuleList`` stands for its entries. Default: the entries of the model's ``ModuleList`` children,
     else its large children.
+
+``pretrained(self) -> str | None`` (optional)
+    A folder of Hugging Face safetensors whose tensors, by this model's parameter names, replace its
+    initialisation once the model is laid out over its ranks (each rank reads only what it holds).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
-TP_STYLES = ("colwise", "rowwise", "sequence_norm", "sequence_gather", "sequence_split")
+TP_STYLES = ("colwise", "rowwise", "per_head", "sequence_norm", "sequence_gather", "sequence_split")
 """The styles a ``tp_plan`` may use (see the module docstring)."""
 
 
@@ -63,3 +72,18 @@ def expand_units(model: nn.Module, names: list[str]) -> list[str]:
         else:
             expanded.append(name)
     return expanded
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in what a model's ``forward`` returned: the tensor itself, the ``logits`` of a Hugging Face
+    ``ModelOutput`` or a dict, or the first entry of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) or hasattr(output, "logits"):
+        logits = output["logits"] if isinstance(output, Mapping) else output.logits
+        if isinstance(logits, torch.Tensor):
+            return logits
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the model's forward returned a {type(output).__name__}: a tensor of logits, or a ModelOutput, "
+                    "dict (with 'logits') or tuple (logits first) holding one")

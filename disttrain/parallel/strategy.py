@@ -31,6 +31,7 @@ from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from disttrain.parallel.pipeline.runtime import PipelineSlot, build_pipeline
+from disttrain.parallel.pretrained import load_pretrained
 
 OptimizerWrap = Callable[[torch.optim.Optimizer, "DistTrainStrategy"], torch.optim.Optimizer]
 """How a kind of run wraps the task's optimiser, given the strategy (its mesh, byte counter and module)."""
@@ -95,6 +96,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if not self._parallelised:  # once per Trainer: fit, then test on the same model
+            starting_weights = getattr(task.net, "pretrained", None)
+            folder = starting_weights() if callable(starting_weights) else None
             if self.pipeline is not None:
                 task.net, self.pipeline.pipeline = build_pipeline(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.pipeline.loss_fn,
@@ -105,6 +108,8 @@ class DistTrainStrategy(ModelParallelStrategy):
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
                     self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile, self.ddp_exchange,
                 )
+            if folder is not None:
+                load_pretrained(task.net, folder)
             self._parallelised = True
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -62,6 +62,10 @@ def style_of(style: str, module_type: type, sequence_parallel: bool) -> Parallel
         # an embedding split by rows (the vocabulary) takes whole token ids as its input
         inputs = Replicate() if issubclass(module_type, nn.Embedding) else Shard(-1)
         return RowwiseParallel(input_layouts=inputs, output_layouts=seq if sequence_parallel else Replicate())
+    if style == "per_head":
+        # whole weights as replicated DTensors over this rank's heads (dim 2 of [B, T, heads, head_dim]): autograd
+        # sums their partial gradients over the tp ranks, as torch's sequence-parallel norms do over tokens
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style not in SEQUENCE_STYLES:
         raise ValueError(f"unknown tensor-parallel style {style!r}: one of {list(TP_STYLES)}")
     if not sequence_parallel:

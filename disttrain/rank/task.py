@@ -16,6 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
+from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import ClipsWhatItApplies, clip_grad_norm, grad_norm
 from disttrain.rank.hook_dispatch import FastHookName
@@ -69,11 +70,11 @@ class TrainTask(FastHookName, pl.LightningModule):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits of the wrapped model."""
-        return self.net(inputs)
+        return logits_of(self.net(inputs))
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch
-        logits = self.net(inputs)
+        logits = logits_of(self.net(inputs))
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return loss, logits
 
@@ -160,7 +161,7 @@ class TrainTask(FastHookName, pl.LightningModule):
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         inputs, targets = batch
-        logits = self.net(inputs)
+        logits = logits_of(self.net(inputs))
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
                                    ignore_index=IGNORE_INDEX)
         self._update_eval_metrics(stage, loss_sum.detach(), logits.detach(), targets)

@@ -1,0 +1,184 @@
+"""Hugging Face causal language models: any architecture ``transformers`` can build, under disttrain's protocol.
+
+``model=hf model.path=DIR`` builds the model that ``DIR/config.json`` describes; ``model=hf model.arch=llama
++model.hidden_size=256 ...`` builds a model type from its fields. Nothing is downloaded: ``transformers`` only
+reads local files. ``model.pretrained=true`` starts from ``DIR``'s safetensors weights, which are read into the
+parallelised model's shards (``disttrain.parallel.pretrained``).
+
+The network keeps the Hugging Face model's own parameter names (``model.layers.0.self_attn.q_proj.weight``), so
+its checkpoints export to a folder that ``from_pretrained`` reads. Its parallel plan comes from the config's
+``base_model_tp_plan`` and ``base_model_pp_plan`` (``disttrain.models.hf_plan``); a model that declares none
+trains under data parallelism and ZeRO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.data.spec import DataSpec
+from disttrain.errors import ConfigError
+from disttrain.models import hf_plan
+from disttrain.models.registry import MODELS
+
+CONFIG_FILE = "config.json"
+"""The architecture file of a Hugging Face model folder."""
+
+
+@dataclass
+class HFConfig:
+    """A ``transformers`` causal language model, built from a local folder's config or from a model type."""
+
+    name: str = "hf"
+    """Registry name of this model."""
+    path: str | None = None
+    """A local folder with the model's ``config.json`` (and, for ``pretrained``, its safetensors weights)."""
+    arch: str | None = None
+    """A ``transformers`` model type (llama, qwen3, mistral, gpt2, ...) built from its defaults and ``fields``,
+    instead of a folder."""
+    pretrained: bool = False
+    """Start from the folder's safetensors weights instead of a seeded random initialisation (needs ``path``)."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Fields of the architecture's config set here (``+model.hidden_size=256``), over the folder's or the type's
+    defaults; ``vocab_size`` defaults to the data's vocabulary when a type is built from scratch."""
+
+    OPEN_FIELDS = "fields"
+    """Keys of the model node that are not fields of this schema are gathered into this one."""
+
+    def validate(self, spec: DataSpec) -> Any:
+        """The ``transformers`` config this describes for the text of ``spec``; ConfigError where it cannot be."""
+        transformers = _transformers()
+        if spec.kind != "text":
+            raise ConfigError("model.name", self.name, "a model for text data (a causal language model); data "
+                              f"{spec.kind!r} is not text")
+        if (self.path is None) == (self.arch is None):
+            raise ConfigError("model.path", self.path, "a folder with config.json, or null with model.arch set "
+                              "(exactly one of model.path and model.arch)")
+        if self.pretrained and self.path is None:
+            raise ConfigError("model.pretrained", True, "false unless model.path names a folder with weights")
+        config = self._base_config(transformers)
+        defaults = type(config)()
+        for key, value in self.fields.items():
+            if not hasattr(defaults, key):
+                raise ConfigError(f"model.{key}", value, f"a field of {type(config).__name__} (it has none of "
+                                  "that name)")
+            setattr(config, key, value)
+        if self.arch is not None and "vocab_size" not in self.fields and hasattr(config, "vocab_size"):
+            config.vocab_size = spec.vocab_size
+        _check_fits(config, spec)
+        if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
+                              f"a causal language model; transformers has none for {type(config).__name__}")
+        if self.pretrained and not pretrained_files(Path(self.path)):
+            raise ConfigError("model.path", self.path, "a folder with model.safetensors or its shards and "
+                              "model.safetensors.index.json, with model.pretrained=true")
+        return config
+
+    def _base_config(self, transformers: Any) -> Any:
+        if self.arch is not None:
+            if self.arch not in transformers.CONFIG_MAPPING:
+                raise ConfigError("model.arch", self.arch, "a transformers model type, e.g. llama, qwen3, mistral, "
+                                  "gpt2")
+            return transformers.AutoConfig.for_model(self.arch)
+        folder = Path(self.path).expanduser()
+        if not (folder / CONFIG_FILE).is_file():
+            raise ConfigError("model.path", self.path, f"a folder with {CONFIG_FILE} (there is no "
+                              f"{folder / CONFIG_FILE})")
+        try:
+            return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (ValueError, OSError, KeyError) as err:
+            raise ConfigError("model.path", self.path, f"a config.json that transformers reads ({err})") from None
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model.name", "hf", "a built-in model unless transformers is installed "
+                          "(pip install 'disttrain[hf]')") from None
+    return transformers
+
+
+def _check_fits(config: Any, spec: DataSpec) -> None:
+    """The model's vocabulary holds the data's tokens and its positions the data's windows."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab < spec.vocab_size:
+        raise ConfigError("model.vocab_size", vocab, f"at least the data's vocabulary of {spec.vocab_size} tokens")
+    for key in ("max_position_embeddings", "n_positions"):
+        positions = getattr(config, key, None)
+        if positions is not None and positions < spec.block_size:
+            raise ConfigError(f"model.{key}", positions, f"at least the data's block size of {spec.block_size}")
+
+
+def pretrained_files(folder: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face model folder (one file, or the shards its index lists)."""
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    import json
+
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [folder / name for name in shards] if all((folder / name).is_file() for name in shards) else []
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM whose ``forward`` maps token ids to logits, holding the model's own
+    submodules under their own names (so parameter names are the Hugging Face checkpoint's)."""
+
+    def __init__(self, model: nn.Module, pretrained: str | None = None) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.hf_config = model.config
+        """The ``transformers`` config the model was built from (exported with its weights)."""
+        self.pretrained_path = pretrained
+        """The folder whose safetensors weights replace the random initialisation once the model is laid out."""
+        # kept outside the module tree: its submodules are this module's own children
+        object.__setattr__(self, "_model", model)
+        hf_plan.prepare_layers(self)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""
+        return self._model(input_ids=idx, use_cache=False).logits
+
+    def tp_plan(self) -> dict[str, str]:
+        """The config's ``base_model_tp_plan`` in disttrain's styles (empty: the model declares none)."""
+        return hf_plan.tp_plan(self)
+
+    def tp_sizes(self) -> dict[str, int]:
+        """Each tp rank holds whole attention heads, query and key/value alike."""
+        config = self.hf_config
+        sizes = {"model.num_attention_heads": getattr(config, "num_attention_heads", None),
+                 "model.num_key_value_heads": getattr(config, "num_key_value_heads", None)}
+        return {key: size for key, size in sizes.items() if size}
+
+    def pipeline_units(self) -> list[str]:
+        """The config's ``base_model_pp_plan`` and the head (empty: the model declares none)."""
+        return hf_plan.pipeline_units(self)
+
+    def shard_units(self) -> list[str]:
+        """The decoder layers (the classes the model names as never split)."""
+        return hf_plan.layer_lists(self)
+
+    def pretrained(self) -> str | None:
+        """The folder of weights to start from (None: the seeded random initialisation)."""
+        return self.pretrained_path
+
+
+@MODELS.register("hf", HFConfig)
+def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
+    """Build the ``transformers`` model that ``cfg`` describes (never downloaded), in fp32 with PyTorch's
+    scaled-dot-product attention (causal without a mask, which the pipeline's stages rely on)."""
+    import transformers
+
+    config = cfg.validate(spec)
+    config.use_cache = False
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None)

@@ -1,0 +1,164 @@
+"""Hugging Face models (``model=hf``) through the real runner: parity with one process under every layout their
+declared plan qualifies them for, their own forward and loss, starting from a saved folder, and refusals.
+
+Llama- and Qwen3-family models are built from a config (2 layers, seeded) and compared with one process as the
+parity suite compares the built-in GPT (``tests/test_parity.py``): plain SGD, where a wrong gradient scale moves
+every weight, and for tensor parallelism also clipping that binds on every step, where a wrong global norm (or
+a per-head norm's gradient not summed over the tp ranks) changes every update.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from disttrain.config import validate  # noqa: E402
+from disttrain.errors import ConfigError  # noqa: E402
+from tests.test_parity import BASE as GPT_BASE  # noqa: E402
+from tests.test_parity import FAMILIES, check_against, run_summary  # noqa: E402
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64}
+ARCHS = {"llama": TINY, "qwen3": {**TINY, "head_dim": 16}}
+GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}
+
+
+def hf_overrides(arch: str, fields: dict) -> list[str]:
+    """``model=hf`` built from ``arch`` and ``fields`` (the parity suite's data, batch, optimiser and length)."""
+    model = [o for o in GPT_BASE if not o.startswith("model.")]
+    model = [o if o != "model=gpt" else "model=hf" for o in model]
+    return [*model, f"model.arch={arch}", *(f"+model.{key}={value}" for key, value in fields.items())]
+
+
+LAYOUTS = {
+    "ddp": (["parallel=ddp"], 2),
+    "zero3": (["parallel=zero3"], 2),
+    "tp": (["parallel=tp"], 2),
+    "pp": (["parallel=pipeline", "parallel.pipeline.schedule=1f1b"], 2),
+    "dp_shard2xtp2": (["parallel=hybrid", "parallel.tp=2"], 4),
+}
+CASES = [("llama", "sgd", "zero3"), ("llama", "sgd", "tp"), ("llama", "sgd", "pp"), ("llama", "sgd+clip", "tp"),
+         ("qwen3", "sgd", "tp"), ("qwen3", "sgd+clip", "tp"), ("qwen3", "sgd", "dp_shard2xtp2"),
+         ("qwen3", "sgd", "pp")]
+SLOW_CASES = [("llama", "sgd", "ddp"), ("llama", "sgd", "dp_shard2xtp2"), ("qwen3", "sgd", "zero3"),
+              ("qwen3", "sgd", "ddp")]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """One process per model and family, computed when first asked for."""
+    cache: dict[tuple[str, str], dict] = {}
+
+    def reference(arch: str, family: str) -> dict:
+        if (arch, family) not in cache:
+            cache[arch, family] = run_summary(tmp_path_factory.mktemp(f"{arch}-single"),
+                                              [*hf_overrides(arch, ARCHS[arch]), *FAMILIES[family]])
+        return cache[arch, family]
+
+    return reference
+
+
+def check_layout(tmp_path: Path, references, arch: str, family: str, layout: str) -> None:
+    overrides, ranks = LAYOUTS[layout]
+    got = run_summary(tmp_path / "run", [*hf_overrides(arch, ARCHS[arch]), *FAMILIES[family], *overrides,
+                                         f"trainer.devices={ranks}"])
+    check_against(references(arch, family), got, clipped=family == "sgd+clip")
+
+
+@pytest.mark.parametrize(("arch", "family", "layout"), CASES)
+def test_hf_model_matches_one_process(tmp_path, references, arch, family, layout):
+    check_layout(tmp_path, references, arch, family, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "family", "layout"), SLOW_CASES)
+def test_hf_model_matches_one_process_in_more_layouts(tmp_path, references, arch, family, layout):
+    check_layout(tmp_path, references, arch, family, layout)
+
+
+def test_gpt2_without_a_plan_trains_data_parallel_and_is_refused_tensor_parallel(tmp_path, make_config):
+    reference = run_summary(tmp_path / "single", [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"]])
+    got = run_summary(tmp_path / "zero3", [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"], "parallel=zero3",
+                                           "trainer.devices=2"])
+    check_against(reference, got, clipped=False)
+    with pytest.raises(ConfigError, match=r"parallel\.tp.*declares no tp_plan"):
+        validate(make_config([*hf_overrides("gpt2", GPT2), "parallel=tp", "trainer.devices=2"]))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_stages_applied_in_turn_are_the_models_forward(arch):
+    """What a pipeline runs (the declared units, one after another) equals ``transformers``' own forward."""
+    from disttrain.data.spec import DataSpec
+    from disttrain.models.hf import HFConfig, build_hf
+    from disttrain.parallel.model_plan import pipeline_units_of
+
+    torch.manual_seed(0)
+    net = build_hf(HFConfig(arch=arch, fields=ARCHS[arch]), DataSpec("text", vocab_size=256, block_size=32))
+    tokens = torch.randint(0, 256, (2, 32))
+    x = tokens
+    for name in pipeline_units_of(net):
+        x = net.get_submodule(name)(x)
+    torch.testing.assert_close(x, net(tokens), rtol=0, atol=0)
+
+
+def saved_folder(folder: Path, arch: str = "llama") -> Path:
+    """A seeded random ``arch`` model of ``ARCHS`` saved with ``save_pretrained`` (config.json, safetensors)."""
+    import transformers
+
+    torch.manual_seed(7)
+    config = transformers.AutoConfig.for_model(arch, vocab_size=256, **ARCHS[arch])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["single", "zero3"])
+def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
+    """A run started from a saved folder (read into shards under ZeRO-3) validates, before its weights move
+    (a learning rate of 1e-12), to ``transformers``' own loss of that folder on the same windows (its ``labels`` shift)."""
+    import transformers
+
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config, logged_metric
+
+    folder = saved_folder(tmp_path / "hf")
+    overrides = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
+    overrides += [f"model.path={folder}", "model.pretrained=true", "trainer.max_steps=1", "optim.lr=1e-12",
+                  "trainer.val_check_interval=1"]
+    overrides += ["parallel=zero3", "trainer.devices=2"] if layout == "zero3" else []
+    run_dir = tmp_path / "run"
+    cfg = compose_config(overrides, run_dir)
+    run = validate(cfg.copy())
+    train(cfg)
+    val_loss = logged_metric(run_dir, "val/loss")[-1][1]
+    val = run.datamodule.datasets["val"]
+    count = min(len(val), run.train.trainer.limit_val_batches * run.batch.micro_size * run.dims.dp)
+    inputs, targets = (torch.stack(part) for part in zip(*(val[i] for i in range(count)), strict=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
+                                                               attn_implementation="sdpa")
+    tokens = torch.cat([inputs, targets[:, -1:]], dim=1)  # the targets are the inputs moved on by one token
+    with torch.no_grad():
+        expected = model(input_ids=tokens, labels=tokens).loss.item()
+    assert val_loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_bad_hf_configs_are_one_line(make_config, tmp_path):
+    base = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
+    with pytest.raises(ConfigError, match=r"model\.path.*exactly one"):
+        validate(make_config(base))
+    with pytest.raises(ConfigError, match=r"model\.arch.*transformers model type"):
+        validate(make_config([*base, "model.arch=llamma"]))
+    with pytest.raises(ConfigError, match=r"model\.hiden_size.*a field of LlamaConfig"):
+        validate(make_config([*base, "model.arch=llama", "+model.hiden_size=64"]))
+    with pytest.raises(ConfigError, match=r"model\.path.*config\.json"):
+        validate(make_config([*base, f"model.path={tmp_path}"]))
+    with pytest.raises(ConfigError, match=r"model\.vocab_size.*256"):
+        validate(make_config([*base, "model.arch=llama", "+model.vocab_size=100", *(
+            f"+model.{k}={v}" for k, v in TINY.items())]))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **TINY, "vocab_size": 256}))
+    with pytest.raises(ConfigError, match=r"model\.path.*safetensors"):
+        validate(make_config([*base, f"model.path={tmp_path}", "model.pretrained=true"]))
