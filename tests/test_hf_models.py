@@ -25,7 +25,11 @@ from tests.test_parity import FAMILIES, check_against, run_summary  # noqa: E402
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64}
 ARCHS = {"llama": TINY, "qwen3": {**TINY, "head_dim": 16}}
-GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}
+GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0}  # dropout draws its masks per rank: off, for curves that can be equal
+# measured (fp32, gloo, lr 0.5 plain SGD): losses within 1.0e-6 relative of one process (Qwen3 on dp_shard 2 x tp 2
+# at step 6; the GPT parity suite's model stays within 2.3e-7), final weights within the parity suite's 5e-7
+LOSS_RTOL = 2e-6
 
 
 def hf_overrides(arch: str, fields: dict) -> list[str]:
@@ -67,7 +71,7 @@ def check_layout(tmp_path: Path, references, arch: str, family: str, layout: str
     overrides, ranks = LAYOUTS[layout]
     got = run_summary(tmp_path / "run", [*hf_overrides(arch, ARCHS[arch]), *FAMILIES[family], *overrides,
                                          f"trainer.devices={ranks}"])
-    check_against(references(arch, family), got, clipped=family == "sgd+clip")
+    check_against(references(arch, family), got, clipped=family == "sgd+clip", loss_rtol=LOSS_RTOL)
 
 
 @pytest.mark.parametrize(("arch", "family", "layout"), CASES)
@@ -85,7 +89,7 @@ def test_gpt2_without_a_plan_trains_data_parallel_and_is_refused_tensor_parallel
     reference = run_summary(tmp_path / "single", [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"]])
     got = run_summary(tmp_path / "zero3", [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"], "parallel=zero3",
                                            "trainer.devices=2"])
-    check_against(reference, got, clipped=False)
+    check_against(reference, got, clipped=False, loss_rtol=LOSS_RTOL)
     with pytest.raises(ConfigError, match=r"parallel\.tp.*declares no tp_plan"):
         validate(make_config([*hf_overrides("gpt2", GPT2), "parallel=tp", "trainer.devices=2"]))
 
