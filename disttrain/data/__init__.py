@@ -22,6 +22,7 @@ from disttrain.data.synthetic import (
 )
 from disttrain.data.text import PyDocsConfig, PyDocsDataModule, TokensConfig, TokensDataModule
 from disttrain.data.user import UserDataConfig, build_user_datamodule
+from disttrain.data.user_text import TextConfig, TextDataModule
 from disttrain.data.windows import MemmapTokens, TokenWindows
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "SyntheticImagesDataModule",
     "SyntheticTokensConfig",
     "SyntheticTokensDataModule",
+    "TextConfig",
+    "TextDataModule",
     "TokenWindows",
     "TokensConfig",
     "TokensDataModule",

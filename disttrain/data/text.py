@@ -14,7 +14,7 @@ from disttrain import checks
 from disttrain.data.base import DataModule
 from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
-from disttrain.data.windows import MemmapTokens, TokenWindows
+from disttrain.data.windows import MemmapTokens, train_val_windows
 from disttrain.errors import ConfigError
 
 
@@ -24,14 +24,6 @@ def pydocs_bytes() -> np.ndarray:
 
     text = "\n\n".join(topics[key] for key in sorted(topics))
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-
-def _windows(train: object, val: object, block_size: int, samples_per_epoch: int | None,
-             val_windows: int | None, seed: int) -> dict[str, Dataset]:
-    """Random training windows and consecutive validation windows; test is the validation set."""
-    evaluation = TokenWindows(val, block_size, val_windows)
-    return {"train": TokenWindows(train, block_size, samples_per_epoch, seed=seed), "val": evaluation,
-            "test": evaluation}
 
 
 @dataclass
@@ -87,7 +79,7 @@ class PyDocsDataModule(DataModule):
         data = pydocs_bytes()
         split = len(data) - int(len(data) * self.cfg.val_fraction)
         c = self.cfg
-        return _windows(data[:split], data[split:], c.block_size, c.samples_per_epoch, c.val_windows,
+        return train_val_windows(data[:split], data[split:], c.block_size, c.samples_per_epoch, c.val_windows,
                         self.seed)
 
 
@@ -194,5 +186,5 @@ class TokensDataModule(DataModule):
 
     def _datasets(self) -> dict[str, Dataset]:
         c = self.cfg
-        return _windows(self.train_tokens, self.val_tokens, c.block_size, c.samples_per_epoch, c.val_windows,
+        return train_val_windows(self.train_tokens, self.val_tokens, c.block_size, c.samples_per_epoch, c.val_windows,
                         self.seed)

@@ -13,17 +13,19 @@ from disttrain.data.base import counter_random
 
 
 class MemmapTokens:
-    """A 1-D ``uint16`` token file read through a memory map that is opened on first access.
+    """A 1-D token file (``uint16`` unless ``dtype`` says otherwise) read through a memory map that is opened
+    on first access; ``start`` and ``length`` (in tokens) select a stretch of it, e.g. one split.
 
     Only the path travels when a loader pickles the dataset to its workers; each process maps the file
     itself. Supports ``len`` and slicing, which is all ``TokenWindows`` needs.
     """
 
-    dtype = np.dtype(np.uint16)
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], dtype: np.dtype | type = np.uint16, start: int = 0,
+                 length: int | None = None) -> None:
         self.path = os.fspath(path)
-        self._length = os.path.getsize(self.path) // self.dtype.itemsize
+        self.dtype = np.dtype(dtype)
+        self.start = start
+        self._length = os.path.getsize(self.path) // self.dtype.itemsize - start if length is None else length
         self._array: np.memmap | None = None
 
     def __len__(self) -> int:
@@ -33,7 +35,8 @@ class MemmapTokens:
     def array(self) -> np.memmap:
         """The memory map, opened read-only on first use in this process."""
         if self._array is None:
-            self._array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self._length,))
+            self._array = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.start * self.dtype.itemsize,
+                                    shape=(self._length,))
         return self._array
 
     def __getitem__(self, index: Any) -> Any:
@@ -121,3 +124,11 @@ class TokenWindows(Dataset):
         rows = np.stack([np.asarray(self.data[start:start + span]) for start in map(self.offset, indices)])
         chunk = torch.from_numpy(rows.astype(np.int64))
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def train_val_windows(train: Any, val: Any, block_size: int, samples_per_epoch: int | None,
+                      val_windows: int | None, seed: int) -> dict[str, Dataset]:
+    """Random training windows and consecutive validation windows; test is the validation set."""
+    evaluation = TokenWindows(val, block_size, val_windows)
+    return {"train": TokenWindows(train, block_size, samples_per_epoch, seed=seed), "val": evaluation,
+            "test": evaluation}
