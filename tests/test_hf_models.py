@@ -122,8 +122,8 @@ def saved_folder(folder: Path, arch: str = "llama") -> Path:
 
 @pytest.mark.parametrize("layout", ["single", "zero3"])
 def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
-    """A run started from a saved folder (read into shards under ZeRO-3) validates, before its weights move
-    (a learning rate of 1e-12), to ``transformers``' own loss of that folder on the same windows (its ``labels`` shift)."""
+    """A run started from a saved folder (read into shards under ZeRO-3) validates, before its weights move (a
+    learning rate of 1e-12), to ``transformers``' own loss of that folder on the same windows (``labels`` shift)."""
     import transformers
 
     from disttrain.launch.job import train
