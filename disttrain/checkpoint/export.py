@@ -1,18 +1,25 @@
-"""Export a sharded checkpoint to one consolidated weights file for inference.
+"""Export a sharded checkpoint to one consolidated weights file, or to a Hugging Face model folder.
 
     python -m disttrain.checkpoint.export RUN_DIR/checkpoints/last.ckpt model.pt
+    python -m disttrain.checkpoint.export RUN_DIR --format hf OUT_DIR
 
-The output holds only the model's tensors (names as in the bare model, e.g. ``embed.wte.weight``) and loads
-with ``torch.load(path, weights_only=True)`` into a model built from the run's ``config.yaml``.
+A run directory stands for its ``checkpoints/last.ckpt``. The default format writes only the model's tensors
+(names as in the bare model, e.g. ``embed.wte.weight``), which load with ``torch.load(path, weights_only=True)``
+into a model built from the run's ``config.yaml``. ``--format hf`` (models ``llama`` and ``hf``) writes
+``config.json`` and safetensors weights that ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
+loads; it reads the run's ``config.yaml`` from the run directory (two levels above a checkpoint folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from disttrain.errors import ConfigError
 
 TASK_PREFIX = "net."
 
@@ -46,14 +53,51 @@ def export(checkpoint: Path, output: Path) -> Path:
     return output
 
 
+def checkpoint_and_run_dir(source: Path) -> tuple[Path, Path]:
+    """The checkpoint folder and run directory that ``source`` names: a run directory (its
+    ``checkpoints/last.ckpt``) or a checkpoint folder (its run directory two levels up)."""
+    if (source / "config.yaml").is_file() and not (source / ".metadata").is_file():
+        return source / "checkpoints" / "last.ckpt", source
+    return source, source.parent.parent
+
+
+def export_hf(source: Path, output: Path, max_shard_size: int | str = "5GB") -> Path:
+    """Write the checkpoint that ``source`` names (a run directory or a checkpoint folder) as a Hugging Face model
+    folder ``output``; ConfigError for a model without a Hugging Face format."""
+    from omegaconf import OmegaConf
+
+    from disttrain.checkpoint.hf import check_hf_model, hf_folder, write_hf_folder
+
+    checkpoint, run_dir = checkpoint_and_run_dir(source)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"no config.yaml in {run_dir}, the run directory of {checkpoint}")
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    check_hf_model(cfg)  # before reading any weights
+    config, weights = hf_folder(consolidated_weights(checkpoint), cfg)
+    return write_hf_folder(config, weights, output, max_shard_size)
+
+
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. RUN/checkpoints/last.ckpt")
-    parser.add_argument("output", type=Path, help="the weights file to write")
+    parser.add_argument("source", type=Path, help="a run directory, or a checkpoint folder such as "
+                                                  "RUN/checkpoints/last.ckpt")
+    parser.add_argument("output", type=Path, help="the weights file (pt) or the model folder (hf) to write")
+    parser.add_argument("--format", choices=("pt", "hf"), default="pt",
+                        help="pt: one torch weights file (default); hf: a Hugging Face model folder")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="hf: weights above this size are split into shards with an index (default 5GB)")
     args = parser.parse_args()
-    path = export(args.checkpoint, args.output)
-    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    try:
+        if args.format == "hf":
+            path = export_hf(args.source, args.output, args.max_shard_size)
+            size = sum(f.stat().st_size for f in path.iterdir())
+        else:
+            path = export(checkpoint_and_run_dir(args.source)[0], args.output)
+            size = path.stat().st_size
+    except (ConfigError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    print(f"wrote {path} ({size / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

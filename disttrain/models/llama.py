@@ -19,6 +19,7 @@ beyond its own modules. Attention takes its query and key/value head counts from
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.attention import causal_attention
 from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
 from disttrain.models.registry import MODELS
 
 FLAVOURS: dict[str, dict[str, int]] = {
@@ -79,9 +81,16 @@ class LlamaConfig:
     attention_fp32: bool | None = None
     """Under bf16, attend in fp32 (true) or bf16 (false). None: fp32 on a CPU at short sequences and narrow
     heads, where torch's bf16 kernel is the slower one (``disttrain.models.attention``)."""
+    init_from: str | None = None
+    """A Hugging Face Llama folder (config.json and safetensors weights) whose weights the model starts from,
+    loaded on the CPU when the model is built, before any parallelism. Sizes left null come from its
+    config.json (not the flavour); sizes set, rope_theta and norm_eps must equal its own. An HF model with tied
+    embeddings starts with the output layer a copy of the embedding. None: random initialisation."""
 
     def validate(self, spec: DataSpec) -> LlamaDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""
+        if self.init_from is not None:
+            return self._with_sizes_of_init_from().validate(spec)
         checks.probability("model.dropout", self.dropout)
         if self.multiple_of <= 0:
             raise ConfigError("model.multiple_of", self.multiple_of, "a positive integer")
@@ -92,6 +101,20 @@ class LlamaConfig:
         if not self.norm_eps > 0:
             raise ConfigError("model.norm_eps", self.norm_eps, "a positive number")
         return resolve_llama_dims(self, spec)
+
+    def _with_sizes_of_init_from(self) -> LlamaConfig:
+        """This config with its null sizes taken from ``init_from``'s config.json (and ``init_from`` cleared);
+        ConfigError where a size or setting given here differs from the folder's."""
+        hf = read_hf_llama(self.init_from)
+        for key in SIZES:
+            given = getattr(self, key)
+            if given is not None and given != hf.sizes[key]:
+                raise ConfigError(f"model.{key}", given, f"{hf.sizes[key]} (model.init_from's size) or null")
+        for key, theirs in (("rope_theta", hf.rope_theta), ("norm_eps", hf.norm_eps)):
+            if getattr(self, key) != theirs:
+                raise ConfigError(f"model.{key}", getattr(self, key), f"{theirs}, the value of model.init_from "
+                                                                     f"{self.init_from} (set model.{key}={theirs})")
+        return dataclasses.replace(self, init_from=None, **hf.sizes)
 
 
 @dataclass(frozen=True)
@@ -319,5 +342,8 @@ class Llama(nn.Module):
 def build_llama(cfg: LlamaConfig, spec: DataSpec) -> Llama:
     """Build the Llama that ``cfg`` describes for the text of ``spec``."""
     dims = cfg.validate(spec)
-    return Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
-                 attention_fp32=cfg.attention_fp32)
+    model = Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
+                  attention_fp32=cfg.attention_fp32)
+    if cfg.init_from is not None and not model.output.weight.is_meta:  # a model on the meta device has no values
+        model.load_state_dict(import_hf_llama(cfg.init_from)[1], strict=True)
+    return model
