@@ -46,6 +46,9 @@ class PyDocsConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank."""
 
+    TEXT_ENCODING = "utf-8"
+    """Its tokens are the bytes of text in this encoding (how a prompt becomes tokens, and tokens text)."""
+
     def validate(self) -> None:
         """Reject sizes that cannot make a window."""
         checks.positive("data.block_size", self.block_size)
