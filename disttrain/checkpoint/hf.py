@@ -27,13 +27,15 @@ def model_on_meta(cfg: DictConfig) -> tuple[Any, Any]:
     device for the run's data."""
     from disttrain.data import UserDataConfig, build_datamodule
     from disttrain.models import MODELS, build_model
+    from disttrain.models.registry import with_open_fields
 
     data = cfg.data
     if "_target_" in data:
         data = UserDataConfig(OmegaConf.to_container(data, resolve=True))
     spec = build_datamodule(data, micro_batch_size=1, seed=cfg.get("seed", 0)).spec
     # the run's config passed validation when it ran: merging the model node into its schema is all that is left
-    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MODELS.get(cfg.model.name).schema), cfg.model))
+    schema = MODELS.get(cfg.model.name).schema
+    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), with_open_fields(cfg.model, schema)))
     with torch.device("meta"):
         return model, build_model(model, spec)
 

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from disttrain.errors import ConfigError
+from disttrain.models.registry import with_open_fields
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 
@@ -84,19 +85,8 @@ def model_typed(node: Any, registry: Any) -> Any:
             raise ConfigError("model.name", node.name, "absent when model._target_ is set (one or the other)")
         return TargetModelConfig.from_node(OmegaConf.to_container(node, resolve=True))
     if isinstance(node, DictConfig) and "name" in node and node.name in registry.names():
-        into = getattr(registry.get(node.name).schema, "OPEN_FIELDS", None)
-        if into is not None:  # a schema open to its architecture's own fields (``+model.hidden_size=256``)
-            node = _gathered(node, registry.get(node.name).schema, into)
+        node = with_open_fields(node, registry.get(node.name).schema)
     return registry_typed("model", node, registry)
-
-
-def _gathered(node: DictConfig, schema: type, into: str) -> DictConfig:
-    """``node`` with every key its schema lacks moved under ``into``."""
-    own = set(schema.__dataclass_fields__)
-    plain = OmegaConf.to_container(node, resolve=True)
-    extra = {key: plain.pop(key) for key in list(plain) if key not in own}
-    plain[into] = {**(plain.get(into) or {}), **extra}
-    return OmegaConf.create(plain)
 
 
 def data_typed(node: Any, registry: Any) -> Any:

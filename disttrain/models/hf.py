@@ -60,15 +60,17 @@ class HFConfig:
                               "(exactly one of model.path and model.arch)")
         if self.pretrained and self.path is None:
             raise ConfigError("model.pretrained", True, "false unless model.path names a folder with weights")
-        config = self._base_config(transformers)
+        fields = dict(self.fields)
+        if self.arch is not None and "vocab_size" not in fields:
+            fields["vocab_size"] = spec.vocab_size
+        config = self._config(transformers, {})
         defaults = type(config)()
         for key, value in self.fields.items():
             if not hasattr(defaults, key):
                 raise ConfigError(f"model.{key}", value, f"a field of {type(config).__name__} (it has none of "
                                   "that name)")
-            setattr(config, key, value)
-        if self.arch is not None and "vocab_size" not in self.fields and hasattr(config, "vocab_size"):
-            config.vocab_size = spec.vocab_size
+        # built with its fields, not set afterwards: a config derives some fields from others (layer types)
+        config = self._config(transformers, fields)
         _check_fits(config, spec)
         if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
@@ -78,19 +80,24 @@ class HFConfig:
                               "model.safetensors.index.json, with model.pretrained=true")
         return config
 
-    def _base_config(self, transformers: Any) -> Any:
+    def _config(self, transformers: Any, fields: dict[str, Any]) -> Any:
         if self.arch is not None:
             if self.arch not in transformers.CONFIG_MAPPING:
                 raise ConfigError("model.arch", self.arch, "a transformers model type, e.g. llama, qwen3, mistral, "
                                   "gpt2")
-            return transformers.AutoConfig.for_model(self.arch)
+            try:
+                return transformers.AutoConfig.for_model(self.arch, **fields)
+            except (ValueError, TypeError) as err:
+                raise ConfigError("model.arch", self.arch, f"fields its config accepts ({err})") from None
         folder = Path(self.path).expanduser()
         if not (folder / CONFIG_FILE).is_file():
             raise ConfigError("model.path", self.path, f"a folder with {CONFIG_FILE} (there is no "
                               f"{folder / CONFIG_FILE})")
         try:
-            return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        except (ValueError, OSError, KeyError) as err:
+            saved, _ = transformers.PretrainedConfig.get_config_dict(str(folder), local_files_only=True)
+            saved = {**saved, **fields}
+            return transformers.AutoConfig.for_model(saved.pop("model_type"), **saved)
+        except (ValueError, OSError, KeyError, TypeError) as err:
             raise ConfigError("model.path", self.path, f"a config.json that transformers reads ({err})") from None
 
 

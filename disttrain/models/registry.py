@@ -25,3 +25,18 @@ def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
     if isinstance(cfg, TargetModelConfig):
         return build_target_model(cfg, spec)
     return MODELS.build(cfg, spec)
+
+
+def with_open_fields(node: Any, schema: type) -> Any:
+    """A model node as its schema takes it: a schema open to its architecture's own fields (``OPEN_FIELDS``,
+    e.g. ``+model.hidden_size=256`` for ``model=hf``) gets every key it lacks moved under that field."""
+    from omegaconf import OmegaConf
+
+    into = getattr(schema, "OPEN_FIELDS", None)
+    if into is None:
+        return node
+    own = set(schema.__dataclass_fields__)
+    plain = OmegaConf.to_container(node, resolve=True)
+    extra = {key: plain.pop(key) for key in list(plain) if key not in own}
+    plain[into] = {**(plain.get(into) or {}), **extra}
+    return OmegaConf.create(plain)
