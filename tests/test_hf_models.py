@@ -122,10 +122,11 @@ def saved_folder(folder: Path, arch: str = "llama") -> Path:
     return folder
 
 
-@pytest.mark.parametrize("layout", ["single", "zero3"])
+@pytest.mark.parametrize("layout", ["single", "zero3", "tp", "pp"])
 def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
-    """A run started from a saved folder (read into shards under ZeRO-3) validates, before its weights move (a
-    learning rate of 1e-12), to ``transformers``' own loss of that folder on the same windows (``labels`` shift)."""
+    """A run started from a saved folder (allocated and read shard by shard under ZeRO-3, slice by slice under
+    tp, stage by stage in a pipeline) validates, before its weights move (a learning rate of 1e-12), to
+    ``transformers``' own loss of that folder on the same windows (``labels`` shift)."""
     import transformers
 
     from disttrain.launch.job import train
@@ -135,7 +136,8 @@ def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
     overrides = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
     overrides += [f"model.path={folder}", "model.pretrained=true", "trainer.max_steps=1", "optim.lr=1e-12",
                   "trainer.val_check_interval=1"]
-    overrides += ["parallel=zero3", "trainer.devices=2"] if layout == "zero3" else []
+    if layout != "single":
+        overrides += [*LAYOUTS[layout][0], f"trainer.devices={LAYOUTS[layout][1]}"]
     run_dir = tmp_path / "run"
     cfg = compose_config(overrides, run_dir)
     run = validate(cfg.copy())

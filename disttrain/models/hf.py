@@ -13,6 +13,7 @@ trains under data parallelism and ZeRO.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,14 @@ class HFCausalLM(nn.Module):
         """The folder of weights to start from (None: the seeded random initialisation)."""
         return self.pretrained_path
 
+    def materialize(self, device: torch.device) -> None:
+        """Allocate a model built on the meta device, whose weights are then read from ``pretrained``, and compute
+        the buffers no checkpoint holds (rotary frequencies) as ``transformers`` initialises them."""
+        self.to_empty(device=device)
+        for module in self.modules():
+            if module._non_persistent_buffers_set:
+                self._model._init_weights(module)
+
 
 @MODELS.register("hf", HFConfig)
 def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
@@ -187,5 +196,7 @@ def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
 
     config = cfg.validate(spec)
     config.use_cache = False
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    # starting from a checkpoint, the weights are allocated only once laid out over the ranks (``materialize``)
+    with torch.device("meta") if cfg.pretrained else nullcontext():
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None)

@@ -98,6 +98,12 @@ class DistTrainStrategy(ModelParallelStrategy):
         if not self._parallelised:  # once per Trainer: fit, then test on the same model
             starting_weights = getattr(task.net, "pretrained", None)
             folder = starting_weights() if callable(starting_weights) else None
+            materialize = getattr(task.net, "materialize", None) if _on_meta(task.net) else None
+            # FSDP2 shards a model still on the meta device, so each rank allocates only its shards; every other
+            # layout is allocated whole first (DDP broadcasts, stages are cut from the whole model)
+            shards_on_meta = self.pipeline is None and self.parallel.zero_stage in (2, 3)
+            if materialize is not None and not shards_on_meta:
+                materialize(self.root_device)
             if self.pipeline is not None:
                 task.net, self.pipeline.pipeline = build_pipeline(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.pipeline.loss_fn,
@@ -108,6 +114,8 @@ class DistTrainStrategy(ModelParallelStrategy):
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
                     self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile, self.ddp_exchange,
                 )
+            if materialize is not None and shards_on_meta:
+                materialize(self.root_device)
             if folder is not None:
                 load_pretrained(task.net, folder)
             self._parallelised = True
@@ -117,6 +125,11 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def model_to_device(self) -> None:
+        """Lightning's move to this rank's device, leaving a model still on the meta device where it is (it is
+        allocated on the device once laid out, see ``setup``)."""
+        self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Buffers that a training forward may read agree before every training batch, as DDP makes them (FSDP
@@ -180,3 +193,8 @@ class DistTrainStrategy(ModelParallelStrategy):
 def dp_rank(mesh: DeviceMesh) -> int:
     """This rank's index among the data-parallel ranks (replicate-major, shard-minor)."""
     return mesh.get_local_rank("dp_replicate") * mesh["dp_shard"].size() + mesh.get_local_rank("dp_shard")
+
+
+def _on_meta(net: torch.nn.Module) -> bool:
+    """Whether ``net`` was built on the meta device (its weights come from a checkpoint once it is laid out)."""
+    return any(p.is_meta for p in net.parameters())
