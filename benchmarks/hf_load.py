@@ -75,9 +75,10 @@ def save_model(folder: Path, args: argparse.Namespace) -> int:
 
 def transformers_peak(folder: Path) -> int:
     """Peak resident memory of one process that loads the folder with ``from_pretrained``."""
-    code = ("import transformers, torch, sys; sys.path.insert(0, %r); from hf_load import peak_rss_bytes; "
-            "transformers.AutoModelForCausalLM.from_pretrained(%r, dtype=torch.float32, local_files_only=True); "
-            "print(peak_rss_bytes())") % (str(ROOT / "benchmarks"), str(folder))
+    here, model = str(ROOT / "benchmarks"), str(folder)
+    code = (f"import transformers, torch, sys; sys.path.insert(0, {here!r}); from hf_load import peak_rss_bytes; "
+            f"transformers.AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32, "
+            "local_files_only=True); print(peak_rss_bytes())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     return int(out.stdout.strip().splitlines()[-1])
