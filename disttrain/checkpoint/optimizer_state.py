@@ -22,6 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
 FLAT_STATE = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
 
+KERNEL_SWITCHES = ("fused", "foreach", "capturable", "differentiable")
+"""Param-group keys that choose how torch's optimisers compute a step, not what they compute."""
+
+
 @runtime_checkable
 class CheckpointedOptimizer(Protocol):
     """An optimiser wrapper that says itself what a checkpoint holds of it and how a load restores it."""
@@ -66,4 +70,9 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     if isinstance(optimizer, CheckpointedOptimizer):
         optimizer.load_saved_state(model, state)
     else:
+        # how the step is computed belongs to this run's layout, not the saving run's: a fused AdamW saved in one
+        # process cannot step a mix of plain and tensor-parallel (DTensor) parameters
+        kernels = [{key: group[key] for key in KERNEL_SWITCHES if key in group} for group in optimizer.param_groups]
         set_optimizer_state_dict(model, optimizer, state, options=FLAT_STATE)
+        for group, switches in zip(optimizer.param_groups, kernels, strict=True):
+            group.update(switches)

@@ -3,6 +3,7 @@ swapped in whole, optionally in the background, and read back into an already pa
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from pathlib import Path
@@ -114,6 +115,7 @@ class ShardedCheckpoints:
         checkpoint's small metadata (loop, callback and scheduler state)."""
         path = Path(self.ranks.broadcast(str(checkpoint_path)))
         metadata = load_metadata(path)
+        count_steps_in_both_loops(metadata)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
         for idx, optimizer in enumerate(optimizers):
             state[f"optimizer_{idx}"] = optimizer_template(model, optimizer)
@@ -125,3 +127,24 @@ class ShardedCheckpoints:
         for idx, optimizer in enumerate(optimizers):
             load_optimizer_state(model, optimizer, state[f"optimizer_{idx}"])
         return metadata
+
+
+def count_steps_in_both_loops(metadata: dict[str, Any]) -> None:
+    """Give Lightning's automatic and manual optimisation loops the same count of optimiser steps.
+
+    A checkpoint counts its steps only in the loop that took them (manual: pipeline stages and federated rounds,
+    which step by hand; automatic: every other layout), and the global step is read from the loop of the run
+    that resumes: without this, a pipelined checkpoint resumed without stages would start again at step 0.
+    """
+    fit = metadata.get("loops", {}).get("fit_loop", {})
+    automatic = fit.get("epoch_loop.automatic_optimization.optim_progress")
+    manual = fit.get("epoch_loop.manual_optimization.optim_step_progress")
+    if automatic is None or manual is None:
+        return
+    step = automatic["optimizer"]["step"]
+    if step["total"]["completed"] < manual["total"]["completed"]:
+        automatic["optimizer"]["step"] = copy.deepcopy(manual)
+        automatic["optimizer"]["zero_grad"] = {
+            part: {**counts, "started": counts["completed"]} for part, counts in manual.items()}
+    elif manual["total"]["completed"] < step["total"]["completed"]:
+        fit["epoch_loop.manual_optimization.optim_step_progress"] = copy.deepcopy(step)
