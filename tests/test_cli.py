@@ -41,9 +41,33 @@ def shortened(args: list[str]) -> list[str]:
     return [*args, *SHORT, "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
 
 
+PLACEHOLDERS = ("DIR", "notes.txt")
+"""What the README's commands name as the reader's own files: a Hugging Face model folder (with its tokenizer)
+and a text file; the test makes both and puts their paths in."""
+
+
+def with_own_files(args: list[str], folder: Path) -> list[str]:
+    """``args`` with the README's placeholders replaced by real files made in ``folder``."""
+    if not any(name in arg for arg in args for name in PLACEHOLDERS):
+        return args
+    import torch
+    import transformers
+
+    from tests.test_text_data import make_tokenizer, topic_texts
+
+    model_dir = make_tokenizer(folder / "hf", vocab_size=300)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    notes = folder / "notes.txt"
+    notes.write_text("\n\n".join(topic_texts()[:30]), encoding="utf-8")
+    return [re.sub(r"\bDIR\b", str(model_dir), arg).replace("notes.txt", str(notes)) for arg in args]
+
+
 @pytest.mark.parametrize("args", readme_commands(), ids=lambda a: " ".join(a) or "(none)")
 def test_readme_command_runs_as_typed(tmp_path, args):
-    proc = run_cli(shortened(args), tmp_path)
+    proc = run_cli(shortened(with_own_files(args, tmp_path)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if "--help" in args:  # our groups and options, not the schemas they start from
