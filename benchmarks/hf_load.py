@@ -4,7 +4,8 @@ A seeded Llama-architecture model (built from config, saved locally once with ``
 with ``model=hf model.path=DIR model.pretrained=true parallel=zero3`` on N ranks. The model is built on the meta
 device, sharded, and each rank allocates and reads only its shards (torch.distributed.checkpoint's Hugging Face
 reader), so the largest rank's peak resident memory when training starts is compared with the whole model's
-fp32 size, and with ``transformers``' own ``from_pretrained`` in one process (which holds the whole model).
+fp32 size, and with the same run built whole on every rank first (``model.pretrained=false``: a seeded
+initialisation, sharded afterwards).
 Also: the time from the command to the first step, and the time to export the trained checkpoint back to a
 Hugging Face folder.
 
@@ -73,17 +74,6 @@ def save_model(folder: Path, args: argparse.Namespace) -> int:
     return count
 
 
-def transformers_peak(folder: Path) -> int:
-    """Peak resident memory of one process that loads the folder with ``from_pretrained``."""
-    here, model = str(ROOT / "benchmarks"), str(folder)
-    code = (f"import transformers, torch, sys; sys.path.insert(0, {here!r}); from hf_load import peak_rss_bytes; "
-            f"transformers.AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.float32, "
-            "local_files_only=True); print(peak_rss_bytes())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return int(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
@@ -98,19 +88,8 @@ def main() -> None:
         folder, run_dir = scratch / "model", scratch / "run"
         params = save_model(folder, args)
         fp32 = params * 4
-        command = [sys.executable, "train.py", "model=hf", f"model.path={folder}", "model.pretrained=true",
-                   "data=pydocs", "data.block_size=64", "batch.global_size=" + str(args.ranks), "parallel=zero3",
-                   f"trainer.devices={args.ranks}", "trainer.max_steps=1", "trainer.run_test=false",
-                   "trainer.limit_val_batches=0", "optim=sgd", "logger=none", "callbacks=none", "plots=false",
-                   "energy=false", "+callbacks.peak._target_=hf_load.PeakAtStart",
-                   f"hydra.run.dir={run_dir}"]
-        started = time.perf_counter()
-        # the ranks import this module by its file's name (an installed package may be called "benchmarks")
-        subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")},
-                       stdout=subprocess.DEVNULL)
-        run_s = time.perf_counter() - started
-        peaks = [json.loads((run_dir / "logs" / f"peak_rank{r}.json").read_text())["peak_rss"]
-                 for r in range(args.ranks)]
+        pretrained = run_peaks(folder, run_dir, args.ranks, "true")
+        whole = run_peaks(folder, scratch / "whole", args.ranks, "false")
         first_step = json.loads((run_dir / "results.json").read_text())["throughput"]["time_to_first_step_s"]
         sys.path.insert(0, str(ROOT))
         from disttrain.checkpoint.export import export_hf
@@ -118,21 +97,30 @@ def main() -> None:
         started = time.perf_counter()
         export_hf(run_dir, scratch / "exported")
         export_s = time.perf_counter() - started
-        whole = transformers_peak(folder)
-    largest = max(peaks)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; {params / 1e9:.2f}B parameters, fp32 {fp32 / GIB:.2f} GiB; "
           f"ZeRO-3 on {args.ranks} gloo ranks")
     print()
-    print("| what | GiB | / model fp32 size |")
-    print("|---|---|---|")
-    for rank, peak in enumerate(peaks):
-        print(f"| rank {rank} peak resident memory when training starts | {peak / GIB:.2f} | {peak / fp32:.2f} |")
-    print(f"| transformers from_pretrained, one process | {whole / GIB:.2f} | {whole / fp32:.2f} |")
+    print("| rank | from the folder, built on meta: GiB | / model fp32 | built whole first: GiB | / model fp32 |")
+    print("|---|---|---|---|---|")
+    for rank, (ours, theirs) in enumerate(zip(pretrained, whole, strict=True)):
+        print(f"| {rank} | {ours / GIB:.2f} | {ours / fp32:.2f} | {theirs / GIB:.2f} | {theirs / fp32:.2f} |")
     print()
-    print(f"time to first step {first_step:.1f} s (run {run_s:.1f} s in all); export to a Hugging Face folder "
-          f"{export_s:.1f} s")
-    print(f"Headline: the largest rank's peak is {largest / fp32:.2f}x the model's fp32 size "
-          f"({largest / whole:.2f}x transformers' from_pretrained in one process)")
+    print(f"time to first step {first_step:.1f} s from the command; export to a Hugging Face folder {export_s:.1f} s")
+    print(f"Headline: the largest rank's peak is {max(pretrained) / fp32:.2f}x the model's fp32 size "
+          f"({max(pretrained) / max(whole):.2f}x the same run built whole on every rank)")
+
+
+def run_peaks(folder: Path, run_dir: Path, ranks: int, pretrained: str) -> list[int]:
+    """Start the model on ``ranks`` ZeRO-3 ranks for one step; each rank's peak when training started."""
+    command = [sys.executable, "train.py", "model=hf", f"model.path={folder}", f"model.pretrained={pretrained}",
+               "data=pydocs", "data.block_size=64", f"batch.global_size={ranks}", "parallel=zero3",
+               f"trainer.devices={ranks}", "trainer.max_steps=1", "trainer.run_test=false",
+               "trainer.limit_val_batches=0", "optim=sgd", "logger=none", "callbacks=none", "plots=false",
+               "energy=false", "+callbacks.peak._target_=hf_load.PeakAtStart", f"hydra.run.dir={run_dir}"]
+    # the ranks import this module by its file's name (an installed package may be called "benchmarks")
+    subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")},
+                   stdout=subprocess.DEVNULL)
+    return [json.loads((run_dir / "logs" / f"peak_rank{r}.json").read_text())["peak_rss"] for r in range(ranks)]
 
 
 if __name__ == "__main__":

@@ -1,28 +1,30 @@
 """Starting weights from a Hugging Face folder, read into a model that is already laid out over its ranks.
 
-torch.distributed.checkpoint's Hugging Face reader loads safetensors by tensor name into whatever tensors the
-state dict holds: a rank's FSDP2 shards and tensor-parallel slices take only their parts, so no rank holds the
-whole model's weights at once (a pipeline stage asks only for its own names).
+Each rank reads, from the folder's safetensors files, only the part of each tensor it holds: the rows of its
+FSDP2 shard, its tensor-parallel slice, its pipeline stage's tensors. safetensors' sliced reads fetch just those
+bytes, so no rank holds the whole model's weights, or a whole tensor, at once. (torch.distributed.checkpoint's
+Hugging Face reader kept 1.1 GB more resident than the shards on each of 4 ZeRO-3 ranks of a 0.5B model.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
+import torch
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
-def saved_names(folder: Path) -> set[str]:
-    """The tensor names in a folder's safetensors files (read from their headers, no tensor is loaded)."""
+def saved_files(folder: Path) -> dict[str, Path]:
+    """Which safetensors file of ``folder`` holds each tensor name (read from the files' headers)."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    names: dict[str, Path] = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            names |= set(handle.keys())
+            names.update(dict.fromkeys(handle.keys(), path))
     return names
 
 
@@ -32,21 +34,42 @@ def load_pretrained(model: nn.Module, folder: str) -> None:
     A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
     embedding is saved once, under the embedding's name).
     """
-    state = get_model_state_dict(model)
-    saved = saved_names(Path(folder))
-    tied = {name for name in state if name not in saved and any(
-        state[name] is state[other] or _same_storage(state[name], state[other]) for other in state if other in saved)}
-    missing = sorted(set(state) - saved - tied)
+    from safetensors import safe_open
+
+    state = get_model_state_dict(model)  # the parameters' own tensors (sharded, sliced), written in place below
+    files = saved_files(Path(folder))
+    storages = {_storage(tensor): name for name, tensor in state.items() if name in files}
+    tied = {name for name, tensor in state.items() if name not in files and _storage(tensor) in storages}
+    missing = sorted(set(state) - set(files) - tied)
     if missing:
         raise ValueError(f"{folder} holds no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''} of the model")
-    wanted = {name: tensor for name, tensor in state.items() if name not in tied}
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(folder))
-    set_model_state_dict(model, {**state, **wanted})
+    by_file: dict[Path, list[str]] = {}
+    for name in state:
+        if name not in tied:
+            by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            for name in names:
+                # opened per tensor: the file is memory-mapped, and pages read stay resident until it is closed
+                with safe_open(str(path), framework="pt") as handle:
+                    _read_part(state[name], handle.get_slice(name), name)
 
 
-def _same_storage(a: object, b: object) -> bool:
-    local = [getattr(t, "_local_tensor", t) for t in (a, b)]
-    try:
-        return local[0].untyped_storage().data_ptr() == local[1].untyped_storage().data_ptr()
-    except (AttributeError, RuntimeError):
-        return False
+def _read_part(tensor: torch.Tensor, saved: object, name: str) -> None:
+    """Copy into ``tensor`` (a DTensor's local part, or a whole tensor) its region of the saved tensor."""
+    if isinstance(tensor, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local = tensor.to_local()
+    else:
+        shape, offset, local = tuple(tensor.shape), (0,) * tensor.dim(), tensor
+    if tuple(saved.get_shape()) != tuple(tensor.shape):
+        raise ValueError(f"{name}: the folder's tensor has shape {tuple(saved.get_shape())}, the model's "
+                         f"{tuple(tensor.shape)}")
+    if local.numel():
+        part = saved[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))]
+        local.copy_(part.reshape(local.shape))
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
