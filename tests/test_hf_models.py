@@ -89,9 +89,10 @@ def test_hf_model_matches_one_process_in_more_layouts(tmp_path, references, arch
 
 def test_gpt2_without_a_plan_trains_data_parallel_and_is_refused_tensor_parallel(tmp_path, make_config):
     reference = run_summary(tmp_path / "single", [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"]])
-    got = run_summary(tmp_path / "zero3", [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"], "parallel=zero3",
-                                           "trainer.devices=2"])
-    check_against(reference, got, clipped=False, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL)
+    for layout in ("ddp", "zero3"):
+        got = run_summary(tmp_path / layout, [*hf_overrides("gpt2", GPT2), *FAMILIES["sgd"], f"parallel={layout}",
+                                              "trainer.devices=2"])
+        check_against(reference, got, clipped=False, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL)
     with pytest.raises(ConfigError, match=r"parallel\.tp.*declares no tp_plan"):
         validate(make_config([*hf_overrides("gpt2", GPT2), "parallel=tp", "trainer.devices=2"]))
 
