@@ -155,6 +155,15 @@ def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
     assert val_loss == pytest.approx(expected, rel=1e-6)
 
 
+def test_precision_auto_times_a_model_that_starts_from_a_folder(make_config, tmp_path):
+    """A model built on the meta device (its weights come later) is timed with weights of its own."""
+    folder = saved_folder(tmp_path / "hf")
+    base = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
+    run = validate(make_config([*base, f"model.path={folder}", "model.pretrained=true", "trainer.precision=auto",
+                                "trainer.accelerator=cpu"]))
+    assert run.train.trainer.precision in ("32-true", "bf16-mixed")
+
+
 def test_bad_hf_configs_are_one_line(make_config, tmp_path):
     base = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
     with pytest.raises(ConfigError, match=r"model\.path.*exactly one"):

@@ -52,6 +52,10 @@ def resolve_precision(precision: str, uses_gpu: bool, model_cfg: Any, spec: Data
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = build_model(model_cfg, spec)
+        if any(p.is_meta for p in model.parameters()):  # its weights come from a checkpoint later: any will time
+            model.materialize(torch.device("cpu"))
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
         batch = example_batch(spec, micro_size)
         fp32, bf16 = step_seconds(model, batch, bf16=False), step_seconds(model, batch, bf16=True)
     speedup = fp32 / bf16

@@ -32,6 +32,10 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
 ``pretrained(self) -> str | None`` (optional)
     A folder of Hugging Face safetensors whose tensors, by this model's parameter names, replace its
     initialisation once the model is laid out over its ranks (each rank reads only what it holds).
+
+``materialize(self, device) -> None`` (with a model built on the meta device)
+    Allocate its tensors on ``device`` (``to_empty``) and compute the buffers no checkpoint holds; the strategy
+    calls it once the model is laid out, so ZeRO-3 ranks allocate only their shards.
 """
 
 from __future__ import annotations
