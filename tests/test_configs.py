@@ -52,8 +52,11 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
         overrides += PARALLEL_NEEDS.get(option, ["trainer.devices=2"])
     if group == "data" and option in TEXT_DATA:
         overrides.append("model=gpt")
-    if group == "model" and option in ("gpt", "llama", "custom"):
+    if group == "model" and option in ("gpt", "llama", "custom", "hf"):
         overrides.append("data=pydocs")
+    if group == "model" and option == "hf":  # a model type built from its fields (a folder is the other way)
+        overrides += ["model.arch=llama", "+model.hidden_size=64", "+model.intermediate_size=128",
+                      "+model.num_hidden_layers=2", "+model.num_attention_heads=4", "+model.num_key_value_heads=2"]
     if group == "model" and option == "custom":
         overrides.append("model._target_=tests.user_models.Decoder")
     return overrides
