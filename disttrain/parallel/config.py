@@ -87,6 +87,11 @@ class ParallelConfig:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: every sequence is split over cp ranks (each holds an early and a late chunk of
+    it, so causal attention's work is balanced), and attention gathers the keys and values of the whole sequence
+    over them. Needs a text model whose attention takes the split (gpt, llama, hf Llama-family) and a sequence
+    length divisible by 2 x cp. ZeRO-2/3 shard over dp_shard x cp. -1: the rest of the world."""
     zero_stage: int = 0
     """0: plain replication; 1, 2, 3: ZeRO stage of the sharded data-parallel dimension."""
     accumulate_grads: str = "auto"
@@ -151,7 +156,7 @@ class ParallelConfig:
     def fewest_ranks(self) -> int:
         """The smallest world size this preset runs on: its fixed degrees, and 2 for a degree of -1."""
         fewest = 1
-        for degree in (self.pp, self.dp_replicate, self.dp_shard, self.tp):
+        for degree in (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp):
             fewest *= 2 if degree == -1 else max(degree, 1)
         return fewest
 
@@ -215,10 +220,16 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel", True, "false unless parallel.tp > 1")
         if dims.dp_shard > 1 and self.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")
-        if self.zero_stage and dims.dp_shard == 1:
+        if self.zero_stage and dims.shard_degree == 1:
             raise ConfigError("parallel.dp_shard", dims.dp_shard,
-                              f"> 1 for zero_stage={self.zero_stage} (the ranks that share the model state); "
-                              f"world size {dims.world_size} gives nothing to shard")
+                              f"> 1 (or parallel.cp > 1) for zero_stage={self.zero_stage} (the ranks that share the "
+                              f"model state); world size {dims.world_size} gives nothing to shard")
+        if dims.cp_enabled and self.zero_stage == 1:
+            raise ConfigError("parallel.zero_stage", 1, "0, 2 or 3 with parallel.cp > 1 (ZeRO-1 shards optimiser "
+                              "state over the data-parallel ranks only)")
+        if dims.cp_enabled and dims.pp_enabled and self.zero_stage not in (2, 3):
+            raise ConfigError("parallel.zero_stage", self.zero_stage, "2 or 3 with parallel.cp > 1 and pp > 1 (the "
+                              "stages' gradients are averaged over dp_shard x cp by FSDP)")
         if self.accumulate_grads != "auto" and (self.zero_stage not in (2, 3) or dims.pp_enabled):
             raise ConfigError("parallel.accumulate_grads", self.accumulate_grads,
                               f"auto unless zero_stage is 2 or 3 and pp is 1 (only ZeRO-2/3 shard gradients; a "

@@ -1,4 +1,4 @@
-"""Parallel degrees ``pp x dp_replicate x dp_shard x tp`` and their validation (no processes needed)."""
+"""Parallel degrees ``pp x dp_replicate x dp_shard x cp x tp`` and their validation (no processes needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from disttrain.errors import ConfigError
 
-MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -23,16 +23,29 @@ class ParallelDims:
     """Data-parallel ranks that shard model state (ZeRO)."""
     tp: int = 1
     """Tensor-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: ranks that each hold a slice of every sequence."""
 
     @property
     def world_size(self) -> int:
         """Number of ranks the degrees describe."""
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
         """Data-parallel size: how many different micro-batches are processed at once."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def cp_enabled(self) -> bool:
+        """Whether every sequence is split over several ranks."""
+        return self.cp > 1
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks whose gradients are averaged: the data-parallel ones times the context-parallel ones (each cp
+        rank computes the gradient of its slice of the same sequences)."""
+        return self.dp * self.cp
 
     @property
     def pp_enabled(self) -> bool:
@@ -59,22 +72,40 @@ class ParallelDims:
         # torch's way of joining mesh dimensions (no public API yet); cached: later calls return the same mesh
         return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
+    def gradient_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh of the ranks that average gradients (DDP's): ``dp_replicate x dp_shard x cp`` joined into
+        one dimension; the data-parallel mesh when cp is 1."""
+        if not self.cp_enabled:
+            return self.dp_mesh(mesh)
+        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
     def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP shards over: ``dp_shard``, or ``dp_replicate x dp_shard`` for hybrid sharding."""
-        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
+        """The mesh FSDP shards over: ``dp_shard`` (joined with ``cp``, so context-parallel ranks share parameter
+        memory too), or ``dp_replicate x`` that for hybrid sharding."""
+        shard = "dp_shard"
+        if self.cp_enabled:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            shard = "dp_shard_cp"
+        return mesh["dp_replicate", shard] if self.dp_replicate_enabled else mesh[shard]
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks that share one copy of the model state under ZeRO: ``dp_shard x cp``."""
+        return self.dp_shard * self.cp
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """Sizes in ``MESH_DIM_NAMES`` order (size-1 dims included, so names are always valid)."""
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @classmethod
-    def resolve(cls, world_size: int, pp: int, dp_replicate: int, dp_shard: int, tp: int) -> ParallelDims:
+    def resolve(cls, world_size: int, pp: int, dp_replicate: int, dp_shard: int, tp: int, cp: int = 1
+                ) -> ParallelDims:
         """Fill in the one degree given as -1 ("the rest of the world") and check the product.
 
         Raises ConfigError naming the degrees when they cannot multiply to ``world_size``.
         """
-        given = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        given = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
         for key, value in given.items():
             if value == 0 or value < -1:
                 raise ConfigError(f"parallel.{key}", value, "a positive degree, or -1 for the rest of the world")

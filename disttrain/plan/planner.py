@@ -83,7 +83,7 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
 
     def valid(layout: Layout) -> bool:
         candidate = apply_layout(parallel, layout)
-        dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+        dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp)
         try:
             candidate.check_dims(dims)
             check_model_plan("model", net, candidate, dims, layout.micro_size)
