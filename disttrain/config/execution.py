@@ -33,7 +33,7 @@ class ExecutionPlan:
     loss_divisor: int = 1
     """Microbatches x accumulation: a pipelined microbatch loss is divided by it."""
     loss_ranks: int = 1
-    """Ranks that hold the last stage's losses (data-parallel x tensor-parallel)."""
+    """Ranks that hold the last stage's losses (data-parallel x context-parallel x tensor-parallel)."""
 
 
 RUN_KINDS = ("synchronous", "pipelined", "local_sgd", "param_server", "federated")
@@ -63,6 +63,6 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
         return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False)
     size = batch.micro_size // parallel.pipeline.microbatches
     text = spec.kind == "text"
-    shape = (size, spec.block_size) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
+    shape = (size, spec.block_size // dims.cp) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
     return ExecutionPlan(kind, 1, None, False, True, shape, "int64" if text else "float32",
-                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.tp)
+                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.cp * dims.tp)

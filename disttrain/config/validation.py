@@ -126,7 +126,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         model.validate(datamodule.spec)
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     net = model_on_meta(model, datamodule.spec)
-    check_model_plan(model.name, net, p, dims, batch.micro_size)
+    check_model_plan(model.name, net, p, dims, batch.micro_size, datamodule.spec)
     top.comm.check_model(net)
     notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
     plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)

@@ -11,11 +11,40 @@ every matrix product around it stays bf16.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 FP32_BELOW = 16384
 """On a CPU, bf16 attention with sequence length times head width below this runs in fp32 (see above)."""
+
+
+class SequenceSplit(Protocol):
+    """What a model's modules ask of a sequence split over ranks (``disttrain.parallel.context`` builds it)."""
+
+    def positions(self, local_length: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's ``local_length`` tokens."""
+        ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+               fp32: bool | None = None) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys and values."""
+        ...
+
+
+def positions_of(length: int, device: torch.device, split: SequenceSplit | None) -> torch.Tensor:
+    """Positions of a module's ``length`` tokens in their sequence: ``0 .. length-1``, or where a split puts them."""
+    return torch.arange(length, device=device) if split is None else split.positions(length, device)
+
+
+def repeat_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values with as many heads as ``q`` (grouped-query attention: query head h reads key/value head
+    h // group, consecutive query heads share one)."""
+    group = q.size(1) // k.size(1)
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 def attends_in_fp32(q: torch.Tensor, fp32: bool | None = None) -> bool:
@@ -32,9 +61,15 @@ def attends_in_fp32(q: torch.Tensor, fp32: bool | None = None) -> bool:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, fp32: bool | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, fp32: bool | None = None,
+    split: SequenceSplit | None = None,
 ) -> torch.Tensor:
-    """Causal ``scaled_dot_product_attention`` of ``[B, H, T, D]`` inputs, in fp32 where ``attends_in_fp32``."""
+    """Causal ``scaled_dot_product_attention`` of ``[B, H, T, D]`` inputs, in fp32 where ``attends_in_fp32``.
+    ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention). With a ``split`` the inputs are
+    this rank's tokens of a sequence split over ranks, and attention covers the whole sequence."""
+    if split is not None:
+        return split.attend(q, k, v, dropout_p, fp32)
+    k, v = repeat_kv_heads(q, k, v)
     if not attends_in_fp32(q, fp32):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     # autocast would cast the fp32 inputs straight back to bf16: attention is on its lower-precision list

@@ -21,7 +21,7 @@ from torch import nn
 
 from disttrain import checks
 from disttrain.data.spec import DataSpec
-from disttrain.models.attention import causal_attention
+from disttrain.models.attention import SequenceSplit, causal_attention, positions_of
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.registry import MODELS
 
@@ -100,6 +100,9 @@ def resolve_gpt_dims(cfg: GPTConfig, spec: DataSpec) -> GPTDims:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q, k, v projections and an output projection."""
 
+    sequence_split: SequenceSplit | None = None
+    """Set by context parallelism: this rank holds a slice of each sequence, attention covers all of it."""
+
     def __init__(
         self, n_embd: int, n_head: int, dropout: float, bias: bool, attention_fp32: bool | None = None
     ) -> None:
@@ -119,7 +122,7 @@ class CausalSelfAttention(nn.Module):
         # The head count follows from the projection width, so column-sharded q/k/v carry a subset of heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         p = self.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32)
+        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -141,6 +144,9 @@ class MLP(nn.Module):
 class Embeddings(nn.Module):
     """Token plus learned position embeddings, then dropout: token ids ``[B, T]`` to ``[B, T, C]``."""
 
+    sequence_split: SequenceSplit | None = None
+    """Set by context parallelism: the tokens are this rank's slice of each sequence, at the positions it says."""
+
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
         super().__init__()
         self.block_size = block_size
@@ -151,7 +157,7 @@ class Embeddings(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Embed token ids ``[B, T]`` (``T <= block_size``)."""
         t = sequence_length(idx, self.block_size)
-        return self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        return self.drop(self.wte(idx) + self.wpe(positions_of(t, idx.device, self.sequence_split)))
 
 
 class Block(nn.Module):

@@ -30,7 +30,7 @@ from torch import nn
 from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models.attention import causal_attention
+from disttrain.models.attention import SequenceSplit, causal_attention, positions_of
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
 from disttrain.models.registry import MODELS
@@ -165,9 +165,10 @@ def _check_heads(dims: dict[str, int]) -> None:
         raise ConfigError("model.n_kv_head", n_kv_head, f"a divisor of model.n_head={n_head}")
 
 
-def apply_rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate each pair of features ``(2i, 2i+1)`` of ``x`` ``[B, H, T, D]`` by the angle ``t * theta**(-2i/D)``
-    of its position ``t`` (rotary position embedding).
+    of its position ``t`` (rotary position embedding); ``positions`` (``[T]``, default ``0 .. T-1``) says where
+    the tokens sit in their sequence.
 
     The dot product of a rotated query at position ``s`` and a rotated key at position ``t`` then depends on
     the positions only through ``s - t``.
@@ -175,7 +176,9 @@ def apply_rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     t, d = x.shape[-2], x.shape[-1]
     # float32 angles and products: in bf16 the angles of late positions lose most of their precision
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)  # [T, D/2]
+    if positions is None:
+        positions = torch.arange(t, device=x.device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)  # [T, D/2]
     cos, sin = angles.cos(), angles.sin()
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
@@ -185,6 +188,10 @@ def apply_rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions and bias-free q, k, v, o projections."""
+
+    sequence_split: SequenceSplit | None = None
+    """Set by context parallelism: this rank holds a slice of each sequence, at the positions it says, and
+    attention covers all of it."""
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int, dropout: float, rope_theta: float,
                  attention_fp32: bool | None = None) -> None:
@@ -205,13 +212,11 @@ class Attention(nn.Module):
         # Head counts follow from the projection widths, so column-sharded q, k and v carry a subset of the
         # query heads and the matching subset of the key/value heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        q, k = apply_rotary(q, self.rope_theta), apply_rotary(k, self.rope_theta)
-        group = q.size(1) // k.size(1)
-        if group > 1:
-            # query head h reads key/value head h // group (consecutive query heads share one)
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        positions = positions_of(t, x.device, self.sequence_split)
+        q, k = apply_rotary(q, self.rope_theta, positions), apply_rotary(k, self.rope_theta, positions)
         p = self.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32)
+        # key/value heads fewer than query heads are shared inside (after gathering them, under a split)
+        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split)
         return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
 
 

@@ -47,7 +47,8 @@ def apply_parallelism(
     compile: bool = False,
     ddp_exchange: bool = True,
 ) -> nn.Module:
-    """Apply the plan of ``parallel`` to ``model``; returns the module to train (maybe a wrapper). ``comm``:
+    """Apply the plan of ``parallel`` to ``model`` (already split by sequence under context parallelism, see
+    ``disttrain.parallel.context``); returns the module to train (maybe a wrapper). ``comm``:
     what data-parallel gradients are sent as, with the bytes counted in ``counter`` and what carries over
     between steps kept in ``exchange``. ``compile``: torch.compile the model (or each unit when sharded).
     ``ddp_exchange``: replicas exchange gradients through DDP (False: the kind of run exchanges them itself)."""
@@ -70,8 +71,8 @@ def apply_parallelism(
     if dims.dp_enabled and not ddp_exchange:  # replicas without DDP's all-reduce
         broadcast_module(model, dims.dp_mesh(mesh).get_group())
         return model
-    if dims.dp_enabled:
-        dp_mesh = dims.dp_mesh(mesh)
+    if dims.gradient_ranks > 1:  # data-parallel ranks, and context-parallel ones averaging their slices' gradients
+        dp_mesh = dims.gradient_mesh(mesh)
         if sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
         ddp = apply_ddp(model, dp_mesh, parallel.ddp, device)

@@ -216,6 +216,10 @@ class ParallelConfig:
             raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
                               "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "
                               "parameters; shard them with dp_shard, or use hybrid sharding)")
+        if dims.tp_enabled and dims.cp_enabled and self.zero_stage in (0, 1):
+            raise ConfigError("parallel.zero_stage", self.zero_stage,
+                              "2 or 3 with tp > 1 and cp > 1 (DDP cannot average tensor-parallel parameters' gradients "
+                              "over the cp ranks; FSDP shards them over dp_shard x cp)")
         if self.sequence_parallel and not dims.tp_enabled:
             raise ConfigError("parallel.sequence_parallel", True, "false unless parallel.tp > 1")
         if dims.dp_shard > 1 and self.zero_stage == 0:

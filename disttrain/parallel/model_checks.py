@@ -27,9 +27,11 @@ def model_on_meta(model: Any, spec: Any) -> Any:
     return build_model(model, spec)
 
 
-def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
+def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int,
+                     spec: Any = None) -> None:
     """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
-    schedule can cut, and shard units that exist (from its methods or from ``parallel``)."""
+    schedule can cut, shard units that exist (from its methods or from ``parallel``), and attention that takes
+    a sequence split for the sequences of ``spec`` (the data's) under context parallelism."""
     from disttrain.parallel.model_plan import pipeline_units_of, tp_plan_of
     from disttrain.parallel.pipeline.split import check_pipeline, check_units
     from disttrain.parallel.tp import check_tp_plan
@@ -37,6 +39,8 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
     for key in ("pipeline_units", "shard_units"):
         for unit in getattr(p, key) or []:
             _check_submodule(net, f"parallel.{key}", unit)
+    if dims.cp_enabled:
+        _check_sequence_split(name, net, dims, p.sequence_parallel, spec)
     if dims.tp_enabled:
         plan = tp_plan_of(net, p.tp_plan)
         if not plan:
@@ -51,6 +55,25 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
         check_units(net, units, dims.pp, name)
         o = p.pipeline
         check_pipeline(o.schedule, dims.pp, o.stages_per_rank, o.microbatches, micro_size, len(units))
+
+
+def _check_sequence_split(name: str, net: Any, dims: ParallelDims, sequence_parallel: bool, spec: Any) -> None:
+    """Context parallelism needs text, a model whose attention takes a split, and chunks of equal length."""
+    from disttrain.parallel.context import sequence_modules
+
+    if getattr(spec, "kind", None) != "text" or not sequence_modules(net):
+        raise ConfigError("parallel.cp", dims.cp,
+                          f"1 for model {name}: context parallelism splits text sequences over ranks, and "
+                          f"{type(net).__name__} has no module that takes a sequence split (attention with a "
+                          "sequence_split attribute, as model=gpt, llama and hf Llama-family models have)")
+    length = spec.block_size
+    if length % (2 * dims.cp):
+        raise ConfigError("parallel.cp", dims.cp, f"a degree whose double divides the sequence length {length} "
+                          f"(data.block_size): each of the cp ranks holds two equal chunks of every sequence")
+    if sequence_parallel and (length // dims.cp) % dims.tp:
+        raise ConfigError("parallel.sequence_parallel", True,
+                          f"false, or a sequence whose share per cp rank ({length} / cp={dims.cp}) divides by "
+                          f"tp={dims.tp}")
 
 
 def _check_submodule(net: Any, key: str, name: str) -> None:

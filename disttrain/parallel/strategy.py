@@ -1,7 +1,7 @@
 """The one Lightning strategy of disttrain: it owns the DeviceMesh and applies parallelism to the model.
 
 It derives from Lightning's ``ModelParallelStrategy`` (the only Lightning strategy that runs FSDP2 and
-DTensor on a CPU/gloo mesh) and replaces its 2-D mesh with the 4-D ``pp x dp_replicate x dp_shard x tp``
+DTensor on a CPU/gloo mesh) and replaces its 2-D mesh with the 5-D ``pp x dp_replicate x dp_shard x cp x tp``
 mesh, applies the plan itself (no ``configure_model`` hook needed in the task), and writes checkpoints
 as sharded folders that replace the previous one atomically.
 """
@@ -29,6 +29,7 @@ from disttrain.comm.state import ExchangeState
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
+from disttrain.parallel.context import SequenceSplit, apply_context_parallel, sequence_split_of
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from disttrain.parallel.pipeline.runtime import PipelineSlot, build_pipeline
 from disttrain.parallel.pretrained import load_pretrained
@@ -76,6 +77,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         self._parallelised = False
         self._step_broadcast: bool | None = None
         """Whether buffers are broadcast before each training batch (decided at the first one)."""
+        self.sequence_split: SequenceSplit | None = None
+        """This rank's slice of every sequence under context parallelism (None: whole sequences)."""
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
@@ -83,6 +86,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         device_type = self.root_device.type
         self._device_mesh = init_device_mesh(device_type, self.dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
         self.lightning_module._device_mesh = self._device_mesh
+        if self.dims.cp_enabled:
+            self.sequence_split = sequence_split_of(self._device_mesh)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -104,6 +109,8 @@ class DistTrainStrategy(ModelParallelStrategy):
             shards_on_meta = self.pipeline is None and self.parallel.zero_stage in (2, 3)
             if materialize is not None and not shards_on_meta:
                 materialize(self.root_device)
+            if self.sequence_split is not None:
+                apply_context_parallel(task.net, self.sequence_split)
             if self.pipeline is not None:
                 task.net, self.pipeline.pipeline = build_pipeline(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.pipeline.loss_fn,
@@ -125,6 +132,13 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Under context parallelism, this rank's slice of every sequence of the batch (inputs and targets alike)
+        is all that moves to its device."""
+        if self.sequence_split is not None:
+            batch = type(batch)(self.sequence_split.split(part) for part in batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def model_to_device(self) -> None:
         """Lightning's move to this rank's device, leaving a model still on the meta device where it is (it is
@@ -154,8 +168,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         return super().lightning_module_state_dict()
 
     def _broadcast_buffers(self) -> None:
-        if self.dims.dp_enabled:
-            broadcast_buffers(self.lightning_module.net, self.dims.dp_mesh(self.device_mesh).get_group())
+        if self.dims.gradient_ranks > 1:
+            broadcast_buffers(self.lightning_module.net, self.dims.gradient_mesh(self.device_mesh).get_group())
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

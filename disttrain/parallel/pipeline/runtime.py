@@ -135,7 +135,7 @@ def build_pipeline(
     loss_fn: Any,
     example_input: torch.Tensor,
 ) -> tuple[nn.Module, Pipeline]:
-    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, sharded over dp_shard when
+    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, sharded over dp_shard x cp when
     zero_stage is 2 or 3), and
     build the schedule. Returns a module holding exactly this rank's parameters under the full model's
     names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
@@ -154,7 +154,7 @@ def build_pipeline(
             apply_tp(module, mesh["tp"], plan, sequence_parallel=False)
     if parallel.zero_stage in (2, 3):
         for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
-            fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=parallel.zero_stage == 3)
+            fully_shard(module, mesh=dims.shard_mesh(mesh), reshard_after_forward=parallel.zero_stage == 3)
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
                             group=pp_group) for m, i in zip(modules, indices, strict=True)]
