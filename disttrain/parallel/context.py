@@ -91,6 +91,19 @@ class SequenceSplit:
         index = self.positions(length // self.size, tensor.device)
         return tensor.index_select(dim, index)
 
+    def chunk_masks(self, local_length: int, device: torch.device | str | None = None
+                    ) -> list[tuple[slice, int, torch.Tensor]]:
+        """For each of this rank's two chunks: its rows among the local tokens, how many keys of the whole sequence
+        it sees (those up to its own end), and its causal mask over them (True: attended)."""
+        c = local_length // 2
+        masks = []
+        for half, chunk in enumerate(self.chunk_indices()):
+            end = (chunk + 1) * c
+            rows = torch.arange(chunk * c, end, device=device)
+            mask = torch.arange(end, device=device)[None, :] <= rows[:, None]
+            masks.append((slice(half * c, (half + 1) * c), end, mask))
+        return masks
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence, in order, of ``x`` ``[B, H, t, D]`` held as this rank's chunks by every rank.
 
@@ -115,13 +128,9 @@ class SequenceSplit:
                 fp32: bool | None) -> torch.Tensor:
         k, v = repeat_kv_heads(q, self.gather(k), self.gather(v))
         upcast = attends_in_fp32(q, fp32)
-        c = q.size(2) // 2
         outputs = []
-        for half, chunk in enumerate(self.chunk_indices()):
-            end = (chunk + 1) * c
-            rows = torch.arange(chunk * c, end, device=q.device)
-            mask = torch.arange(end, device=q.device)[None, :] <= rows[:, None]
-            q_part, k_part, v_part = q[:, :, half * c:(half + 1) * c], k[:, :, :end], v[:, :, :end]
+        for rows, end, mask in self.chunk_masks(q.size(2), q.device):
+            q_part, k_part, v_part = q[:, :, rows], k[:, :, :end], v[:, :, :end]
             if upcast:  # see disttrain.models.attention: fp32 where torch's bf16 CPU kernel is the slow one
                 with torch.autocast(q.device.type, enabled=False):
                     y = F.scaled_dot_product_attention(q_part.float(), k_part.float(), v_part.float(),
