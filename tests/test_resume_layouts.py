@@ -27,9 +27,11 @@ LAYOUTS = {
     "tp": (["parallel=tp"], 2),
     "pipeline": (["parallel=pipeline", "parallel.pipeline.schedule=1f1b"], 2),
     "hybrid": (["parallel=hybrid", "parallel.tp=2"], 4),
+    "cp2zero3": (["parallel=zero3", "parallel.cp=2"], 2),
+    "cp4": (["parallel.cp=4"], 4),
 }
 MOVES = [("zero3", "tp"), ("tp", "zero3"), ("pipeline", "ddp"), ("hybrid", "pipeline"), ("hybrid", "single"),
-         ("single", "tp")]
+         ("single", "tp"), ("cp2zero3", "cp4"), ("cp4", "single")]
 MORE_MOVES = [("zero3", "single"), ("zero3", "ddp"), ("zero3", "pipeline"), ("tp", "hybrid"), ("pipeline", "zero3"),
               ("hybrid", "zero3")]
 """Each saving layout resumed under at least two others over both lists (the second runs with ``-m slow``)."""
