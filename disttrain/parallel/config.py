@@ -75,7 +75,7 @@ def accumulates_sharded(zero_stage: int, accumulate_grads: str) -> bool:
 
 @dataclass
 class ParallelConfig:
-    """How a run is spread over ranks: mesh degrees ``pp x dp_replicate x dp_shard x tp`` and options."""
+    """How a run is spread over ranks: mesh degrees ``pp x dp_replicate x dp_shard x cp x tp`` and options."""
 
     name: str = "single"
     """Preset name (single, ddp, ...); behaviour follows from the degrees and options below."""

@@ -81,7 +81,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         """This rank's slice of every sequence under context parallelism (None: whole sequences)."""
 
     def setup_environment(self) -> None:
-        """Join the process group (or reuse the launcher's) and build the named 4-D mesh."""
+        """Join the process group (or reuse the launcher's) and build the named 5-D mesh."""
         self._setup_distributed()
         device_type = self.root_device.type
         self._device_mesh = init_device_mesh(device_type, self.dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
