@@ -37,6 +37,10 @@ from torch.utils.checkpoint import checkpoint
 
 from disttrain.models.attention import attends_in_fp32, repeat_kv_heads
 
+# torch 2.13 renamed the tensor collectives (the old names warn); earlier versions have only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _GatherFirstDim(torch.autograd.Function):
     """All-gather along dim 0 whose backward reduce-scatters (sums) the gradient back to each rank's part."""
@@ -47,13 +51,13 @@ class _GatherFirstDim(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
         out = x.new_empty((size * x.size(0), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _ALL_GATHER(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         part = grad.new_empty((grad.size(0) // ctx.size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(part, grad.contiguous(), group=ctx.group)
+        _REDUCE_SCATTER(part, grad.contiguous(), group=ctx.group)
         return part, None, None
 
 
