@@ -44,7 +44,7 @@ MODELS_AT_SCALE = {
 # local batch 2 x 8192 tokens, selective activation checkpointing, bf16, no torch.compile: 5,762 tokens/s per
 # GPU and 82.4 GiB. The same page: 64 A100 80GB, local batch 1, selective layer AC: 2,904 tokens/s per GPU.
 PUBLISHED = {("llama8b", 8): ("torchtitan, 8 H100 96GB 500W, FSDP, local batch 2, selective AC",
-                              Layout(dp_shard=8, zero_stage=3, activation_checkpointing=True, micro_size=2),
+                              Layout(dp_shard=8, zero_stage=3, activation_checkpoint="selective", micro_size=2),
                               5762, 82.4 * 2**30)}
 TORCHTITAN_H100 = replace(PROFILES["h100_sxm"], name="h100_96gb_500w", memory_bytes=96e9,
                           memory_bandwidth=2.4e12 * 0.8, watts=500.0,
@@ -100,19 +100,21 @@ def main() -> None:
     print("|---|---|---|---|---|")
     headline = ""
     for (name, gpus), (what, layout, tps, memory) in PUBLISHED.items():
-        # selective AC keeps more than our whole-block checkpointing and less than none: bracket it
-        _, predicted_tps, predicted_memory = plan_row(name, gpus, TORCHTITAN_H100, layout)
-        no_ac = replace(layout, activation_checkpointing=False)
-        _, plain_tps, plain_memory = plan_row(name, gpus, TORCHTITAN_H100, no_ac)
-        print(f"| {name} | {gpus} | {what} | {predicted_tps:,.0f} (every block checkpointed) to {plain_tps:,.0f} "
-              f"(none) / {tps:,} = {predicted_tps / tps:.2f}x to {plain_tps / tps:.2f}x | "
-              f"{human_bytes(predicted_memory)} to {human_bytes(plain_memory)} / {human_bytes(memory)} |")
+        # torchtitan's selective policy recomputes every second matrix product, ours keeps them all: theirs
+        # should keep less; their figure is the CUDA allocator's peak, which also holds its cached blocks
+        rows = {policy: plan_row(name, gpus, TORCHTITAN_H100, replace(layout, activation_checkpoint=policy))
+                for policy in ("full", "selective", "none")}
+        print(f"| {name} | {gpus} | {what} | " + ", ".join(f"{row[1]:,.0f} ({policy})" for policy, row in rows.items())
+              + f" / {tps:,} = " + " / ".join(f"{row[1] / tps:.2f}x" for row in rows.values()) + " | "
+              + ", ".join(f"{human_bytes(row[2])} ({policy})" for policy, row in rows.items())
+              + f" / {human_bytes(memory)} |")
         auto = plan_row(name, gpus, TORCHTITAN_H100)[0].split("|")
         print(f"\nparallel=auto on that hardware picks {auto[3].strip()}: {auto[6].strip()} tokens/s per GPU, "
               f"{auto[4].strip()} per GPU")
+        full, selective = rows["full"], rows["selective"]
         headline = (f"{name} on {gpus} H100: predicted / torchtitan's measured tokens/s per GPU "
-                    f"{predicted_tps / tps:.2f}x (full AC) to {plain_tps / tps:.2f}x (no AC); measured memory "
-                    f"{'inside' if predicted_memory <= memory <= plain_memory else 'outside'} the predicted bracket")
+                    f"{full[1] / tps:.2f}x (full AC) to {selective[1] / tps:.2f}x (selective AC); memory "
+                    f"{selective[2] / memory:.2f}x of the measured under selective AC")
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     print(headline)
 

@@ -106,8 +106,14 @@ class ParallelConfig:
     or 3 and pp 1 (a pipeline schedule reduces once per batch, after its microbatches)."""
     sequence_parallel: bool = False
     """With tp > 1: also shard norms and dropout along the sequence (less activation memory)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them (less memory, ~30% more compute)."""
+    activation_checkpoint: str = "none"
+    """Activation checkpointing of the shard units (the model's blocks): none (keep every activation); full
+    (keep each block's input, recompute its forward in backward: the least memory, about a third more compute);
+    selective (keep also the outputs of its matrix products and attention, recompute the element-wise rest:
+    norms, activations, adds, dropout)."""
+    checkpoint_every_n_blocks: int = 1
+    """Apply ``activation_checkpoint`` to every n-th block only (the n-th, 2n-th, ...); the others keep every
+    activation. 1: every block."""
     cpu_offload: bool = False
     """ZeRO-2/3 on GPU: keep parameter shards, gradients and the optimiser step on the CPU."""
     min_params_per_unit: int = 100_000
@@ -166,6 +172,11 @@ class ParallelConfig:
             raise ConfigError("parallel.zero_stage", self.zero_stage, "one of 0, 1, 2, 3")
         if self.accumulate_grads not in ACCUMULATE_GRADS:
             raise ConfigError("parallel.accumulate_grads", self.accumulate_grads, "auto, sharded or unsharded")
+        if self.activation_checkpoint not in ("none", "full", "selective"):
+            raise ConfigError("parallel.activation_checkpoint", self.activation_checkpoint, "none, full or selective")
+        if self.checkpoint_every_n_blocks < 1:
+            raise ConfigError("parallel.checkpoint_every_n_blocks", self.checkpoint_every_n_blocks,
+                              "a positive number of blocks (1: every block)")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError("parallel.backend", self.backend, "null, gloo or nccl")
         if self.ddp.bucket_cap_mb <= 0:
@@ -210,8 +221,9 @@ class ParallelConfig:
                               "zero_stage=1 with pipelining are not available yet")
         if dims.pp_enabled and self.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "false with pp > 1 (not available yet)")
-        if dims.pp_enabled and self.activation_checkpointing:
-            raise ConfigError("parallel.activation_checkpointing", True, "false with pp > 1 (not available yet)")
+        if dims.pp_enabled and self.activation_checkpoint != "none":
+            raise ConfigError("parallel.activation_checkpoint", self.activation_checkpoint,
+                              "none with pp > 1 (not available yet)")
         if dims.tp_enabled and dims.dp_replicate_enabled and self.zero_stage in (0, 1):
             raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
                               "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "

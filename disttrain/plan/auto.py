@@ -1,10 +1,12 @@
 """``parallel=auto``: the layout that fits in memory and has the smallest predicted step time.
 
-Candidates: every split of the world into ``pp x dp x tp`` the model supports (tp within a node, dividing
-the heads; pp no deeper than the pipeline units), each data-parallel way (replicas, ZeRO-1/2/3, and hybrid
-sharding within a node), with and without activation checkpointing, and micro-batches from the largest that
-divides the batch down; pipelines with 1F1B and 2 or 4 microbatches per stage. Predictions within
-``TIE`` of the fastest count as a tie, which goes to the simplest layout.
+Candidates: every split of the world into ``pp x dp x cp x tp`` the model supports (tp within a node,
+dividing the heads; cp for a model with attention over sequences that split into 2 cp chunks; pp no deeper
+than the pipeline units), each data-parallel way (replicas, ZeRO-1/2/3, and hybrid sharding within a node;
+ZeRO-2/3 only with cp and tp or pp), each activation-checkpointing policy (none, full, selective, on every
+block), and micro-batches from the largest that divides the batch down; pipelines with 1F1B and 2 or 4
+microbatches per stage. Predictions within ``TIE`` of the fastest count as a tie, which goes to the simplest
+layout.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
-from disttrain.plan.layout import Layout
+from disttrain.plan.layout import CHECKPOINT_POLICIES, Layout
+from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.units import human_bytes
 
 TIE = 0.03
@@ -51,14 +54,29 @@ def _line(e: Estimate) -> str:
             f"{human_bytes(e.capacity)} per rank")
 
 
+SIMPLICITY = {"none": 0, "full": 1, "selective": 2}
+"""Checkpointing policies from the simplest: none; full recomputes whole blocks; selective also picks operators."""
+
+
 def complexity(layout: Layout) -> tuple:
-    """Ordering of simplicity: fewer kinds of parallelism, lower ZeRO stage, no checkpointing, less accumulation."""
-    return (layout.pp > 1, layout.tp > 1, layout.dp_replicate > 1 and layout.dp_shard > 1, layout.zero_stage,
-            layout.activation_checkpointing, layout.accumulation)
+    """Ordering of simplicity: fewer kinds of parallelism, lower ZeRO stage, simpler checkpointing, less
+    accumulation."""
+    return (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.dp_replicate > 1 and layout.dp_shard > 1,
+            layout.zero_stage, SIMPLICITY[layout.activation_checkpoint], layout.accumulation)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def splits_sequence(stats: ModelStats, cp: int) -> bool:
+    """Whether ``cp`` context-parallel ranks can share the model's sequences: a text model (``tokens_per_sample``
+    is its block size; 1 for other data) whose pass ran attention, with a block size that splits into 2 cp
+    chunks (an early and a late one per rank). Models the runtime cannot split are refused when a run starts."""
+    if cp == 1:
+        return True
+    has_attention = any(stats.attention_kv_bytes.values())
+    return has_attention and stats.tokens_per_sample > 1 and stats.tokens_per_sample % (2 * cp) == 0
 
 
 def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipeline_units: int,
@@ -71,41 +89,53 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
         if tp > 1 and (not inputs.has_tp_plan or tp > devices_per_node
                        or (inputs.num_heads and inputs.num_heads % tp)):
             continue
-        for pp in _divisors(world // tp):
-            if pp > 1 and pp > pipeline_units:
+        for cp in _divisors(world // tp):
+            if not splits_sequence(inputs.stats, cp):
                 continue
-            dp = world // (tp * pp)
-            if global_batch % dp:
-                continue
-            for replicate, shard, stage in _data_parallel_ways(dp, tp, devices_per_node, pp):
-                for ac in (False, True):
-                    if ac and pp > 1:
-                        continue
-                    per_replica = global_batch // dp
-                    group = []
-                    for micro in reversed(_divisors(per_replica)):
-                        base = Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, zero_stage=stage,
-                                      activation_checkpointing=ac, micro_size=micro,
-                                      accumulation=per_replica // micro, accumulate_grads=accumulate_grads)
-                        if pp == 1:
-                            group.append(base)
+            for pp in _divisors(world // (tp * cp)):
+                if pp > 1 and pp > pipeline_units:
+                    continue
+                dp = world // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                for replicate, shard, stage in _data_parallel_ways(dp, tp, cp, devices_per_node, pp):
+                    for policy in CHECKPOINT_POLICIES:
+                        if policy != "none" and pp > 1:
                             continue
-                        for per_stage in (2, 4):
-                            m = pp * per_stage
-                            if micro % m == 0:
-                                group.append(replace(base, microbatches=m, schedule="1f1b"))
-                    if group:
-                        groups.append(group)
+                        group = _micro_batches(Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, cp=cp,
+                                                      zero_stage=stage, activation_checkpoint=policy,
+                                                      accumulate_grads=accumulate_grads), global_batch // dp)
+                        if group:
+                            groups.append(group)
     return groups
 
 
-def _data_parallel_ways(dp: int, tp: int, devices_per_node: int, pp: int) -> list[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero_stage) ways to spread ``dp`` ranks."""
+def _micro_batches(base: Layout, per_replica: int) -> list[Layout]:
+    """``base`` at each micro-batch that divides ``per_replica`` samples, the largest first (pipelines: with 2
+    and 4 microbatches per stage where they divide it)."""
+    group = []
+    for micro in reversed(_divisors(per_replica)):
+        layout = replace(base, micro_size=micro, accumulation=per_replica // micro)
+        if base.pp == 1:
+            group.append(layout)
+            continue
+        for per_stage in (2, 4):
+            m = base.pp * per_stage
+            if micro % m == 0:
+                group.append(replace(layout, microbatches=m, schedule="1f1b"))
+    return group
+
+
+def _data_parallel_ways(dp: int, tp: int, cp: int, devices_per_node: int, pp: int) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero_stage) ways to spread ``dp`` ranks (ZeRO shards over dp_shard x cp)."""
+    replicable = tp == 1 and pp == 1  # DDP cannot replicate tp/pp stages here
     if dp == 1:
-        return [(1, 1, 0)]
-    ways = [] if (tp > 1 or pp > 1) else [(dp, 1, 0), (1, dp, 1)]  # DDP cannot replicate tp/pp stages here
+        ways = [(1, 1, 0)] if cp == 1 or replicable else []
+        return ways + ([(1, 1, 2), (1, 1, 3)] if cp > 1 else [])  # cp ranks alone share the state
+    ways = [(dp, 1, 0)] if replicable else []
+    ways += [(1, dp, 1)] if replicable and cp == 1 else []  # ZeRO-1 shards over dp only: refused with cp
     ways += [(1, dp, 2), (1, dp, 3)]
-    shard = max(1, devices_per_node // tp)
+    shard = max(1, devices_per_node // (tp * cp))
     if pp == 1 and 1 < shard < dp and dp % shard == 0:  # hybrid: shard within a node, replicate across
         ways += [(dp // shard, shard, 2), (dp // shard, shard, 3)]
     return ways

@@ -106,7 +106,7 @@ def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
 
     ops = count_ops(step)
     with _threads(threads):
-        return sum(nbytes for flops, nbytes, _ in ops if flops == 0) / seconds_per_call(step, seconds)
+        return sum(nbytes for flops, nbytes, *_ in ops if flops == 0) / seconds_per_call(step, seconds)
 
 
 class _TinyBlock(nn.Module):
@@ -152,7 +152,7 @@ def measure_op_overhead(seconds: float = 0.5, rate: float = 1e11, bandwidth: flo
     with _threads(1):
         per_step = seconds_per_call(step, seconds)
     ops = count_ops(step)
-    work = sum(max(flops / rate, nbytes / bandwidth) for flops, nbytes, _ in ops)
+    work = sum(max(flops / rate, nbytes / bandwidth) for flops, nbytes, *_ in ops)
     return max(per_step - work, 0.0) / len(ops)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.plan.devices import HardwareProfile, Link
-from disttrain.plan.layout import Layout, StateBytes
+from disttrain.plan.layout import Layout, StateBytes, policy_of_units, unit_on_rank, within
 from disttrain.plan.model_stats import ModelStats
 
 
@@ -15,9 +15,10 @@ class Collective:
     """One kind of collective a rank takes part in each optimiser step."""
 
     kind: str
-    """all_reduce, reduce_scatter, all_gather, broadcast or send (point-to-point)."""
+    """all_reduce, reduce_scatter, all_gather, all_to_all, broadcast or send (point-to-point)."""
     group: str
-    """Mesh dimension it runs over (dp_replicate, dp_shard, tp, pp)."""
+    """Mesh dimension it runs over (dp_replicate, dp_shard, cp, tp, pp), or the flattened ones of cp > 1:
+    dp_shard_cp (ZeRO-2/3 shard over dp_shard x cp) and dp_cp (replicas average gradients over dp x cp)."""
     size: int
     """Ranks in the group."""
     buffer_bytes: float
@@ -32,16 +33,22 @@ class Collective:
     """Runs after the optimiser step (ZeRO-1's parameter broadcast), when no backward is left to hide it."""
 
 
+# Bytes each rank sends (and receives), as a fraction of the whole buffer, in a ring of n ranks: an all-gather
+# passes the n chunks of size B/n around the ring in n - 1 steps, so each rank sends and receives (n - 1) B / n;
+# a reduce-scatter is the same with additions; an all-reduce is both, 2 (n - 1) B / n. An all-to-all sends each
+# of the other n - 1 ranks its chunk directly: (n - 1) B / n too, in n - 1 exchanges.
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+               "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "broadcast": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
-              "broadcast": lambda n: n - 1, "send": lambda n: 1}
+              "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1}
 
 
 def group_link(profile: HardwareProfile, span: int) -> Link:
-    """The link a group spanning ``span`` consecutive ranks uses (the mesh is pp, dp_replicate, dp_shard, tp)."""
+    """The link a group spanning ``span`` consecutive ranks uses (the mesh is pp, dp_replicate, dp_shard, cp,
+    tp: tp's ranks are neighbours, then cp's)."""
     return profile.intra_node if span <= profile.devices_per_node else profile.inter_node
 
 
@@ -58,37 +65,83 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
                  gather_bf16: bool = False) -> list[Collective]:
     """What each rank sends per optimiser step, by group."""
     out: list[Collective] = []
-    acc, tp, ds, dr = layout.accumulation, layout.tp, layout.dp_shard, layout.dp_replicate
+    acc, tp, cp, ds, dr = layout.accumulation, layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
+    shards = layout.state_shards
     link_tp = group_link(profile, tp)
-    link_ds = group_link(profile, tp * ds)
-    link_dr = group_link(profile, tp * ds * dr)
+    link_cp = group_link(profile, tp * cp)
+    link_ds = group_link(profile, tp * cp * ds)
+    link_dr = group_link(profile, tp * cp * ds * dr)
+    shard_group = "dp_shard_cp" if cp > 1 else "dp_shard"
     # FSDP2 under bf16-mixed on a GPU gathers bf16 copies of the parameters (reduces gradients in fp32)
     grads, weights = params * state.grad, params * (2 if gather_bf16 else state.param)
-    if layout.zero_stage == 0 and dr > 1:
-        out.append(collective("all_reduce", "dp_replicate", dr, grads, 1, link_dr))
+    if layout.zero_stage == 0 and dr * cp > 1:  # DDP averages over the replicas and the cp ranks
+        out.append(collective("all_reduce", "dp_cp" if cp > 1 else "dp_replicate", dr * cp, grads, 1, link_dr))
     if layout.zero_stage == 1 and ds > 1:
         out.append(collective("all_reduce", "dp_shard", ds, grads, 1, link_ds))
         # each rank broadcasts the parameters it stepped: after the optimiser step, so nothing overlaps it
         out.append(collective("broadcast", "dp_shard", ds, weights, ds, link_ds, after_step=True))
-    if layout.zero_stage >= 2 and ds > 1:
+    if layout.zero_stage >= 2 and shards > 1:
         gathers = acc * (2 if layout.zero_stage == 3 else 1)
-        out.append(collective("all_gather", "dp_shard", ds, weights * gathers, gathers, link_ds))
+        out.append(collective("all_gather", shard_group, shards, weights * gathers, gathers, link_ds))
         scatters = acc if layout.sharded_accumulation else 1  # every micro-batch, or once per step
-        out.append(collective("reduce_scatter", "dp_shard", ds, grads * scatters, scatters, link_ds))
+        out.append(collective("reduce_scatter", shard_group, shards, grads * scatters, scatters, link_ds))
         if dr > 1:
-            out.append(collective("all_reduce", "dp_replicate", dr, grads / ds, 1, link_dr))
+            out.append(collective("all_reduce", "dp_replicate", dr, grads / shards, 1, link_dr))
+    recomputed = _recomputed_fraction(stats, layout)
+    tokens = act_scale / cp  # activations a rank sends are its 1/cp of the sequence
     if tp > 1:
-        micro = act_scale * acc
-        recompute = 2 if layout.activation_checkpointing else 1  # recomputed forwards all-reduce again
-        forward = stats.tp_forward_bytes * micro * recompute
+        micro = tokens * acc
+        forward = stats.tp_forward_bytes * micro * (1 + recomputed)  # recomputed forwards all-reduce again
         backward = stats.tp_backward_bytes * micro
         kinds = ("reduce_scatter", "all_gather") if layout.sequence_parallel else ("all_reduce",)
         for kind in kinds:
             out.append(collective(kind, "tp", tp, forward + backward, acc, link_tp))
+    if cp > 1:
+        out += context_parallel(stats, layout, ranks, act_scale, link_cp)
     if layout.pp > 1:
         boundaries = [stats.unit_output_bytes.get(units[-1], 0) for units in ranks if units]
-        per_micro = max(boundaries) * act_scale / layout.microbatches
+        per_micro = max(boundaries) * tokens / layout.microbatches
         sends = 2 * layout.microbatches * acc  # activations forward, their gradients backward
         link_pp = group_link(profile, layout.world_size)
         out.append(collective("send", "pp", layout.pp, per_micro * sends, sends, link_pp))
     return out
+
+
+def context_parallel(stats: ModelStats, layout: Layout, ranks: list[list[str] | None], act_scale: float,
+                     link: Link) -> list[Collective]:
+    """Context parallelism's collectives of the busiest pipeline rank: every attention layer all-gathers the
+    keys and values of the whole sequence over the cp group in forward, and again in backward (the gathered
+    ones are not kept); a checkpointed layer's recomputed forward gathers them a third time; backward sends the
+    gradients of the gathered keys and values back to their ranks (an all-to-all of the same size). Buffers
+    are the whole sequence's K and V (``act_scale`` of the measured ones, split over tp's heads); each rank
+    sends (and receives) (cp - 1) / cp of them (``RING_FACTOR``)."""
+    policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
+    per_pass = 1 if layout.pp == 1 else layout.microbatches  # a micro-batch's microbatches each gather theirs
+    busiest = (0.0, 0.0, 0, 0)
+    for units in ranks:
+        gathered = again = 0.0
+        layers = recomputed_layers = 0
+        for unit, sizes in stats.attention_kv_bytes.items():
+            if not sizes or not unit_on_rank(stats, unit, units):
+                continue
+            checkpointed = any(p != "none" and within(unit, block) for block, p in policies.items())
+            gathered, layers = gathered + sum(sizes), layers + len(sizes)
+            if checkpointed:
+                again, recomputed_layers = again + sum(sizes), recomputed_layers + len(sizes)
+        busiest = max(busiest, (gathered, again, layers, recomputed_layers))
+    gathered, again, layers, recomputed_layers = busiest
+    if not layers:
+        return []
+    per_step = act_scale / layout.tp * layout.accumulation  # measured bytes -> this run's, per optimiser step
+    calls = layout.accumulation * per_pass
+    return [collective("all_gather", "cp", layout.cp, (2 * gathered + again) * per_step,
+                       (2 * layers + recomputed_layers) * calls, link),
+            collective("all_to_all", "cp", layout.cp, gathered * per_step, layers * calls, link)]
+
+
+def _recomputed_fraction(stats: ModelStats, layout: Layout) -> float:
+    """The fraction of the shard units a checkpointing policy recomputes."""
+    if layout.activation_checkpoint == "none" or not stats.shard_units:
+        return 0.0
+    policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
+    return sum(p != "none" for p in policies.values()) / len(stats.shard_units)

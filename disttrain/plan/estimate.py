@@ -5,8 +5,11 @@ run (``StateBytes``) and what FSDP2 does on top: under ZeRO-2 it keeps the param
 parameters it gathered for forward. Activations are what autograd saved in a meta-device pass of the model
 (``ModelStats``), scaled to the micro-batch, divided by tensor parallelism as Megatron's activation analysis
 has it (Korthikanti et al., 2022: 24 of 34 bytes per token and width are split without sequence parallelism,
-all of them with it), and kept only at checkpoint boundaries with activation checkpointing. Communication is
-charged per collective in the ring model; time is the alpha-beta model of the profile's links.
+all of them with it), divided by context parallelism (each rank holds 1/cp of every sequence, plus one
+layer's gathered keys and values), and under activation checkpointing what each policy keeps: full the
+checkpointed units' inputs, selective also the outputs of their matrix products and attention (measured in
+the pass, operator by operator). Communication is charged per collective in the ring model; time is the
+alpha-beta model of the profile's links.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from disttrain.plan.communication import Collective, collectives
 from disttrain.plan.devices import HardwareProfile
-from disttrain.plan.layout import Layout, StateBytes, rank_params, rank_units
-from disttrain.plan.memory import activations, model_state, state_peak, transient
+from disttrain.plan.layout import CHECKPOINT_POLICIES, Layout, StateBytes, rank_params, rank_units
+from disttrain.plan.memory import activations, activations_by_length, model_state, state_peak, transient
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.step_time import bubble_fraction, compute_seconds, power
 from disttrain.plan.units import human_bytes
@@ -34,10 +37,13 @@ class Estimate:
     phases: dict[str, float]
     """Bytes in use at the moments memory peaks: after forward (model state, activations and transient
     buffers) and after backward (model state)."""
-    activations_plain: float
-    """Activation bytes of this layout without activation checkpointing."""
-    activations_checkpointed: float
-    """Activation bytes of this layout with activation checkpointing (of the shard units)."""
+    activations_held: float
+    """Activation bytes kept for backward when forward ends (``memory["activations"]`` is their peak)."""
+    activations_by_policy: dict[str, float]
+    """Peak activation bytes of this layout under each checkpointing policy (none, full, selective)."""
+    activations_by_length: dict[int, dict[int, float | None]]
+    """Sequence length -> cp degree -> peak activation bytes of this layout (``memory.activations_by_length``;
+    empty for models without sequences)."""
     capacity: float
     """Memory per rank the profile allows."""
     collectives: list[Collective]
@@ -46,6 +52,8 @@ class Estimate:
     """Pipeline bubble: fraction of a step the stages idle."""
     compute_s: float
     """Forward, backward (and recompute) time per step on one rank."""
+    recompute_s: float
+    """The part of ``compute_s`` that recomputes checkpointed activations."""
     exposed_comm_s: float
     """Communication time not hidden behind compute."""
     tokens_per_step: int
@@ -107,14 +115,16 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     if layout.zero_stage >= 2 and layout.pp == 1 and layout.accumulation > 1:
         other = replace(layout, accumulate_grads="unsharded" if layout.sharded_accumulation else "sharded")
         alternative = model_state(params, other, state)["grads"]
-    checkpointed, plain = activations(stats, ranks[0], layout, scale * act_dtype)
-    memory["activations"] = checkpointed if layout.activation_checkpointing else plain
+    policies = {policy: activations(stats, ranks[0], replace(layout, activation_checkpoint=policy), scale * act_dtype)
+                for policy in CHECKPOINT_POLICIES}
+    mine = policies[layout.activation_checkpoint]
+    memory["activations"] = mine.peak
     memory["transient"] = transient(stats, layout, state)
     phases = state_peak(params, layout, state)
     phases["after_forward"] += memory["activations"] + memory["transient"]
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile,
                           gather_bf16=bf16 and not profile.cpu)
-    compute = compute_seconds(stats, layout, ranks, profile, state, params, bf16)
+    compute, recompute = compute_seconds(stats, layout, ranks, profile, state, params, bf16)
     shared_cpu = profile.cpu
     overlappable = [c for c in traffic if c.group.startswith("dp") and not c.after_step]
     dp_time = sum(c.seconds for c in overlappable)
@@ -125,7 +135,9 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     # CPU ranks of this machine share its memory: a whole machine's worth split over the ranks
     capacity = (profile.memory_bytes * profile.devices_per_node / layout.world_size if profile.cpu
                 else profile.memory_bytes)
+    # the cp ranks of one data-parallel index share their samples: cp adds no tokens to a step
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
-    return Estimate(layout, memory, phases, plain, checkpointed, capacity, traffic,
+    return Estimate(layout, memory, phases, mine.held, {p: a.peak for p, a in policies.items()},
+                    activations_by_length(stats, ranks[0], layout, scale * act_dtype), capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
-                    compute, exposed, tokens, alternative, power(profile, layout.world_size))
+                    compute, recompute, exposed, tokens, alternative, power(profile, layout.world_size))

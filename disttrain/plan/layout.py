@@ -9,6 +9,9 @@ from disttrain.parallel.config import accumulates_sharded
 from disttrain.parallel.dims import ParallelDims
 from disttrain.plan.model_stats import ROOT, ModelStats
 
+CHECKPOINT_POLICIES = ("none", "full", "selective")
+"""Values of ``parallel.activation_checkpoint``, from the most memory to the least recompute."""
+
 OPTIMISER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4}
 """Optimiser state per fp32 parameter element: two moments for Adam-style, one momentum buffer for LARS."""
 
@@ -40,9 +43,13 @@ class Layout(ParallelDims):
     layouts no config names yet (``parallel=auto`` weighs many)."""
 
     zero_stage: int = 0
-    """ZeRO stage of the dp_shard dimension."""
-    activation_checkpointing: bool = False
-    """Recompute each shard unit in backward."""
+    """ZeRO stage of the dp_shard dimension (sharded over dp_shard x cp)."""
+    activation_checkpoint: str = "none"
+    """Checkpointing policy of the shard units (``CHECKPOINT_POLICIES``): none; full (keep each unit's input,
+    recompute its forward in backward); selective (keep also the outputs of its matrix products and attention,
+    recompute the rest)."""
+    checkpoint_every_n_blocks: int = 1
+    """The policy applies to every n-th shard unit only (``policy_of_units``); the others keep everything."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence too (tp > 1)."""
     micro_size: int = 1
@@ -59,6 +66,12 @@ class Layout(ParallelDims):
     """``parallel.accumulate_grads``: where ZeRO-2/3 accumulate gradients between micro-batches."""
 
     @property
+    def state_shards(self) -> int:
+        """Ranks one copy of the model state is sharded over: dp_shard x cp under ZeRO (ZeRO-1 with cp > 1 is
+        refused), none without."""
+        return self.shard_degree if self.zero_stage else 1
+
+    @property
     def sharded_accumulation(self) -> bool:
         """Accumulation micro-batches reduce-scatter into gradient shards (ZeRO-2/3 without pipelining)."""
         return self.pp == 1 and accumulates_sharded(self.zero_stage, self.accumulate_grads)
@@ -70,19 +83,27 @@ class Layout(ParallelDims):
         return self.zero_stage < 2 or (self.accumulation > 1 and not self.sharded_accumulation)
 
     def describe(self) -> str:
-        """Short text, e.g. ``dp_shard=4 zero3 tp=2 ac micro=8x2``."""
+        """Short text, e.g. ``dp_shard=4 cp=2 zero3 tp=2 ac=selective micro=8x2`` (``ac=full every 2`` when the
+        policy covers every second unit)."""
         parts = [f"{k}={v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                         ("tp", self.tp), ("pp", self.pp)) if v > 1] or ["single"]
+                                         ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1] or ["single"]
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
         if self.sequence_parallel:
             parts.append("sp")
-        if self.activation_checkpointing:
-            parts.append("ac")
+        if self.activation_checkpoint != "none":
+            every = self.checkpoint_every_n_blocks
+            parts.append(f"ac={self.activation_checkpoint}" + (f" every {every}" if every > 1 else ""))
         if self.pp > 1:
             parts.append(f"{self.schedule} m={self.microbatches}")
         parts.append(f"micro={self.micro_size}x{self.accumulation}")
         return " ".join(parts)
+
+
+def policy_of_units(units: list[str], policy: str, every: int) -> dict[str, str]:
+    """The checkpointing policy of each shard unit (in forward order): ``policy`` on the every-th, 2 every-th,
+    ... unit counting from 1 (all of them for 1), ``none`` on the others."""
+    return {unit: policy if (i + 1) % every == 0 else "none" for i, unit in enumerate(units)}
 
 
 def within(name: str, unit: str) -> bool:

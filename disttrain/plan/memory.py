@@ -1,16 +1,24 @@
 """Per-rank memory of a layout: model state after the ZeRO paper with FSDP2's ZeRO-2 detail, activations
-from the measured pass (Megatron's tensor-parallel split, checkpoint boundaries), and short-lived buffers."""
+from the measured pass (Megatron's tensor-parallel split, each checkpointing policy, context parallelism's
+share of the sequence), and short-lived buffers."""
 
 from __future__ import annotations
 
-from disttrain.plan.layout import Layout, StateBytes, unit_on_rank, within
+from dataclasses import dataclass, replace
+
+from disttrain.plan.layout import Layout, StateBytes, policy_of_units, unit_on_rank, within
 from disttrain.plan.model_stats import ROOT, ModelStats
+
+CP_DEGREES = (1, 2, 4)
+"""Context-parallel degrees the report's table of activations by sequence length shows."""
+LENGTH_FACTORS = (0.25, 0.5, 1, 2, 4)
+"""Sequence lengths that table shows, as multiples of the run's."""
 
 
 def model_state(params: float, layout: Layout, state: StateBytes) -> dict[str, float]:
     """Bytes per rank of parameters, gradients and optimiser state (each at its largest during a step) for
     ``params`` elements on this rank before data-parallel sharding (its tensor-parallel and pipeline share)."""
-    shard = layout.dp_shard if layout.zero_stage else 1
+    shard = layout.state_shards
     p = params * state.param
     if layout.zero_stage == 3:
         held = p / shard
@@ -27,42 +35,92 @@ def state_peak(params: float, layout: Layout, state: StateBytes) -> dict[str, fl
     """Model state at the two moments it peaks: after forward (ZeRO-2 holds whole parameters; gradients exist
     only while accumulating) and after backward (ZeRO-2 has resharded; every gradient exists)."""
     terms = model_state(params, layout, state)
-    shard = layout.dp_shard if layout.zero_stage else 1
+    shard = layout.state_shards
     resharded = params * state.param / shard if layout.zero_stage == 2 and state.zero2_keeps_shards else terms["params"]
     carried = terms["grads"] if layout.accumulation > 1 else 0.0
     return {"after_forward": terms["params"] + carried + terms["optimizer"],
             "after_backward": resharded + terms["grads"] + terms["optimizer"]}
 
 
-def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> tuple[float, float]:
-    """Activation bytes of the first pipeline rank (it keeps the most microbatches in flight), with activation
-    checkpointing of the shard units and without: saved tensors plus the gradient of the output at the start
-    of backward."""
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes of one rank at the two moments that matter."""
+
+    held: float
+    """Kept for backward when forward ends: saved tensors, checkpointed units' inputs and, under selective
+    checkpointing, the outputs of their matrix products and attention."""
+    peak: float
+    """At their largest, as backward starts: what is held, the gradient of the output, the largest unit's
+    recomputed activations beyond what the model's head held, and under cp one layer's gathered keys and
+    values with their gradients."""
+
+
+def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> ActivationBytes:
+    """Activation bytes of the first pipeline rank (it keeps the most microbatches in flight) under the
+    layout's checkpointing policy, tensor- and context-parallel split; ``scale``: bytes per measured byte
+    (micro-batch over the pass's, and the activation dtype)."""
     last_stage = units is None or stats.pipeline_units[-1] in units
     blocks = set(stats.shard_units)
-    # each saved storage was charged to the innermost running unit once: keep the entries of this rank's units
-    per_unit = {u: b for u, b in stats.saved_bytes.items() if unit_on_rank(stats, u, units)}
+    policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
     split = 1.0
     if layout.tp > 1:  # Megatron: 24 of 34 sbh bytes are split by tp; all of them with sequence parallelism
         split = 1 / layout.tp if layout.sequence_parallel else (10 + 24 / layout.tp) / 34
-    in_blocks = {u: b * (split if u in blocks else 1.0) for u, b in per_unit.items()}
-    block_units = [u for u in in_blocks if u in blocks]
-    plain = sum(in_blocks.values())
+    held = outside = recompute = 0.0
+    # each saved storage was charged to the innermost running unit once: keep the entries of this rank's units
+    for unit, saved in stats.saved_bytes.items():
+        if not unit_on_rank(stats, unit, units):
+            continue
+        if unit not in blocks:
+            held, outside = held + saved, outside + saved
+            continue
+        policy, unit_input = policies[unit], stats.unit_input_bytes.get(unit, 0)
+        if policy == "full":  # the input stays; backward recomputes everything the unit saved
+            kept, again = unit_input, saved * split
+        elif policy == "selective":  # the input and every matmul and attention output stay; the rest is redone
+            kept = unit_input + stats.selective_bytes.get(unit, 0) * split
+            again = stats.saved_by_kind.get(unit, {}).get("other", 0) * split
+        else:
+            kept, again = saved * split, 0.0
+        held += kept
+        recompute = max(recompute, again)
     output_grad = stats.output_bytes if last_stage else 0
-    plain_peak = plain + output_grad
-    if block_units:
-        # checkpointed: the units' inputs stay, and the output's gradient (the loss's, alive through backward);
-        # the rest of the model's activations are gone by the time backward recomputes the last unit
-        kept = sum(stats.unit_input_bytes.get(u, 0) for u in block_units)
-        outside = plain - sum(in_blocks[u] for u in block_units)
-        checkpointed_peak = kept + output_grad + max(outside, max(in_blocks[u] for u in block_units))
-    else:
-        checkpointed_peak = plain_peak
+    # the head's activations are gone by the time backward recomputes the last unit
+    peak = held + output_grad + max(0.0, recompute - outside)
     in_flight = 1
     if layout.pp > 1:  # the first stage holds this many microbatches' activations (GPipe: all of them)
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
         scale = scale / layout.microbatches
-    return checkpointed_peak * in_flight * scale, plain_peak * in_flight * scale
+    share = scale * in_flight / layout.cp  # each cp rank holds 1/cp of every sequence's tokens
+    return ActivationBytes(held * share, peak * share + kv_transient(stats, units, layout) * scale)
+
+
+def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:
+    """Context parallelism's short-lived buffers, in measured bytes: one layer's keys and values gathered for
+    the whole sequence, and in its backward their gradients (the same size) before they go back to their
+    ranks; none without cp (tensor parallelism splits the heads)."""
+    if layout.cp == 1:
+        return 0.0
+    calls = [kv for unit, sizes in stats.attention_kv_bytes.items() if unit_on_rank(stats, unit, units) for kv in sizes]
+    return 2 * max(calls, default=0) / layout.tp
+
+
+def activations_by_length(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float
+                          ) -> dict[int, dict[int, float | None]]:
+    """Peak activation bytes per rank of ``layout`` at other sequence lengths (``LENGTH_FACTORS`` of the
+    pass's) and cp degrees (``CP_DEGREES``); None where cp does not divide the sequence into 2 cp chunks.
+    Every term is linear in the tokens (fused attention saves no tokens x tokens matrix), so the pass at one
+    length gives all of them. Empty for a model without sequences."""
+    tokens = stats.tokens_per_sample
+    if tokens < 2:
+        return {}
+    table = {}
+    for factor in LENGTH_FACTORS:
+        length = int(tokens * factor)
+        if length < 1:
+            continue
+        table[length] = {cp: activations(stats, units, replace(layout, cp=cp), scale * length / tokens).peak
+                         if cp == 1 or length % (2 * cp) == 0 else None for cp in CP_DEGREES}
+    return table
 
 
 def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:

@@ -6,8 +6,12 @@ What it records, for one micro-batch:
 - every parameter's element count and the unit that owns it (pipeline and sharding units);
 - the bytes of the tensors autograd saves for backward (the activations), per unit: a storage is counted
   once, at the unit that first saved it; parameters and the input batch are not activations;
+- which kind of operator produced each saved storage (a matrix product, attention, or anything else), and
+  the bytes of every output of the matrix products and attention of forward: what selective activation
+  checkpointing keeps (``SELECTIVE_SAVE_OPS``) and what it recomputes;
 - every operator's FLOPs (``torch.utils.flop_counter``'s formulas) and the bytes of its inputs and outputs
   (views move none), forward ops per unit and backward ops in one list, for a roofline step time;
+- the bytes of the keys and values of each attention call (what context parallelism gathers);
 - attention as the fused kernels of CPUs and GPUs run it (they save the output and the log-sum-exp, not the
   attention matrix the meta device's reference path would keep);
 - the output bytes of every pipeline unit (what crosses a stage boundary) and the activation bytes the
@@ -17,6 +21,7 @@ What it records, for one micro-batch:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -31,11 +36,31 @@ from torch.utils.flop_counter import flop_registry
 from disttrain.data.spec import DataSpec, example_batch
 
 ROOT = ""
-Op = tuple[int, int, bool]
-"""One operator: FLOPs, bytes read and written, and whether it is a convolution (CPUs run those well below
-their matrix-multiply rate, so a profile times them at a rate of their own)."""
-CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward}
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
+Op = tuple[int, int, bool, str]
+"""One operator: FLOPs, bytes read and written, whether it is a convolution (CPUs run those well below
+their matrix-multiply rate, so a profile times them at a rate of their own), and its kind (``op_kind``)."""
+CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward}
+"""Convolution operators (timed at a profile's convolution rate)."""
+_aten = torch.ops.aten
+MATMUL_OPS = frozenset({_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm})
+"""Matrix products as the dispatcher sees them (``linear`` and ``matmul`` decompose into these)."""
+ATTENTION_OPS = frozenset({_aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
+                           _aten._scaled_dot_product_cudnn_attention,
+                           _aten._scaled_dot_product_flash_attention_for_cpu})
+"""The fused kernels ``scaled_dot_product_attention`` dispatches to on GPUs and CPUs."""
+SELECTIVE_SAVE_OPS = MATMUL_OPS | ATTENTION_OPS
+"""Operators whose outputs selective activation checkpointing keeps; it recomputes every other operator."""
+KINDS = ("matmul", "attention", "other")
+"""Kinds of operator a pass tells apart (``op_kind``)."""
+
+
+def op_kind(packet: Any) -> str:
+    """``matmul``, ``attention`` or ``other`` (element-wise work, norms, copies, views, convolutions) for an
+    operator overload packet (``func._overloadpacket`` of an ``OpOverload``)."""
+    if packet in MATMUL_OPS:
+        return "matmul"
+    return "attention" if packet in ATTENTION_OPS else "other"
 
 
 @dataclass
@@ -74,6 +99,19 @@ class ModelStats:
     """Bytes all-reduced in backward under tensor parallelism (column-wise layers' inputs)."""
     tp_sharded: dict[str, bool] = field(default_factory=dict)
     """Parameter name -> split by the tensor-parallel plan (column- or row-wise)."""
+    saved_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Unit name -> ``saved_bytes`` split by the kind of operator that produced each saved storage (``KINDS``)."""
+    selective_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit name -> bytes of every output of the forward operators in ``SELECTIVE_SAVE_OPS`` run inside it,
+    saved for backward or not: what selective checkpointing keeps of a checkpointed unit besides its input."""
+    attention_kv_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """Unit name -> bytes of the keys plus the values of each attention call inside it (whole sequence)."""
+
+    @functools.cached_property
+    def recomputed_ops(self) -> dict[str, list[Op]]:
+        """Unit name -> the forward operators selective checkpointing runs again in backward (all but
+        ``SELECTIVE_SAVE_OPS``)."""
+        return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.forward_ops.items()}
 
     @property
     def params(self) -> int:
@@ -118,7 +156,7 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     kept = {p: p.grad for p in net.parameters()}
     net.zero_grad(set_to_none=True)
     try:
-        with recorder, _FusedAttention(), _OpCounter(registry, recorder.on_op), \
+        with recorder, _FusedAttention(), _OpCounter(registry, recorder.on_op, recorder.on_call), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
             logits = net(inputs)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -134,7 +172,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                for name in param_numel}
     return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
                       recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
-                      recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded)
+                      recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded,
+                      recorder.saved_by_kind, recorder.selective, recorder.attention_kv)
 
 
 def _meta_copy(net: nn.Module) -> nn.Module:
@@ -170,6 +209,10 @@ class _Recorder:
         self.net, self.units, self.tp_plan = net, units, tp_plan
         self.stack: list[str] = [ROOT]
         self.saved: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
+        self.saved_by_kind: dict[str, dict[str, int]] = {unit: dict.fromkeys(KINDS, 0) for unit in [ROOT, *units]}
+        self.selective: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
+        self.attention_kv: dict[str, list[int]] = {unit: [] for unit in [ROOT, *units]}
+        self._producer: dict[int, str] = {}
         self.forward_ops: dict[str, list[Op]] = {unit: [] for unit in [ROOT, *units]}
         self.backward_ops: list[Op] = []
         self.inputs: dict[str, int] = {}
@@ -183,9 +226,29 @@ class _Recorder:
             key = tensor.untyped_storage()._cdata
             if self._in_forward and key not in skip and key not in self._seen:
                 self._seen.add(key)
-                self.saved[self.stack[-1]] += tensor.untyped_storage().nbytes()
+                nbytes = tensor.untyped_storage().nbytes()
+                self.saved[self.stack[-1]] += nbytes
+                self.saved_by_kind[self.stack[-1]][self._producer.get(key, "other")] += nbytes
             return tensor
         return hook
+
+    def on_call(self, kind: str, args: tuple, out: Any) -> None:
+        """An operator returned ``out``: note which kind made each new storage (a later operator may make a new
+        storage where a freed one was, so the latest maker counts), and under forward what selective
+        checkpointing would keep of it."""
+        if not self._in_forward:
+            return
+        # views and in-place operators return their input's storage (not every view says so in its schema:
+        # ``_unsafe_view``, which bias-free ``linear`` ends with, does not)
+        given = {t.untyped_storage()._cdata for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                   and t.untyped_storage()._cdata not in given]
+        for t in outputs:
+            self._producer[t.untyped_storage()._cdata] = kind
+        if kind != "other":
+            self.selective[self.stack[-1]] += sum(t.untyped_storage().nbytes() for t in outputs)
+        if kind == "attention":  # query, key, value come first in every fused kernel's arguments
+            self.attention_kv[self.stack[-1]].append(_nbytes(args[0][1]) + _nbytes(args[0][2]))
 
     def on_op(self, op: Op) -> None:
         """An operator ran: charge it to the running unit (forward) or to backward."""
@@ -253,11 +316,11 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
 
 class _OpCounter(TorchDispatchMode):
     """Reports each operator as an ``Op``: FLOPs by torch's formulas, the bytes it reads and writes (views:
-    none)."""
+    none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
 
-    def __init__(self, registry: dict, on_op) -> None:
+    def __init__(self, registry: dict, on_op, on_call=None) -> None:
         super().__init__()
-        self.registry, self.on_op = registry, on_op
+        self.registry, self.on_op, self.on_call = registry, on_op, on_call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -266,7 +329,10 @@ class _OpCounter(TorchDispatchMode):
         flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
         nbytes = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                                              if isinstance(t, torch.Tensor))
-        self.on_op((int(flops), nbytes, packet in CONVOLUTIONS))
+        kind = op_kind(packet)
+        self.on_op((int(flops), nbytes, packet in CONVOLUTIONS, kind))
+        if self.on_call is not None:
+            self.on_call(kind, (args, kwargs), out)
         return out
 
 

@@ -11,6 +11,7 @@ from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
 from disttrain.plan.layout import Layout, state_bytes
+from disttrain.plan.memory import ActivationBytes
 from disttrain.plan.model_stats import ModelStats, measure_model
 from disttrain.plan.units import human_bytes
 
@@ -42,13 +43,32 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
 def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
     """The layout of a validated run (its resolved degrees, options and batch)."""
     pipe = parallel.pipeline
-    return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
-                  zero_stage=parallel.zero_stage, activation_checkpointing=parallel.activation_checkpointing,
+    return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, cp=dims.cp,
+                  zero_stage=parallel.zero_stage, activation_checkpoint=parallel.activation_checkpoint,
+                  checkpoint_every_n_blocks=parallel.checkpoint_every_n_blocks,
                   sequence_parallel=parallel.sequence_parallel, micro_size=batch.micro_size,
                   accumulation=batch.accumulation, microbatches=pipe.microbatches if dims.pp > 1 else 1,
                   schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1,
                   accumulate_grads=parallel.accumulate_grads)
 
+
+def predicted_activation_bytes(net: nn.Module, spec: Any, micro_size: int, cp: int = 1,
+                               activation_checkpoint: str = "none", checkpoint_every_n_blocks: int = 1,
+                               precision: str = "32-true") -> ActivationBytes:
+    """The planner's activation bytes per rank for ``net`` on micro-batches of ``micro_size`` sequences of
+    ``spec`` split over ``cp`` context-parallel ranks under a checkpointing policy (no other parallelism): what
+    is held when forward ends and the peak early in backward (``memory.ActivationBytes``), for comparison with
+    what a rank measures."""
+    from disttrain.parallel.config import ParallelConfig
+    from disttrain.plan.hardware import PROFILES
+    from disttrain.plan.layout import rank_units
+    from disttrain.plan.memory import activations
+
+    inputs = plan_inputs(net, spec, micro_size, ParallelConfig(), None, precision, PROFILES["h100_sxm"])
+    layout = Layout(cp=cp, activation_checkpoint=activation_checkpoint,
+                    checkpoint_every_n_blocks=checkpoint_every_n_blocks, micro_size=micro_size)
+    dtype = 0.5 if inputs.bf16 else 1.0  # as ``estimate`` scales them
+    return activations(inputs.stats, rank_units(inputs.stats, layout)[0], layout, dtype)
 
 
 def planned_precision(precision: str, profile: HardwareProfile) -> str:
@@ -60,7 +80,15 @@ def planned_precision(precision: str, profile: HardwareProfile) -> str:
 
 
 def preset_name(layout: Layout) -> str:
-    """The preset a layout corresponds to (what a run chosen by ``parallel=auto`` is called)."""
+    """The preset a layout corresponds to (what a run chosen by ``parallel=auto`` is called), with ``+cp`` for
+    context parallelism (``cp`` alone on one data-parallel rank)."""
+    name = _data_and_model_preset(layout)
+    if layout.cp == 1:
+        return name
+    return "cp" if name == "single" else f"{name}+cp"
+
+
+def _data_and_model_preset(layout: Layout) -> str:
     if layout.pp > 1:
         return "pipeline"
     if layout.tp > 1:
@@ -108,8 +136,9 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
                        parallel.pipeline.microbatches, schedule=layout.schedule if layout.pp > 1 else
                        parallel.pipeline.schedule)
     return replace(parallel, name=preset_name(layout), dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                   tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage,
-                   activation_checkpointing=layout.activation_checkpointing,
+                   tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage,
+                   activation_checkpoint=layout.activation_checkpoint,
+                   checkpoint_every_n_blocks=layout.checkpoint_every_n_blocks,
                    sequence_parallel=layout.sequence_parallel, pipeline=pipeline)
 
 

@@ -24,9 +24,9 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
     for key, label in TERMS.items():
         value = human_bytes(e.memory[key])
         if key == "activations":
-            other, figure = (("without", e.activations_plain) if lay.activation_checkpointing
-                             else ("with", e.activations_checkpointed))
-            value += f" ({other} activation checkpointing: {human_bytes(figure)})"
+            others = ", ".join(f"{policy}: {human_bytes(figure)}" for policy, figure in e.activations_by_policy.items()
+                               if policy != lay.activation_checkpoint)
+            value += f" (checkpointing {lay.activation_checkpoint}; {others})"
         if key == "grads" and e.grads_alternative is not None:
             value += (" (accumulated sharded: a reduce-scatter every micro-batch; unsharded: "
                       f"{human_bytes(e.grads_alternative)})" if lay.sharded_accumulation else
@@ -36,6 +36,7 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
     verdict = "fits" if e.fits else f"DOES NOT FIT: {e.overflow()}"
     moment = max(e.phases, key=e.phases.get).replace("_", " ")
     lines += [f"| peak ({moment}) | {human_bytes(e.total_bytes)} of {human_bytes(e.capacity)}: {verdict} |", ""]
+    lines += sequence_table(e)
     if e.collectives:
         lines += ["communication per optimiser step (ring model, bytes this rank sends)",
                   "| collective | over | ranks | buffer | calls | sent | time |", "|---|---|---|---|---|---|---|"]
@@ -56,12 +57,31 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
     return "\n".join(lines)
 
 
+def sequence_table(e: Estimate) -> list[str]:
+    """Lines of the peak activations per rank of this layout by sequence length and cp degree (none for a
+    model without sequences), and a blank line."""
+    table = e.activations_by_length
+    if not table:
+        return []
+    cps = list(next(iter(table.values())))
+    run = e.tokens_per_step // (e.layout.micro_size * e.layout.accumulation * e.layout.dp)
+    lines = ["peak activations per rank by sequence length, this layout at each cp (linear in tokens: fused "
+             "attention keeps no tokens x tokens matrix; cp > 1 adds one layer's gathered keys and values)",
+             "| sequence | " + " | ".join(f"cp={cp}" for cp in cps) + " |", "|---" * (len(cps) + 1) + "|"]
+    for length, row in table.items():
+        label = f"{length} (this run)" if length == run else str(length)
+        lines.append(f"| {label} | " + " | ".join("-" if row[cp] is None else human_bytes(row[cp]) for cp in cps)
+                     + " |")
+    return [*lines, ""]
+
+
 def as_json(e: Estimate, profile: HardwareProfile) -> dict[str, Any]:
     """Everything the report shows, as plain JSON values."""
     return {"layout": asdict(e.layout), "memory_bytes": e.memory, "phases_bytes": e.phases,
             "total_bytes": e.total_bytes,
             "capacity_bytes": e.capacity, "fits": e.fits, "overflow": e.overflow() or None,
-            "activations_plain": e.activations_plain, "activations_checkpointed": e.activations_checkpointed,
+            "activations_held": e.activations_held, "activations_by_policy": e.activations_by_policy,
+            "activations_by_length": e.activations_by_length, "recompute_s": e.recompute_s,
             "collectives": [asdict(c) for c in e.collectives], "bubble": e.bubble, "compute_s": e.compute_s,
             "exposed_comm_s": e.exposed_comm_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
             "joules_per_token": e.joules_per_token, "profile": asdict(profile)}

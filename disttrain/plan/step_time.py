@@ -1,10 +1,11 @@
 """Step time of a layout: a roofline per measured operator on the profile's calibrated rates, recompute under
-activation checkpointing, the optimiser's memory traffic, the pipeline bubble, and the power it draws."""
+each activation-checkpointing policy, context parallelism's share of the work, the optimiser's memory
+traffic, the pipeline bubble, and the power it draws."""
 
 from __future__ import annotations
 
 from disttrain.plan.devices import HardwareProfile
-from disttrain.plan.layout import Layout, StateBytes, unit_on_rank, within
+from disttrain.plan.layout import Layout, StateBytes, policy_of_units, unit_on_rank, within
 from disttrain.plan.model_stats import ModelStats, Op
 
 
@@ -43,7 +44,7 @@ def op_seconds(ops: list[Op], split: float, rates: tuple[float, float], bandwidt
     matrix-multiply or the convolution rate of ``rates``) and memory, plus the per-operator overhead (on a GPU
     the launch overlaps the work of the kernels before it)."""
     total = 0.0
-    for flops, nbytes, conv in ops:
+    for flops, nbytes, conv, _ in ops:
         work = max(flops / split / rates[conv], nbytes / split / bandwidth)
         total += max(work, overhead) if overlapped else work + overhead
     return total
@@ -55,16 +56,20 @@ def in_any_block(unit: str, blocks: set[str]) -> bool:
 
 
 def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | None], profile: HardwareProfile,
-                     state: StateBytes, params: float, bf16: bool) -> float:
-    """Forward, backward, recompute and optimiser step of the busiest rank: per-operator roofline times of the
-    measured pass (tensor parallelism splits the work of the blocks; embeddings and head are replicated);
-    backward is charged to units in proportion to their forward time."""
+                     state: StateBytes, params: float, bf16: bool) -> tuple[float, float]:
+    """Forward, backward, recompute and optimiser step of the busiest rank, and the recompute part of it:
+    per-operator roofline times of the measured pass (tensor parallelism splits the work of the blocks;
+    context parallelism the work of every operator, each rank computing 1/cp of the tokens and, with its early
+    and late chunk, 1/cp of causal attention; embeddings and head are replicated over tp); backward is
+    charged to units in proportion to their forward time. Recompute: a fully checkpointed unit's forward
+    again; a selective one's operators other than matrix products and attention."""
     threads = threads_per_rank(profile, layout.world_size) if profile.cpu else 1
     dtype = "bf16" if bf16 else "fp32"
     rate = profile.flops[dtype] * threads
     rates = (rate, profile.flops.get(f"{dtype}_conv", profile.flops[dtype]) * threads)
     bandwidth = profile.memory_bandwidth * threads * (2 if bf16 else 1)  # bf16 halves the bytes moved
     blocks = set(stats.shard_units)
+    policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
 
     cache = stats.__dict__.setdefault("_seconds", {})  # layouts share a pass: time each op list once per split
 
@@ -74,17 +79,26 @@ def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | N
             cache[key] = op_seconds(ops, split, rates, bandwidth, profile.op_overhead, not profile.cpu)
         return cache[key]
 
+    def split(unit: str) -> int:
+        return layout.cp * (layout.tp if in_any_block(unit, blocks) else 1)
+
+    def recompute_seconds(unit: str) -> float:
+        policy = next((p for block, p in policies.items() if within(unit, block)), "none")
+        if policy == "full":
+            return forward[unit]
+        return seconds(stats.recomputed_ops[unit], split(unit)) if policy == "selective" else 0.0
+
     whole = sum(seconds(ops, 1) for ops in stats.forward_ops.values()) or 1.0
-    forward = {u: seconds(ops, layout.tp if in_any_block(u, blocks) else 1) for u, ops in stats.forward_ops.items()}
+    forward = {u: seconds(ops, split(u)) for u, ops in stats.forward_ops.items()}
     backward = seconds(stats.backward_ops, 1)
     passes = layout.accumulation * (layout.microbatches if layout.pp > 1 else 1)
     scale = layout.micro_size / (layout.microbatches if layout.pp > 1 else 1) / stats.micro_size
-    worst = 0.0
+    worst, worst_recompute = 0.0, 0.0
     for units in ranks:
         mine = {u: t for u, t in forward.items() if unit_on_rank(stats, u, units)}
         own_backward = backward * sum(mine.values()) / whole  # this rank's share of the whole model's forward
-        recompute = sum(t for u, t in mine.items() if in_any_block(u, blocks)) if layout.activation_checkpointing else 0
-        worst = max(worst, sum(mine.values()) + own_backward + recompute)
-    shard = layout.dp_shard if layout.zero_stage else 1
-    optimiser = params / shard * (2 * state.param + state.grad + 2 * state.optim) / bandwidth
-    return worst * scale * passes + optimiser
+        recompute = sum(recompute_seconds(u) for u in mine)
+        if sum(mine.values()) + own_backward + recompute > worst:
+            worst, worst_recompute = sum(mine.values()) + own_backward + recompute, recompute
+    optimiser = params / layout.state_shards * (2 * state.param + state.grad + 2 * state.optim) / bandwidth
+    return worst * scale * passes + optimiser, worst_recompute * scale * passes
