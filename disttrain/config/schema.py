@@ -151,7 +151,9 @@ class PlanConfig:
     """Hardware predicted for: machine (this machine; ``python -m disttrain.plan --calibrate`` measures it), or
     a stated profile: h100_sxm, a100_80gb."""
     memory_gb: float | None = None
-    """Memory per device in GB, in place of the profile's (what-if plans; parallel=auto fits to it)."""
+    """Memory each rank may use, in GB, in place of the profile's per device (what-if plans; parallel=auto fits to
+    it; on a CPU it is a budget per rank, not a share of the machine). A training run whose layout the planner
+    predicts above it is refused before ranks start, with what would fit."""
     alternatives: int = 3
     """Runner-up layouts ``parallel=auto`` prints beside its choice."""
 

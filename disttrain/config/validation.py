@@ -129,6 +129,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     check_model_plan(model.name, net, p, dims, batch.micro_size, datamodule.spec)
     top.comm.check_model(net)
     notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
+    if top.plan.memory_gb is not None and top.mode == "train" and not chose_layout:
+        from disttrain.plan.planner import check_memory_budget
+
+        check_memory_budget(net, datamodule.spec, dims, p, batch, optim, top.trainer.precision, top.plan.memory_gb)
     plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size

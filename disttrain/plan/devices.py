@@ -46,6 +46,8 @@ class HardwareProfile:
     cpu: bool = False
     """A CPU whose device is one core: ranks on a node share its cores (threads per rank = cores / ranks), and
     its memory (``memory_bytes`` is per core)."""
+    memory_per_rank: bool = False
+    """``memory_bytes`` is what each rank may use (a stated budget, ``plan.memory_gb``), also on a CPU."""
 
 
 def native_bf16(uses_gpu: bool) -> tuple[bool, str]:

@@ -132,9 +132,10 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     # data-parallel collectives of backward overlap it on GPUs; gloo on a shared CPU runs on the cores that
     # compute; what runs after the optimiser step (ZeRO-1's broadcast) has nothing to overlap
     exposed = other + (dp_time if shared_cpu else max(0.0, dp_time - compute * 2 / 3))
-    # CPU ranks of this machine share its memory: a whole machine's worth split over the ranks
-    capacity = (profile.memory_bytes * profile.devices_per_node / layout.world_size if profile.cpu
-                else profile.memory_bytes)
+    # CPU ranks of this machine share its memory (a whole machine's worth split over the ranks), unless a
+    # budget per rank is stated
+    shares = profile.cpu and not profile.memory_per_rank
+    capacity = profile.memory_bytes * profile.devices_per_node / layout.world_size if shares else profile.memory_bytes
     # the cp ranks of one data-parallel index share their samples: cp adds no tokens to a step
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
     return Estimate(layout, memory, phases, mine.held, {p: a.peak for p, a in policies.items()},

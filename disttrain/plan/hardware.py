@@ -61,7 +61,7 @@ def load_profile(path: Path) -> HardwareProfile:
 def resolve_profile(name: str, memory_gb: float | None = None) -> HardwareProfile:
     """The profile ``plan.profile`` names: ``machine`` (this machine: its calibration if stored, else a quick
     measurement of compute and memory with default loopback links) or a stated one; ``memory_gb`` overrides
-    the memory per device."""
+    the memory per device with a budget per rank (on a CPU too, whose ranks otherwise share its memory)."""
     from dataclasses import replace
 
     if name == "machine":
@@ -74,7 +74,7 @@ def resolve_profile(name: str, memory_gb: float | None = None) -> HardwareProfil
     if memory_gb is not None:
         if memory_gb <= 0:
             raise ConfigError("plan.memory_gb", memory_gb, "a positive number of GB per device, or null")
-        profile = replace(profile, memory_bytes=memory_gb * GB)
+        profile = replace(profile, memory_bytes=memory_gb * GB, memory_per_rank=True)
     return profile
 
 

@@ -114,7 +114,7 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
         dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp)
         try:
             candidate.check_dims(dims)
-            check_model_plan("model", net, candidate, dims, layout.micro_size)
+            check_model_plan("model", net, candidate, dims, layout.micro_size, spec)
         except ConfigError:
             return False
         return True
@@ -140,6 +140,39 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
                    activation_checkpoint=layout.activation_checkpoint,
                    checkpoint_every_n_blocks=layout.checkpoint_every_n_blocks,
                    sequence_parallel=layout.sequence_parallel, pipeline=pipeline)
+
+
+def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, batch: Any, optim: Any,
+                        precision: str, memory_gb: float) -> None:
+    """``plan.memory_gb`` on a training run: refuse, before any rank starts, a layout whose predicted peak per
+    rank exceeds it, naming what would fit among the cp degrees and checkpointing policies of the same world."""
+    from dataclasses import replace
+
+    from disttrain.errors import ConfigError
+    from disttrain.plan.hardware import resolve_profile
+
+    profile = resolve_profile("machine", memory_gb)
+    inputs = plan_inputs(net, spec, batch.micro_size, parallel, optim, planned_precision(precision, profile),
+                         profile)
+    layout = layout_of(dims, parallel, batch)
+    est = inputs.estimate(layout)
+    if est.fits:
+        return
+    fitting = []
+    for cp in (2, 4, 8):
+        if layout.cp * layout.dp_shard % cp == 0 and spec.block_size % (2 * cp) == 0 and cp != layout.cp:
+            other = replace(layout, cp=cp, dp_shard=layout.cp * layout.dp_shard // cp)
+            if inputs.estimate(other).fits:
+                fitting.append(f"parallel.cp={cp}")
+                break
+    for policy in ("selective", "full"):
+        other = replace(layout, activation_checkpoint=policy)
+        if policy != layout.activation_checkpoint and inputs.estimate(other).fits:
+            fitting.append(f"parallel.activation_checkpoint={policy}")
+            break
+    hint = f"; fits: {' or '.join(fitting)}" if fitting else "; parallel=auto searches the layouts that fit"
+    raise ConfigError("plan.memory_gb", memory_gb, f"at least the predicted peak per rank of this layout "
+                      f"({layout.describe()}): {est.overflow()}{hint}")
 
 
 def print_plan(run: Any) -> Estimate:
