@@ -23,7 +23,8 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import hf_plan
+from disttrain.models import hf_attention, hf_plan
+from disttrain.models.attention import SequenceSplit
 from disttrain.models.registry import MODELS
 
 CONFIG_FILE = "config.json"
@@ -140,7 +141,7 @@ class HFCausalLM(nn.Module):
     """A ``transformers`` causal LM whose ``forward`` maps token ids to logits, holding the model's own
     submodules under their own names (so parameter names are the Hugging Face checkpoint's)."""
 
-    def __init__(self, model: nn.Module, pretrained: str | None = None) -> None:
+    def __init__(self, model: nn.Module, pretrained: str | None = None, block_size: int | None = None) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -150,11 +151,25 @@ class HFCausalLM(nn.Module):
         """The folder whose safetensors weights replace the random initialisation once the model is laid out."""
         # kept outside the module tree: its submodules are this module's own children
         object.__setattr__(self, "_model", model)
+        self._split_refusal = hf_attention.split_refusal(model, block_size)
+        """Why the attention takes no sequence split on ``block_size``-token sequences (None: it takes one)."""
+        if self._split_refusal is None:  # context parallelism finds the modules that carry the attribute
+            hf_attention.take_sequence_splits(model)
+            self.sequence_split: SequenceSplit | None = None
+            """Set by context parallelism: this rank holds a slice of each sequence, whose global positions
+            ``forward`` passes to the model (the rotary angles); its attention modules carry the same split."""
         hf_plan.prepare_layers(self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""
-        return self._model(input_ids=idx, use_cache=False).logits
+        split = getattr(self, "sequence_split", None)
+        positions = None if split is None else split.positions(idx.size(1), idx.device).unsqueeze(0)
+        return self._model(input_ids=idx, position_ids=positions, use_cache=False).logits
+
+    def sequence_split_refusal(self) -> str | None:
+        """Why the model's attention takes no sequence split (None: it takes one, see
+        ``disttrain.models.hf_attention``)."""
+        return self._split_refusal
 
     def tp_plan(self) -> dict[str, str]:
         """The config's ``base_model_tp_plan`` in disttrain's styles (empty: the model declares none)."""
@@ -191,7 +206,8 @@ class HFCausalLM(nn.Module):
 @MODELS.register("hf", HFConfig)
 def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
     """Build the ``transformers`` model that ``cfg`` describes (never downloaded), in fp32 with PyTorch's
-    scaled-dot-product attention (causal without a mask, which the pipeline's stages rely on)."""
+    scaled-dot-product attention (causal without a mask, which the pipeline's stages rely on), over a sequence
+    split where the architecture allows one (``disttrain.models.hf_attention``)."""
     import transformers
 
     config = cfg.validate(spec)
@@ -199,4 +215,4 @@ def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
     # starting from a checkpoint, the weights are allocated only once laid out over the ranks (``materialize``)
     with torch.device("meta") if cfg.pretrained else nullcontext():
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None)
+    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.models.attention import positions_of
 
 TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "per_head"}
 """``transformers``' tensor-parallel styles that disttrain honours, and their names here."""
@@ -62,7 +62,8 @@ def layer_lists(net: nn.Module) -> list[str]:
 
 def prepare_layers(net: nn.Module) -> None:
     """Let a decoder layer of a pipelined model type run on its own: a hook gives it the rotary positions of its
-    input when its caller (a pipeline stage) passes none."""
+    input (where its split places them, under context parallelism) when its caller (a pipeline stage) passes
+    none."""
     if net.hf_config.model_type not in PIPELINE_TYPES:
         return
     _, base = _base(net)
@@ -78,7 +79,9 @@ def _positions_hook(rotary: nn.Module) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]
         if rotary.inv_freq.device != hidden.device:  # a stage holds no rotary module of its own to move
             rotary.to(hidden.device)
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # under context parallelism the layer holds a slice of the sequence, at the positions its split says
+        split = getattr(module.self_attn, "sequence_split", None)
+        positions = positions_of(hidden.shape[1], hidden.device, split).unsqueeze(0)
         return args, {**kwargs, "position_ids": positions, "position_embeddings": rotary(hidden, positions)}
 
     return give_positions

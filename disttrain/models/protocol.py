@@ -36,6 +36,12 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
 ``materialize(self, device) -> None`` (with a model built on the meta device)
     Allocate its tensors on ``device`` (``to_empty``) and compute the buffers no checkpoint holds; the strategy
     calls it once the model is laid out, so ZeRO-3 ranks allocate only their shards.
+
+``sequence_split`` (an attribute of the modules that attend or read positions, None while the sequence is whole)
+    Context parallelism sets a ``SequenceSplit`` on each of them (``disttrain.parallel.context``).
+
+``sequence_split_refusal(self) -> str | None`` (optional, for a model that may lack those modules)
+    Why it takes no sequence split, for the message that refuses ``parallel.cp``.
 """
 
 from __future__ import annotations

@@ -62,10 +62,13 @@ def _check_sequence_split(name: str, net: Any, dims: ParallelDims, sequence_para
     from disttrain.parallel.context import sequence_modules
 
     if getattr(spec, "kind", None) != "text" or not sequence_modules(net):
+        refusal = getattr(net, "sequence_split_refusal", None)  # a model may say why its attention takes none
+        why = refusal() if callable(refusal) else None
         raise ConfigError("parallel.cp", dims.cp,
-                          f"1 for model {name}: context parallelism splits text sequences over ranks, and "
-                          f"{type(net).__name__} has no module that takes a sequence split (attention with a "
-                          "sequence_split attribute, as model=gpt, llama and hf Llama-family models have)")
+                          f"1 for model {name}: context parallelism splits text sequences over ranks, and " + (
+                              why or f"{type(net).__name__} has no module that takes a sequence split (attention "
+                              "with a sequence_split attribute, as model=gpt, llama and hf Llama-family models "
+                              "have)"))
     length = spec.block_size
     if length % (2 * dims.cp):
         raise ConfigError("parallel.cp", dims.cp, f"a degree whose double divides the sequence length {length} "
