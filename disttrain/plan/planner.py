@@ -145,7 +145,7 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
 def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, batch: Any, optim: Any,
                         precision: str, memory_gb: float) -> None:
     """``plan.memory_gb`` on a training run: refuse, before any rank starts, a layout whose predicted peak per
-    rank exceeds it, naming what would fit among the cp degrees and checkpointing policies of the same world."""
+    rank exceeds it, naming what would fit: a higher cp degree, or another checkpointing policy."""
     from dataclasses import replace
 
     from disttrain.errors import ConfigError
@@ -159,11 +159,11 @@ def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, bat
     if est.fits:
         return
     fitting = []
-    for cp in (2, 4, 8):
-        if layout.cp * layout.dp_shard % cp == 0 and spec.block_size % (2 * cp) == 0 and cp != layout.cp:
-            other = replace(layout, cp=cp, dp_shard=layout.cp * layout.dp_shard // cp)
+    for cp in (2, 4, 8):  # the same data-parallel ranks, each sequence split over more ranks
+        if cp > layout.cp and spec.block_size % (2 * cp) == 0:
+            other = replace(layout, cp=cp)
             if inputs.estimate(other).fits:
-                fitting.append(f"parallel.cp={cp}")
+                fitting.append(f"parallel.cp={cp} on {other.world_size} ranks")
                 break
     for policy in ("selective", "full"):
         other = replace(layout, activation_checkpoint=policy)
