@@ -1,8 +1,8 @@
 """Long sequences: per-rank activation memory and step time for cp 1/2/4 x checkpointing none/selective/full.
 
-A GPT of small width (``--n-layer`` 2, ``--n-embd`` 64, 2 heads, byte vocabulary) takes one sequence per step at
-each length; cp > 1 runs on that many gloo ranks, one thread each, the model split as a training run splits it
-(``apply_context_parallel``, ``apply_activation_checkpointing``). Per rank:
+A GPT of small width (``--n-layer`` 2, ``--n-head`` 2, ``--n-embd`` 64, byte vocabulary) takes ``--batch`` 1
+sequence per step at each length; cp > 1 runs on that many gloo ranks, one thread each, the model split as a
+training run splits it (``apply_context_parallel``, ``apply_activation_checkpointing``). Per rank:
 
 - memory: what forward leaves alive for backward and the peak during backward, above the parameters and their
   gradients, from the CPU allocator's own record of every allocation and free (torch's profiler memory events,
@@ -14,6 +14,7 @@ Goals: the peak per rank at cp=4 <= 0.3x cp=1 at the same length; selective chec
 of full checkpointing's recompute time (step time above none's) at <= 1.5x full's peak; the planner within 15%.
 
     python benchmarks/long_context.py [--lengths 512 1024 2048 4096 8192] [--cps 1 2 4]
+    python benchmarks/long_context.py --lengths 2048 --n-layer 4 --n-head 4 --n-embd 128 --batch 4   # the recipe's
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ POLICIES = ("none", "selective", "full")
 MIB = 2**20
 
 
-def build(length: int, n_layer: int, n_embd: int, policy: str) -> GPT:
+def build(length: int, shape: tuple[int, int, int], policy: str) -> GPT:
     torch.manual_seed(0)
-    net = GPT(GPTDims(n_layer=n_layer, n_head=2, n_embd=n_embd, block_size=length, vocab_size=256))
+    n_layer, n_head, n_embd = shape
+    net = GPT(GPTDims(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=length, vocab_size=256))
     if policy != "none":
         apply_activation_checkpointing(net, policy=policy)
     return net
@@ -56,19 +58,20 @@ def step(net: GPT, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
 
 
-def measure_rank(length: int, n_layer: int, n_embd: int, repeats: int) -> dict[str, tuple[int, int, float]]:
+def measure_rank(length: int, shape: tuple[int, int, int], batch: int, repeats: int
+                 ) -> dict[str, tuple[int, int, float]]:
     """On each rank: ``policy -> (held bytes, peak bytes, step seconds)``."""
     torch.set_num_threads(1)
     size = dist.get_world_size()
     split = SequenceSplit(dist.group.WORLD, dist.get_rank(), size) if size > 1 else None
     torch.manual_seed(1)
-    tokens = torch.randint(0, 256, (1, length + 1))
+    tokens = torch.randint(0, 256, (batch, length + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if split is not None:
         inputs, targets = split.split(inputs), split.split(targets)
     results = {}
     for policy in POLICIES:
-        net = build(length, n_layer, n_embd, policy)
+        net = build(length, shape, policy)
         if split is not None:
             apply_context_parallel(net, split)
 
@@ -84,10 +87,11 @@ def measure_rank(length: int, n_layer: int, n_embd: int, repeats: int) -> dict[s
     return results
 
 
-def predicted_peak(length: int, n_layer: int, n_embd: int, cp: int, policy: str) -> int:
+def predicted_peak(length: int, shape: tuple[int, int, int], batch: int, cp: int, policy: str) -> int:
+    n_layer, n_head, n_embd = shape
     with torch.device("meta"):
-        net = GPT(GPTDims(n_layer=n_layer, n_head=2, n_embd=n_embd, block_size=length, vocab_size=256))
-    return int(predicted_activation_bytes(net, DataSpec("text", vocab_size=256, block_size=length), 1, cp,
+        net = GPT(GPTDims(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=length, vocab_size=256))
+    return int(predicted_activation_bytes(net, DataSpec("text", vocab_size=256, block_size=length), batch, cp,
                                           policy).peak)
 
 
@@ -96,22 +100,25 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    print(f"CPU: {cpu_model()}, torch {torch.__version__}, GPT {args.n_layer} layers x width {args.n_embd}, "
-          "1 sequence per step, gloo ranks of 1 thread\n")
+    shape = (args.n_layer, args.n_head, args.n_embd)
+    print(f"CPU: {cpu_model()}, torch {torch.__version__}, GPT {args.n_layer} layers x {args.n_head} heads x width "
+          f"{args.n_embd}, {args.batch} sequence(s) per step, fp32, gloo ranks of 1 thread\n")
     print("| tokens | cp | checkpointing | held MiB | peak MiB | planner peak MiB | planner / measured | step ms |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     rows: dict[tuple[int, int, str], tuple[int, int, float, int]] = {}
     for length in args.lengths:
         for cp in args.cps:
-            ranks = run_on_ranks(measure_rank, cp, length, args.n_layer, args.n_embd, args.repeats, timeout=900)
+            ranks = run_on_ranks(measure_rank, cp, length, shape, args.batch, args.repeats, timeout=900)
             for policy in POLICIES:
                 held, peak, _ = ranks[0][policy]
                 seconds = max(rank[policy][2] for rank in ranks)
-                predicted = predicted_peak(length, args.n_layer, args.n_embd, cp, policy)
+                predicted = predicted_peak(length, shape, args.batch, cp, policy)
                 rows[length, cp, policy] = (held, peak, seconds, predicted)
                 print(f"| {length} | {cp} | {policy} | {held / MIB:.1f} | {peak / MIB:.1f} | {predicted / MIB:.1f} | "
                       f"{predicted / peak:.3f} | {seconds * 1e3:.0f} |", flush=True)
