@@ -29,14 +29,19 @@ def model_on_meta(model: Any, spec: Any) -> Any:
 
 def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int) -> None:
     """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
-    schedule can cut, and shard units that exist (from its methods or from ``parallel``)."""
-    from disttrain.parallel.model_plan import pipeline_units_of, tp_plan_of
+    schedule can cut, and shard units that exist (from its methods or from ``parallel``; blocks to checkpoint
+    when ``parallel.activation_checkpoint`` is not none)."""
+    from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
     from disttrain.parallel.pipeline.split import check_pipeline, check_units
     from disttrain.parallel.tp import check_tp_plan
 
     for key in ("pipeline_units", "shard_units"):
         for unit in getattr(p, key) or []:
             _check_submodule(net, f"parallel.{key}", unit)
+    if p.activation_checkpoint != "none" and not shard_units_of(net, p.shard_units, p.min_params_per_unit):
+        raise ConfigError("parallel.activation_checkpoint", p.activation_checkpoint,
+                          f"none for model {name}: it has no blocks to checkpoint (declare shard_units(), or set "
+                          "parallel.shard_units)")
     if dims.tp_enabled:
         plan = tp_plan_of(net, p.tp_plan)
         if not plan:

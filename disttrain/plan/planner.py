@@ -43,7 +43,7 @@ def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
     """The layout of a validated run (its resolved degrees, options and batch)."""
     pipe = parallel.pipeline
     return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
-                  zero_stage=parallel.zero_stage, activation_checkpointing=parallel.activation_checkpointing,
+                  zero_stage=parallel.zero_stage, activation_checkpointing=parallel.activation_checkpoint != "none",
                   sequence_parallel=parallel.sequence_parallel, micro_size=batch.micro_size,
                   accumulation=batch.accumulation, microbatches=pipe.microbatches if dims.pp > 1 else 1,
                   schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1,
@@ -109,7 +109,7 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
                        parallel.pipeline.schedule)
     return replace(parallel, name=preset_name(layout), dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
                    tp=layout.tp, pp=layout.pp, zero_stage=layout.zero_stage,
-                   activation_checkpointing=layout.activation_checkpointing,
+                   activation_checkpoint="full" if layout.activation_checkpointing else "none",
                    sequence_parallel=layout.sequence_parallel, pipeline=pipeline)
 
 
