@@ -5,26 +5,23 @@ it with ``predicted_activation_bytes`` at cp 1, 2 and 4."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from disttrain.config.typed import model_typed
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS, build_model
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-from disttrain.parallel.model_plan import shard_units_of
 from disttrain.plan.auto import candidate_layouts
 from disttrain.plan.hardware import PROFILES
 from disttrain.plan.layout import Layout, policy_of_units
 from disttrain.plan.measure import measured_activations
-from disttrain.plan.model_stats import SELECTIVE_SAVE_OPS
 from disttrain.plan.planner import plan_inputs, predicted_activation_bytes
 from disttrain.plan.report import as_json, render
 from disttrain.plan.units import human_bytes
@@ -48,25 +45,6 @@ def _inputs(net: torch.nn.Module, spec: DataSpec = LONG, profile=NO_OVERHEAD):
     return plan_inputs(net, spec, MICRO, ParallelConfig(), OmegaConf.create({"name": "adamw"}), "32-true", profile)
 
 
-def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """``activation_checkpoint=selective`` in torch's selective checkpoint API: keep the outputs of matrix
-    products and attention, recompute everything else."""
-    save = func._overloadpacket in SELECTIVE_SAVE_OPS
-    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def checkpoint_blocks(net: torch.nn.Module, policy: str, every: int) -> None:
-    """Run the every-th, 2 every-th, ... block under torch's non-reentrant checkpoint (with the selective
-    policy's contexts for ``selective``)."""
-    if policy == "none":
-        return
-    context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, selective_policy)} \
-        if policy == "selective" else {}
-    for i, block in enumerate(shard_units_of(net)):
-        if (i + 1) % every == 0:
-            block.forward = functools.partial(checkpoint, type(block).forward, block, use_reentrant=False, **context)
-
-
 @pytest.mark.parametrize("cfg", [{"name": "gpt", "flavour": "nano"}, {"name": "llama", "flavour": "nano"}],
                          ids=lambda cfg: cfg["name"])
 @pytest.mark.parametrize(("policy", "every"), [("none", 1), ("full", 1), ("selective", 1), ("full", 2),
@@ -79,7 +57,8 @@ def test_each_checkpointing_policy_is_within_15_percent_of_a_measured_cpu_pass(c
     are freed as backward goes, the plan keeps the block's all at once)."""
     net = _model(cfg)
     predicted = predicted_activation_bytes(net, LONG, MICRO, 1, policy, every)
-    checkpoint_blocks(net, policy, every)
+    if policy != "none":  # as a run applies it
+        apply_activation_checkpointing(net, policy=policy, every_n_blocks=every)
     held, peak = measured_activations(net, example_batch(LONG, MICRO))
     assert predicted.held == pytest.approx(held, rel=0.15), (predicted, held)
     assert predicted.peak == pytest.approx(peak, rel=0.15), (predicted, peak)

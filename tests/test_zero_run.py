@@ -39,10 +39,11 @@ def test_zero_matches_single_process(make_config, tmp_path, single_curve, preset
     assert_same_curve(single_curve, step_losses(tmp_path / "run"))
 
 
-@pytest.mark.parametrize("accumulate_grads", ["sharded", "unsharded"])
-def test_zero3_with_accumulation_and_activation_checkpointing(make_config, tmp_path, single_curve, accumulate_grads):
+@pytest.mark.parametrize(("accumulate_grads", "policy"), [("sharded", "selective"), ("unsharded", "full")])
+def test_zero3_with_accumulation_and_activation_checkpointing(make_config, tmp_path, single_curve, accumulate_grads,
+                                                              policy):
     overrides = [*GPT_FAST, "parallel=zero3", "trainer.devices=2", "batch.accumulation=2",
-                 "parallel.activation_checkpointing=true", f"parallel.accumulate_grads={accumulate_grads}"]
+                 f"parallel.activation_checkpoint={policy}", f"parallel.accumulate_grads={accumulate_grads}"]
     train(make_config(overrides, tmp_path / "run"))
     assert_same_curve(single_curve, step_losses(tmp_path / "run"))
 

@@ -55,8 +55,8 @@ def apply_parallelism(
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
-    if parallel.activation_checkpointing:
-        apply_activation_checkpointing(model, units)
+    if parallel.activation_checkpoint != "none":
+        apply_activation_checkpointing(model, units, parallel.activation_checkpoint, parallel.checkpoint_every_n_blocks)
     if compile:
         compile_model(model, units, per_unit=dims.tp_enabled or parallel.zero_stage in (2, 3))
     if parallel.zero_stage in (2, 3):

@@ -65,6 +65,12 @@ class OuterOptions:
 ACCUMULATE_GRADS = ("auto", "sharded", "unsharded")
 """Values of ``parallel.accumulate_grads``."""
 
+ACTIVATION_CHECKPOINT = ("none", "full", "selective")
+"""Values of ``parallel.activation_checkpoint``."""
+
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+"""Pipeline schedules that split a stage's backward into an input-gradient and a weight-gradient pass."""
+
 
 def accumulates_sharded(zero_stage: int, accumulate_grads: str) -> bool:
     """Whether gradient accumulation keeps ZeRO-2/3's gradients sharded: every micro-batch reduce-scatters its
@@ -107,13 +113,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With tp > 1: also shard norms and dropout along the sequence (less activation memory)."""
     activation_checkpoint: str = "none"
-    """Activation checkpointing of the shard units (the model's blocks): none (keep every activation); full
-    (keep each block's input, recompute its forward in backward: the least memory, about a third more compute);
-    selective (keep also the outputs of its matrix products and attention, recompute the element-wise rest:
-    norms, activations, adds, dropout)."""
+    """What the shard units (blocks) keep for backward. none: every activation. full: only each block's input;
+    backward runs the block's forward again (least memory, about one more forward of compute). selective: the
+    outputs of matrix products, attention and collectives; the element-wise work between them (norms,
+    activation functions, residual adds, dropout) is recomputed (memory between the two, little extra compute;
+    see ``disttrain.parallel.activation_checkpoint``)."""
     checkpoint_every_n_blocks: int = 1
-    """Apply ``activation_checkpoint`` to every n-th block only (the n-th, 2n-th, ...); the others keep every
-    activation. 1: every block."""
+    """Apply ``activation_checkpoint`` to every n-th block only (the n-th, 2n-th, ... counting from 1, as
+    torchtitan counts); the others keep all their activations. 1: every block."""
     cpu_offload: bool = False
     """ZeRO-2/3 on GPU: keep parameter shards, gradients and the optimiser step on the CPU."""
     min_params_per_unit: int = 100_000
@@ -172,8 +179,9 @@ class ParallelConfig:
             raise ConfigError("parallel.zero_stage", self.zero_stage, "one of 0, 1, 2, 3")
         if self.accumulate_grads not in ACCUMULATE_GRADS:
             raise ConfigError("parallel.accumulate_grads", self.accumulate_grads, "auto, sharded or unsharded")
-        if self.activation_checkpoint not in ("none", "full", "selective"):
-            raise ConfigError("parallel.activation_checkpoint", self.activation_checkpoint, "none, full or selective")
+        if self.activation_checkpoint not in ACTIVATION_CHECKPOINT:
+            raise ConfigError("parallel.activation_checkpoint", self.activation_checkpoint,
+                              f"one of {', '.join(ACTIVATION_CHECKPOINT)}")
         if self.checkpoint_every_n_blocks < 1:
             raise ConfigError("parallel.checkpoint_every_n_blocks", self.checkpoint_every_n_blocks,
                               "a positive number of blocks (1: every block)")
@@ -221,9 +229,11 @@ class ParallelConfig:
                               "zero_stage=1 with pipelining are not available yet")
         if dims.pp_enabled and self.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "false with pp > 1 (not available yet)")
-        if dims.pp_enabled and self.activation_checkpoint != "none":
-            raise ConfigError("parallel.activation_checkpoint", self.activation_checkpoint,
-                              "none with pp > 1 (not available yet)")
+        if dims.pp_enabled and self.activation_checkpoint == "selective" and self.pipeline.schedule in SPLIT_BACKWARD:
+            raise ConfigError("parallel.activation_checkpoint", "selective",
+                              f"none or full with the {self.pipeline.schedule} schedule (it runs a block's backward "
+                              "in two passes, input then weight gradients, and torch's selective checkpoint "
+                              "recomputes a block for one backward only)")
         if dims.tp_enabled and dims.dp_replicate_enabled and self.zero_stage in (0, 1):
             raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
                               "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "

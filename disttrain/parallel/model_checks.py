@@ -30,9 +30,10 @@ def model_on_meta(model: Any, spec: Any) -> Any:
 def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims, micro_size: int,
                      spec: Any = None) -> None:
     """The model has what the degrees need from it: a tp plan that splits evenly, pipeline units that the
-    schedule can cut, shard units that exist (from its methods or from ``parallel``), and attention that takes
-    a sequence split for the sequences of ``spec`` (the data's) under context parallelism."""
-    from disttrain.parallel.model_plan import pipeline_units_of, tp_plan_of
+    schedule can cut, shard units that exist (from its methods or from ``parallel``; blocks to checkpoint
+    when ``parallel.activation_checkpoint`` is not none), and attention that takes a sequence split for the
+    sequences of ``spec`` (the data's) under context parallelism."""
+    from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
     from disttrain.parallel.pipeline.split import check_pipeline, check_units
     from disttrain.parallel.tp import check_tp_plan
 
@@ -41,6 +42,10 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
             _check_submodule(net, f"parallel.{key}", unit)
     if dims.cp_enabled:
         _check_sequence_split(name, net, dims, p.sequence_parallel, spec)
+    if p.activation_checkpoint != "none" and not shard_units_of(net, p.shard_units, p.min_params_per_unit):
+        raise ConfigError("parallel.activation_checkpoint", p.activation_checkpoint,
+                          f"none for model {name}: it has no blocks to checkpoint (declare shard_units(), or set "
+                          "parallel.shard_units)")
     if dims.tp_enabled:
         plan = tp_plan_of(net, p.tp_plan)
         if not plan:

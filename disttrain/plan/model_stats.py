@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from disttrain.data.spec import DataSpec, example_batch
+from disttrain.parallel import activation_checkpoint
 
 ROOT = ""
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
@@ -42,15 +43,11 @@ Op = tuple[int, int, bool, str]
 their matrix-multiply rate, so a profile times them at a rate of their own), and its kind (``op_kind``)."""
 CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward}
 """Convolution operators (timed at a profile's convolution rate)."""
-_aten = torch.ops.aten
-MATMUL_OPS = frozenset({_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm})
-"""Matrix products as the dispatcher sees them (``linear`` and ``matmul`` decompose into these)."""
-ATTENTION_OPS = frozenset({_aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
-                           _aten._scaled_dot_product_cudnn_attention,
-                           _aten._scaled_dot_product_flash_attention_for_cpu})
-"""The fused kernels ``scaled_dot_product_attention`` dispatches to on GPUs and CPUs."""
+# the operator sets of the runtime's selective policy, so the plan prices exactly what it keeps
+MATMUL_OPS, ATTENTION_OPS = activation_checkpoint.MATMUL_OPS, activation_checkpoint.ATTENTION_OPS
 SELECTIVE_SAVE_OPS = MATMUL_OPS | ATTENTION_OPS
-"""Operators whose outputs selective activation checkpointing keeps; it recomputes every other operator."""
+"""Operators whose outputs selective activation checkpointing keeps (``parallel.activation_checkpoint``'s
+collectives run only under tensor parallelism, which a measured pass leaves out); it recomputes the others."""
 KINDS = ("matmul", "attention", "other")
 """Kinds of operator a pass tells apart (``op_kind``)."""
 

@@ -21,9 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from disttrain.data.base import IGNORE_INDEX
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
-from disttrain.parallel.model_plan import pipeline_units_of, tp_plan_of
+from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 from disttrain.parallel.pipeline.split import (
     UnitStage,
     build_schedule,
@@ -135,9 +136,9 @@ def build_pipeline(
     loss_fn: Any,
     example_input: torch.Tensor,
 ) -> tuple[nn.Module, Pipeline]:
-    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, sharded over dp_shard x cp when
-    zero_stage is 2 or 3), and
-    build the schedule. Returns a module holding exactly this rank's parameters under the full model's
+    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, its blocks checkpointed as
+    ``parallel.activation_checkpoint`` says, sharded over dp_shard x cp when zero_stage is 2 or 3), and build the
+    schedule. Returns a module holding exactly this rank's parameters under the full model's
     names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
     num_stages = dims.pp * options.stages_per_rank
@@ -152,6 +153,7 @@ def build_pipeline(
         plan = tp_plan_of(model, parallel.tp_plan)
         for module in modules:
             apply_tp(module, mesh["tp"], plan, sequence_parallel=False)
+    checkpoint_stage_blocks(model, modules, parallel)
     if parallel.zero_stage in (2, 3):
         for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
             fully_shard(module, mesh=dims.shard_mesh(mesh), reshard_after_forward=parallel.zero_stage == 3)
@@ -166,6 +168,18 @@ def build_pipeline(
                               num_stages=num_stages, pp=dims.pp) \
         if options.timeline and records_on(pp_group) else None
     return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group, recorder=recorder)
+
+
+def checkpoint_stage_blocks(model: nn.Module, stages: list[nn.Module], parallel: ParallelConfig) -> None:
+    """Checkpoint the blocks of ``model`` that lie in ``stages`` as ``parallel`` says; every n-th block is
+    counted over the whole model, so a block is checkpointed or not whatever stage it lands on."""
+    if parallel.activation_checkpoint == "none":
+        return
+    units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
+    held = {id(m) for stage in stages for m in stage.modules()}
+    mine = [block for block in checkpointed_blocks(units, parallel.checkpoint_every_n_blocks) if id(block) in held]
+    if mine:  # a stage of only the embedding or the head has no block
+        apply_activation_checkpointing(model, mine, parallel.activation_checkpoint)
 
 
 def stage_examples(stages: list[nn.Module], first_input: torch.Tensor) -> list[torch.Tensor]:
