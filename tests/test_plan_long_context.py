@@ -17,7 +17,6 @@ from disttrain.errors import ConfigError
 from disttrain.models import MODELS, build_model
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import ParallelConfig
-from disttrain.parallel.dims import ParallelDims
 from disttrain.plan.auto import candidate_layouts
 from disttrain.plan.hardware import PROFILES
 from disttrain.plan.layout import Layout, policy_of_units
@@ -206,13 +205,6 @@ def test_the_plan_tables_activations_by_sequence_length_and_cp() -> None:
         short, PROFILES["h100_sxm"], 1, "gpt")
 
 
-def test_bad_checkpointing_options_are_one_config_error_each() -> None:
-    with pytest.raises(ConfigError, match=r"parallel.activation_checkpoint='partial' is invalid: none, full or "
-                                          r"selective"):
-        ParallelConfig(activation_checkpoint="partial").validate()
-    with pytest.raises(ConfigError, match=r"parallel.checkpoint_every_n_blocks=0 is invalid"):
-        ParallelConfig(checkpoint_every_n_blocks=0).validate()
-    with pytest.raises(ConfigError, match=r"parallel.activation_checkpoint='selective' is invalid: none with pp"):
-        ParallelConfig(activation_checkpoint="selective", pp=2).check_dims(ParallelDims(pp=2))
+def test_a_layout_describes_its_cp_and_checkpointing() -> None:
     layout = Layout(dp_shard=2, cp=2, zero_stage=3, activation_checkpoint="full", checkpoint_every_n_blocks=2)
     assert layout.describe() == "dp_shard=2 cp=2 zero3 ac=full every 2 micro=1x1"
