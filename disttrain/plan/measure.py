@@ -2,41 +2,74 @@
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
-def _allocated(prof: profile) -> tuple[int, int]:
-    """Bytes the profiled code left allocated, and the most it had allocated at once."""
-    in_use = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        in_use += event.self_cpu_memory_usage
-        peak = max(peak, in_use)
-    return in_use, peak
+def _is_real_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_meta
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the tensor storages that operators create inside this mode and that are still alive, and their
+    peak. Each storage is counted once (views share it; what an operator returns in an input's storage is not
+    new) and leaves the count when its last reference goes, on
+    whatever thread that happens: a storage a gloo collective wrote into is released on gloo's worker thread,
+    which torch's profiler memory events never see (they showed such buffers as held for good)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        """Bytes alive now."""
+        self.peak = 0
+        """The most bytes alive at once."""
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # views and in-place results share an input's storage (a weight's transpose is the weight's memory)
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_real_tensor(t)}
+        for leaf in tree_leaves(out):
+            if _is_real_tensor(leaf) and leaf.untyped_storage()._cdata not in inputs:
+                self._count(leaf.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._refs or storage.nbytes() == 0:
+            return
+        size = storage.nbytes()
+
+        def release(_: Any, key: int = key, size: int = size) -> None:
+            self._refs.pop(key, None)
+            self.live -= size
+
+        # torch keeps a storage's Python object as long as its C++ storage lives, so the weak reference dies
+        # exactly when the memory is freed
+        self._refs[key] = weakref.ref(storage, release)
+        self.live += size
+        self.peak = max(self.peak, self.live)
 
 
 def measured_activations(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
-    """Bytes alive for backward when forward and the loss end, and their peak during backward.
-
-    Read from torch's profiler memory events (``profile_memory=True``): the CPU allocator's own record of every
-    allocation and free, summed in time order. It counts what is really held, whatever holds it (autograd's
-    saved tensors, a checkpoint's kept inputs, selective checkpointing's cache of outputs), independently of
-    the saved-tensor hooks the planner's pass reads. The process's resident memory would not do: the C
-    allocator keeps freed pages, and a few MB drown in it. Parameter gradients exist before forward, so what
-    backward adds is activations' gradients and recomputed activations.
-    """
+    """Bytes alive for backward when forward and the loss end, and the most alive at once during backward
+    (``LiveStorages``: every storage that forward and backward create, from its creation to its release;
+    parameters and their gradients exist before and are not counted). It counts what is really held, whatever
+    holds it (autograd's saved tensors, a checkpoint's kept inputs, selective checkpointing's cache of outputs,
+    a collective's buffers), independently of the saved-tensor hooks the planner's pass reads. The process's
+    resident memory would not do: the C allocator keeps freed pages, and a few MB drown in it."""
     inputs, targets = batch
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-
-    def forward() -> torch.Tensor:
-        logits = net(inputs)  # freed on return, as a training step frees it: the loss keeps what it needs
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = forward()
-    held, _ = _allocated(prof)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with LiveStorages() as live:
+        logits = net(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        del logits  # freed, as a training step frees it: the loss keeps what it needs
+        held = live.peak = live.live
         loss.backward()
-    return held, held + _allocated(prof)[1]
+    return held, live.peak

@@ -51,8 +51,8 @@ class ActivationBytes:
     checkpointing, the outputs of their matrix products and attention."""
     peak: float
     """At their largest, as backward starts: what is held, the gradient of the output, the largest unit's
-    recomputed activations beyond what the model's head held, and under cp one layer's gathered keys and
-    values with their gradients."""
+    recomputed activations beyond what the model's head held, the gradient of a block's widest activation,
+    and under cp one layer's gathered keys and values."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> ActivationBytes:
@@ -65,13 +65,19 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     split = 1.0
     if layout.tp > 1:  # Megatron: 24 of 34 sbh bytes are split by tp; all of them with sequence parallelism
         split = 1 / layout.tp if layout.sequence_parallel else (10 + 24 / layout.tp) / 34
-    held = outside = recompute = 0.0
+    held = outside = recompute = gradient = 0.0
+    # what runs after the last block (the head, the loss) is freed before backward reaches the blocks; what
+    # runs before them (a CNN's stem) stays until the end
+    order = stats.pipeline_units
+    last_block = max((i for i, u in enumerate(order) if u in blocks), default=len(order) - 1)
+    after_blocks = {ROOT, *order[last_block + 1:]}
     # each saved storage was charged to the innermost running unit once: keep the entries of this rank's units
     for unit, saved in stats.saved_bytes.items():
         if not unit_on_rank(stats, unit, units):
             continue
         if unit not in blocks:
-            held, outside = held + saved, outside + saved
+            held += saved
+            outside += saved if unit in after_blocks else 0
             continue
         policy, unit_input = policies[unit], stats.unit_input_bytes.get(unit, 0)
         if policy == "full":  # the input stays; backward recomputes everything the unit saved
@@ -83,9 +89,11 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
             kept, again = saved * split, 0.0
         held += kept
         recompute = max(recompute, again)
+        gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
     output_grad = stats.output_bytes if last_stage else 0
-    # the head's activations are gone by the time backward recomputes the last unit
-    peak = held + output_grad + max(0.0, recompute - outside)
+    # the head's activations are gone by the time backward recomputes the last unit; inside a unit's backward
+    # the gradient of its widest activation lives beside them
+    peak = held + output_grad + max(0.0, recompute - outside) + gradient
     in_flight = 1
     if layout.pp > 1:  # the first stage holds this many microbatches' activations (GPipe: all of them)
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
@@ -96,12 +104,13 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
 
 def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:
     """Context parallelism's short-lived buffers, in measured bytes: one layer's keys and values gathered for
-    the whole sequence, and in its backward their gradients (the same size) before they go back to their
-    ranks; none without cp (tensor parallelism splits the heads)."""
+    the whole sequence; none without cp (tensor parallelism splits the heads). Their gradients (the same size)
+    come later in that layer's backward, once its feed-forward activations (larger, for a 4x or SwiGLU hidden)
+    are freed: measured on gloo ranks, the peak per rank was the held bytes plus about one gathered set."""
     if layout.cp == 1:
         return 0.0
     calls = [kv for unit, sizes in stats.attention_kv_bytes.items() if unit_on_rank(stats, unit, units) for kv in sizes]
-    return 2 * max(calls, default=0) / layout.tp
+    return max(calls, default=0) / layout.tp
 
 
 def activations_by_length(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float

@@ -103,6 +103,9 @@ class ModelStats:
     saved for backward or not: what selective checkpointing keeps of a checkpointed unit besides its input."""
     attention_kv_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Unit name -> bytes of the keys plus the values of each attention call inside it (whole sequence)."""
+    largest_saved: dict[str, int] = field(default_factory=dict)
+    """Unit name -> bytes of its largest saved storage: the gradient of that activation is alive beside the
+    unit's activations while backward goes through it."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -170,7 +173,7 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
                       recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
                       recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded,
-                      recorder.saved_by_kind, recorder.selective, recorder.attention_kv)
+                      recorder.saved_by_kind, recorder.selective, recorder.attention_kv, recorder.largest)
 
 
 def _meta_copy(net: nn.Module) -> nn.Module:
@@ -207,6 +210,7 @@ class _Recorder:
         self.stack: list[str] = [ROOT]
         self.saved: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
         self.saved_by_kind: dict[str, dict[str, int]] = {unit: dict.fromkeys(KINDS, 0) for unit in [ROOT, *units]}
+        self.largest: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
         self.selective: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
         self.attention_kv: dict[str, list[int]] = {unit: [] for unit in [ROOT, *units]}
         self._producer: dict[int, str] = {}
@@ -225,6 +229,7 @@ class _Recorder:
                 self._seen.add(key)
                 nbytes = tensor.untyped_storage().nbytes()
                 self.saved[self.stack[-1]] += nbytes
+                self.largest[self.stack[-1]] = max(self.largest[self.stack[-1]], nbytes)
                 self.saved_by_kind[self.stack[-1]][self._producer.get(key, "other")] += nbytes
             return tensor
         return hook
