@@ -64,8 +64,8 @@ def test_activation_memory_is_within_15_percent_of_the_measured_peak(cfg: dict, 
         apply_activation_checkpointing(net)
     measured = measured_activations(net, example_batch(spec, micro))[1]
     predicted = e.memory["activations"]
-    # measured here (predicted / measured peak): GPT and Llama 1.00-1.03 without checkpointing, 0.94-1.01 with
-    # it; the CNN 0.90-0.95 (its BatchNorm and pooling temporaries are not saved tensors)
+    # measured here (predicted / measured peak): GPT and Llama 0.93-0.98 without checkpointing, 0.90-0.99 with
+    # it; the CNN 0.94 and 1.00 (its BatchNorm and pooling temporaries are not saved tensors)
     assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
 
 

@@ -50,9 +50,10 @@ class ActivationBytes:
     """Kept for backward when forward ends: saved tensors, checkpointed units' inputs and, under selective
     checkpointing, the outputs of their matrix products and attention."""
     peak: float
-    """At their largest, as backward starts: what is held, the gradient of the output, the largest unit's
-    recomputed activations beyond what the model's head held, the gradient of a block's widest activation,
-    and under cp one layer's gathered keys and values."""
+    """At their largest: as backward starts (what is held and the gradient of the output) or in the last
+    block's backward (what is held but the head's activations, the block's recomputed activations and the
+    gradient of its widest activation), whichever is more; under cp, one layer's gathered keys and values
+    besides."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> ActivationBytes:
@@ -91,9 +92,10 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
     output_grad = stats.output_bytes if last_stage else 0
-    # the head's activations are gone by the time backward recomputes the last unit; inside a unit's backward
-    # the gradient of its widest activation lives beside them
-    peak = held + output_grad + max(0.0, recompute - outside) + gradient
+    # two moments: backward's start (everything held and the output's gradient), and the last block's backward,
+    # when the head's activations and the output's gradient are gone, the block's recomputed activations are
+    # back and the gradient of its widest activation lives beside them
+    peak = max(held + output_grad, held - outside + recompute + gradient)
     in_flight = 1
     if layout.pp > 1:  # the first stage holds this many microbatches' activations (GPipe: all of them)
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
