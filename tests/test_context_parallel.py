@@ -18,6 +18,7 @@ from disttrain.data.spec import DataSpec, example_batch
 from disttrain.errors import ConfigError
 from disttrain.models import MODELS, build_model
 from disttrain.models.attention import causal_attention
+from disttrain.parallel import causal_blocks
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.context import SequenceSplit, apply_context_parallel
 from disttrain.plan.measure import measured_activations
@@ -48,7 +49,9 @@ def test_tokens_and_attention_work_per_rank_balance_at_cp4() -> None:
     assert max(contiguous) / min(contiguous) > 2
 
 
-def _split_attention_matches_whole(kv_heads: int, dtype: torch.dtype) -> dict:
+def _split_attention_matches_whole(kv_heads: int, dtype: torch.dtype, masked: bool) -> dict:
+    if masked:  # the form that runs with dropout or off the CPU: one masked call per chunk
+        causal_blocks.supported = lambda q, dropout_p: False
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same whole-sequence tensors on every rank
     q = torch.randn(2, 4, T, 8, dtype=dtype, requires_grad=True)
@@ -67,9 +70,10 @@ def _split_attention_matches_whole(kv_heads: int, dtype: torch.dtype) -> dict:
                       for part, g in zip(parts, whole, strict=True)]}
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["blocks", "masked"])
 @pytest.mark.parametrize(("ranks", "kv_heads"), [(2, 4), (4, 2)])
-def test_split_attention_and_its_gradients_equal_whole_sequence_attention(ranks, kv_heads) -> None:
-    for result in run_on_ranks(_split_attention_matches_whole, ranks, kv_heads, torch.float64):
+def test_split_attention_and_its_gradients_equal_whole_sequence_attention(ranks, kv_heads, masked) -> None:
+    for result in run_on_ranks(_split_attention_matches_whole, ranks, kv_heads, torch.float64, masked):
         assert result["out"] < 1e-12 and max(result["grads"]) < 1e-12, result
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from disttrain.models.attention import attends_in_fp32, repeat_kv_heads
+from disttrain.parallel import causal_blocks
 
 # torch 2.13 renamed the tensor collectives (the old names warn); earlier versions have only the old ones
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,17 +96,21 @@ class SequenceSplit:
         index = self.positions(length // self.size, tensor.device)
         return tensor.index_select(dim, index)
 
+    def chunk_rows(self, local_length: int) -> list[tuple[slice, int]]:
+        """For each of this rank's two chunks: its rows among the local tokens and where it starts in the
+        sequence."""
+        c = local_length // 2
+        return [(slice(half * c, (half + 1) * c), chunk * c) for half, chunk in enumerate(self.chunk_indices())]
+
     def chunk_masks(self, local_length: int, device: torch.device | str | None = None
                     ) -> list[tuple[slice, int, torch.Tensor]]:
         """For each of this rank's two chunks: its rows among the local tokens, how many keys of the whole sequence
         it sees (those up to its own end), and its causal mask over them (True: attended)."""
-        c = local_length // 2
         masks = []
-        for half, chunk in enumerate(self.chunk_indices()):
-            end = (chunk + 1) * c
-            rows = torch.arange(chunk * c, end, device=device)
-            mask = torch.arange(end, device=device)[None, :] <= rows[:, None]
-            masks.append((slice(half * c, (half + 1) * c), end, mask))
+        for rows, start in self.chunk_rows(local_length):
+            end = start + rows.stop - rows.start
+            positions = torch.arange(start, end, device=device)
+            masks.append((rows, end, torch.arange(end, device=device)[None, :] <= positions[:, None]))
         return masks
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,19 +136,17 @@ class SequenceSplit:
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                 fp32: bool | None) -> torch.Tensor:
         k, v = repeat_kv_heads(q, self.gather(k), self.gather(v))
-        upcast = attends_in_fp32(q, fp32)
-        outputs = []
-        for rows, end, mask in self.chunk_masks(q.size(2), q.device):
-            q_part, k_part, v_part = q[:, :, rows], k[:, :, :end], v[:, :, :end]
-            if upcast:  # see disttrain.models.attention: fp32 where torch's bf16 CPU kernel is the slow one
-                with torch.autocast(q.device.type, enabled=False):
-                    y = F.scaled_dot_product_attention(q_part.float(), k_part.float(), v_part.float(),
-                                                       attn_mask=mask, dropout_p=dropout_p)
-                y = y.to(q.dtype)
-            else:
-                y = F.scaled_dot_product_attention(q_part, k_part, v_part, attn_mask=mask, dropout_p=dropout_p)
-            outputs.append(y)
-        return torch.cat(outputs, dim=2)
+        dtype = q.dtype
+        if attends_in_fp32(q, fp32):  # see disttrain.models.attention: fp32 where torch's bf16 CPU kernel is slow
+            q, k, v = q.float(), k.float(), v.float()
+        with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype is the one decided above
+            if causal_blocks.supported(q, dropout_p):
+                y = causal_blocks.CausalChunks.apply(q, k, v, self.chunk_rows(q.size(2)))
+            else:  # dropout, or a device without the CPU kernel: one masked call per chunk
+                y = torch.cat([F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end],
+                                                              attn_mask=mask, dropout_p=dropout_p)
+                               for rows, end, mask in self.chunk_masks(q.size(2), q.device)], dim=2)
+        return y.to(dtype)
 
 
 def sequence_split_of(mesh: Any) -> SequenceSplit:
