@@ -42,9 +42,9 @@ def test_gpt_long_context_fits_only_split_and_is_on_track(make_config, tmp_path)
         validate(make_config(["recipe=gpt_long_context", "parallel.cp=1", "trainer.devices=1"]))
     assert info.value.key == "plan.memory_gb" and "fits: parallel.cp=2 on 2 ranks" in str(info.value)
     validate(make_config(["recipe=gpt_long_context", "parallel.cp=4", "trainer.devices=4"]))  # cp=4 fits too
-    # 12 of 200 steps at cp=2: validation bits per byte falls from 8 (uniform bytes) to below BOUND
+    # 12 of 200 steps at cp=2: validation bits per byte falls from 8 (uniform bytes) to below 5.6 (5.17 measured)
     overrides = ["recipe=gpt_long_context", "trainer.max_steps=12", "trainer.val_check_interval=12",
                  "trainer.limit_val_batches=2", "trainer.run_test=false", "logger=csv"]
     train(make_config(overrides, tmp_path / "run"))
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["metrics"]["val/bpb"] < 7.0, results["metrics"]
+    assert results["metrics"]["val/bpb"] < 5.6, results["metrics"]
