@@ -5,8 +5,8 @@ sequence per step at each length; cp > 1 runs on that many gloo ranks, one threa
 training run splits it (``apply_context_parallel``, ``apply_activation_checkpointing``). Per rank:
 
 - memory: what forward leaves alive for backward and the peak during backward, above the parameters and their
-  gradients, from the CPU allocator's own record of every allocation and free (torch's profiler memory events,
-  ``disttrain.plan.measure.measured_activations``); rank 0's (every rank holds the same shapes);
+  gradients, every storage counted from its creation to its release (``disttrain.plan.measure.measured_activations``);
+  the most loaded rank's (ranks attend over different key lengths per chunk);
 - time: forward and backward of one step, the median of ``--repeats`` after a warm-up, the slowest rank's;
 - the planner's prediction of the peak (``disttrain.plan.planner.predicted_activation_bytes``).
 
@@ -115,9 +115,8 @@ def main() -> None:
     for length in args.lengths:
         for cp in args.cps:
             ranks = run_on_ranks(measure_rank, cp, length, shape, args.batch, args.repeats, timeout=900)
-            for policy in POLICIES:
-                held, peak, _ = ranks[0][policy]
-                seconds = max(rank[policy][2] for rank in ranks)
+            for policy in POLICIES:  # the most loaded rank's, as the planner predicts
+                held, peak, seconds = (max(rank[policy][i] for rank in ranks) for i in range(3))
                 predicted = predicted_peak(length, shape, args.batch, cp, policy)
                 rows[length, cp, policy] = (held, peak, seconds, predicted)
                 print(f"| {length} | {cp} | {policy} | {held / MIB:.1f} | {peak / MIB:.1f} | {predicted / MIB:.1f} | "

@@ -8,11 +8,11 @@ load balancing). Tokens keep their global positions: learned position embeddings
 from ``SequenceSplit.positions``.
 
 Attention. Each layer all-gathers the keys and values of the whole sequence over the cp group and attends its
-queries to them, each chunk only to the keys up to its own end. All-gather rather than a ring of key/value
-blocks merged by their log-sum-exp: the two move the same bytes per rank (``(cp-1)/cp`` of the sequence's keys
-and values), gloo runs point-to-point messages one after another with no overlap to win, the gathered keys are
-what the causal chunk pairing needs in any order, and torch's CPU attention kernel returns no log-sum-exp to
-merge with (only the CUDA kernels that ``torch.distributed.tensor.experimental.context_parallel`` hooks do). Llama 3
+queries to them, each chunk only to the keys up to its own end: on a CPU without a mask
+(``disttrain.parallel.causal_blocks``), elsewhere and with dropout one masked call per chunk. All-gather rather
+than a ring of key/value blocks: the two move the same bytes per rank (``(cp-1)/cp`` of the sequence's keys and
+values), gloo runs point-to-point messages one after another with no overlap to win, and the gathered keys serve
+the early/late chunk pairing in one step (torch's ``context_parallel`` rings over CUDA kernels only). Llama 3
 trained with the same all-gather form. The gathered keys and values are not kept for backward: the gather and
 the attention are recomputed there (one more all-gather per layer), so what a rank keeps for backward shrinks
 as ``1 / cp``, with the whole sequence's keys and values alive for one layer at a time.
