@@ -85,14 +85,16 @@ def test_selective_lies_strictly_between_none_and_full_in_memory_and_recompute_t
 
 @pytest.mark.parametrize("policy", ["none", "full", "selective"])
 def test_cp_divides_activations_by_cp_plus_one_layers_gathered_keys_and_values(policy: str) -> None:
-    """Each cp rank holds 1/cp of every sequence; at the start of backward one layer's keys and values of
-    the whole sequence are gathered (KV)."""
+    """Each cp rank holds 1/cp of every sequence; the peak is the larger of the split model's and a layer's
+    attention backward, when the whole sequence's keys and values (KV), their gradient and the parts' gradients
+    are alive beside what is held."""
     net = _model({"name": "gpt", "flavour": "nano"}, device="meta")
     one = predicted_activation_bytes(net, LONG, MICRO, 1, policy)
     for cp in (2, 4):
         split = predicted_activation_bytes(net, LONG, MICRO, cp, policy)
         assert split.held == pytest.approx(one.held / cp)
-        assert split.peak == pytest.approx(one.peak / cp + KV)
+        assert split.peak >= one.peak / cp and split.peak >= 3 * KV
+        assert split.peak <= one.peak / cp + 3 * KV
 
 
 def test_zero_shards_over_dp_shard_times_cp_and_cp_adds_no_tokens() -> None:

@@ -52,8 +52,8 @@ class ActivationBytes:
     peak: float
     """At their largest: as backward starts (what is held and the gradient of the output) or in the last
     block's backward (what is held but the head's activations, the block's recomputed activations and the
-    gradient of its widest activation), whichever is more; under cp, one layer's gathered keys and values
-    besides."""
+    gradient of its widest activation), whichever is more; under cp also a layer's attention backward (the
+    whole sequence's keys and values, their gradient and the parts' gradients)."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> ActivationBytes:
@@ -101,7 +101,10 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
         scale = scale / layout.microbatches
     share = scale * in_flight / layout.cp  # each cp rank holds 1/cp of every sequence's tokens
-    return ActivationBytes(held * share, peak * share + kv_transient(stats, units, layout) * scale)
+    # under cp a third moment, a layer's attention backward: its feed-forward half is through backward, and
+    # the whole sequence's keys and values are alive with their gradient and the parts' gradients being added
+    in_attention = (held - outside + recompute / 2) * share + 3 * kv_transient(stats, units, layout) * scale
+    return ActivationBytes(held * share, max(peak * share, in_attention))
 
 
 def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:
