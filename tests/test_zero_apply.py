@@ -29,7 +29,7 @@ from disttrain.models.cnn import CNN
 from disttrain.models.gpt import GPT, GPTDims
 from disttrain.optim import Lamb, Lars, param_groups
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed
-from disttrain.parallel.dims import MESH_DIM_NAMES
+from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
 from disttrain.parallel.model_plan import shard_units_of
 from disttrain.parallel.zero1 import (
@@ -138,7 +138,7 @@ def _zero1_run(group, name: str) -> dict:
 
 
 def _four_rank_worker(ckpt: str) -> dict:
-    mesh = init_device_mesh("cpu", (1, 2, 2, 1), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = init_device_mesh("cpu", ParallelDims(dp_replicate=2, dp_shard=2).mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     out = {f"hsdp/{name}": _fsdp_run(mesh["dp_replicate", "dp_shard"], name, reshard=True) for name in OPTIMIZERS}
     # ZeRO-1 over the 4 dp ranks' gradients (DDP) with optimiser state sharded over dp_shard only; after
     # RESUME_AT steps model and optimiser are saved with torch.distributed.checkpoint.
@@ -150,7 +150,7 @@ def _four_rank_worker(ckpt: str) -> dict:
 
 
 def _two_rank_worker(ckpt: str) -> dict:
-    mesh = init_device_mesh("cpu", (1, 1, 2, 1), mesh_dim_names=MESH_DIM_NAMES)
+    mesh = init_device_mesh("cpu", ParallelDims(dp_shard=2).mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     shard = mesh["dp_shard"]
     out = {}
     for name in OPTIMIZERS:
