@@ -52,7 +52,7 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
         overrides += PARALLEL_NEEDS.get(option, ["trainer.devices=2"])
     if group == "data" and option in TEXT_DATA:
         overrides.append("model=gpt")
-    if group == "model" and option in ("gpt", "llama", "custom", "hf"):
+    if group == "model" and option in ("gpt", "llama", "moe", "custom", "hf"):
         overrides.append("data=pydocs")
     if group == "model" and option == "hf":  # a model type built from its fields (a folder is the other way)
         overrides += ["model.arch=llama", "+model.hidden_size=64", "+model.intermediate_size=128",

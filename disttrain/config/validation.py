@@ -114,7 +114,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if chose_layout:
         notices.append(_choose_parallel(top, model, data, optim, world))
     p = top.parallel
-    dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp)
+    dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
     p.check_dims(dims)
     if top.trainer.compile and dims.pp_enabled:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")

@@ -8,7 +8,7 @@ importing this package imports every built-in model module and so registers it.
 from __future__ import annotations
 
 from disttrain.data.spec import DataSpec
-from disttrain.models import cnn, gpt, hf, llama
+from disttrain.models import cnn, gpt, hf, llama, moe
 from disttrain.models.cnn import CNN, CNNConfig
 from disttrain.models.gpt import FLAVOURS, GPT, GPTConfig, GPTDims, resolve_gpt_dims
 from disttrain.models.registry import MODELS, build_model
@@ -29,5 +29,6 @@ __all__ = [
     "gpt",
     "hf",
     "llama",
+    "moe",
     "resolve_gpt_dims",
 ]

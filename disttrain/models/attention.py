@@ -32,6 +32,15 @@ class SequenceSplit(Protocol):
         """Causal attention of this rank's queries over the whole sequence's keys and values."""
         ...
 
+    @property
+    def size(self) -> int:
+        """Ranks each sequence is split over."""
+        ...
+
+    def total(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` (no gradient) over the ranks holding parts of the same sequences."""
+        ...
+
 
 def positions_of(length: int, device: torch.device, split: SequenceSplit | None) -> torch.Tensor:
     """Positions of a module's ``length`` tokens in their sequence: ``0 .. length-1``, or where a split puts them."""

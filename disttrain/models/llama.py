@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -254,12 +255,12 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attention(attention_norm(x))`` then ``x + feed_forward(ffn_norm(x))``."""
 
     def __init__(self, dims: LlamaDims, dropout: float, rope_theta: float, norm_eps: float,
-                 attention_fp32: bool | None = None) -> None:
+                 attention_fp32: bool | None = None, feed_forward: nn.Module | None = None) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
         self.attention = Attention(dims.n_embd, dims.n_head, dims.n_kv_head, dropout, rope_theta, attention_fp32)
         self.ffn_norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
-        self.feed_forward = FeedForward(dims.n_embd, dims.mlp_hidden, dropout)
+        self.feed_forward = feed_forward or FeedForward(dims.n_embd, dims.mlp_hidden, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, C] -> [B, T, C]``."""
@@ -274,29 +275,37 @@ class Llama(nn.Module):
     """
 
     def __init__(self, dims: LlamaDims, dropout: float = 0.0, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5, attention_fp32: bool | None = None) -> None:
+                 norm_eps: float = 1e-5, attention_fp32: bool | None = None,
+                 feed_forward: Callable[[], nn.Module] | None = None) -> None:
+        """``feed_forward``: builds each block's feed-forward network (None: the SwiGLU ``FeedForward``)."""
         super().__init__()
         self.dims = dims
         self.embed = TokenEmbedding(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
         self.layers = nn.ModuleList(
-            TransformerBlock(dims, dropout, rope_theta, norm_eps, attention_fp32) for _ in range(dims.n_layer)
+            TransformerBlock(dims, dropout, rope_theta, norm_eps, attention_fp32,
+                             feed_forward() if feed_forward is not None else None)
+            for _ in range(dims.n_layer)
         )
         self.norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
         self.output = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, 0.02) weights, unit norm gains, residual projections (``o``, ``w2``) scaled by 1/sqrt(2 n_layer)
-        so the residual stream's variance does not grow with depth. Draws from torch's global generator."""
+        """N(0, 0.02) weights (grouped experts' ``[n_experts, in, out]`` ones too), unit norm gains, residual
+        projections (``o``, every ``w2``) scaled by 1/sqrt(2 n_layer) so the residual stream's variance does not
+        grow with depth. Draws from torch's global generator."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+        for param in self.parameters():
+            if param.dim() == 3:
+                nn.init.normal_(param, mean=0.0, std=0.02)
         residual_std = 0.02 / math.sqrt(2 * self.dims.n_layer)
-        for layer in self.layers:
-            nn.init.normal_(layer.attention.o.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
+        for name, param in self.layers.named_parameters():
+            if name.endswith(("attention.o.weight", "w2.weight", "experts.w2")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count. ``non_embedding`` leaves out the token embedding (a lookup table, no compute);

@@ -98,6 +98,14 @@ class ParallelConfig:
     it, so causal attention's work is balanced), and attention gathers the keys and values of the whole sequence
     over them. Needs a text model whose attention takes the split (gpt, llama, hf Llama-family) and a sequence
     length divisible by 2 x cp. ZeRO-2/3 shard over dp_shard x cp. -1: the rest of the world."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts models: each mixture layer's experts are split over ep
+    consecutive ranks of dp_shard (a divisor of it), which send each token to its experts' rank and back with
+    all-to-all; attention, norms and the router stay data-parallel (ZeRO over dp_shard x cp), each expert is
+    sharded over the remaining dp_shard / ep x cp ranks, and its gradient is averaged over every rank that
+    trained on tokens. Needs zero_stage 2 or 3 and a model with experts (model=moe) whose expert count ep
+    divides. Under tp the experts are not tensor-parallel: every tp rank runs the mixture on the same tokens.
+    1: every rank holds all experts."""
     zero_stage: int = 0
     """0: plain replication; 1, 2, 3: ZeRO stage of the sharded data-parallel dimension."""
     accumulate_grads: str = "auto"
@@ -261,5 +269,12 @@ class ParallelConfig:
                               f"auto unless zero_stage is 2 or 3 and pp is 1 (only ZeRO-2/3 shard gradients; a "
                               f"pipeline schedule reduces them once per batch; got zero_stage={self.zero_stage}, "
                               f"pp={dims.pp})")
+        if dims.ep_enabled and self.zero_stage not in (2, 3):
+            raise ConfigError("parallel.zero_stage", self.zero_stage,
+                              f"2 or 3 with parallel.ep={dims.ep} (experts' gradients are averaged over other ranks "
+                              "than the dense layers', which FSDP does per unit), e.g. parallel=zero3")
+        if dims.ep_enabled and self.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, f"false with parallel.ep={dims.ep} (the mixture "
+                              "layers take whole sequences; not available yet)")
         if self.cpu_offload and self.zero_stage not in (2, 3):
             raise ConfigError("parallel.cpu_offload", True, "false unless zero_stage is 2 or 3")

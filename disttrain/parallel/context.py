@@ -77,6 +77,13 @@ class SequenceSplit:
         # a process group cannot be copied; copies of a model (pipeline stages) share the one split
         return self
 
+    def total(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` (no gradient) over the cp ranks, which hold parts of the same sequences."""
+        summed = tensor.detach().clone()
+        if self.group is not None:
+            dist.all_reduce(summed, group=self.group)
+        return summed
+
     def chunk_indices(self) -> tuple[int, int]:
         """The chunks of ``2 x size`` this rank holds: an early and a late one."""
         return self.rank, 2 * self.size - 1 - self.rank

@@ -1,4 +1,5 @@
-"""Parallel degrees ``pp x dp_replicate x dp_shard x cp x tp`` and their validation (no processes needed)."""
+"""Parallel degrees ``pp x dp_replicate x dp_shard x cp x tp`` (and ``ep``, borrowed from ``dp_shard``) and their
+validation (no processes needed)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class ParallelDims:
     """Tensor-parallel degree."""
     cp: int = 1
     """Context-parallel degree: ranks that each hold a slice of every sequence."""
+    ep: int = 1
+    """Expert-parallel degree: consecutive ranks of ``dp_shard`` that each hold 1/ep of every mixture-of-experts
+    layer's experts and exchange tokens with all-to-all. Not a factor of the world size: it divides dp_shard."""
 
     @property
     def world_size(self) -> int:
@@ -46,6 +50,30 @@ class ParallelDims:
         """Ranks whose gradients are averaged: the data-parallel ones times the context-parallel ones (each cp
         rank computes the gradient of its slice of the same sequences)."""
         return self.dp * self.cp
+
+    @property
+    def ep_enabled(self) -> bool:
+        """Whether experts are spread over several ranks."""
+        return self.ep > 1
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """Ranks that share one copy of an expert's state under ZeRO: ``dp_shard / ep x cp``."""
+        return self.shard_degree // self.ep
+
+    def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """``(ep_mesh, expert_shard_mesh)``: the 1-D mesh of the ranks that split the experts between them (``ep``
+        consecutive ranks of dp_shard) and the mesh FSDP shards each expert over (the rest of dp_shard joined
+        with cp, or ``dp_replicate x`` that for hybrid sharding). Both come from one mesh, so FSDP can shard a
+        parameter that is already split over ep."""
+        if getattr(mesh, "_disttrain_expert_meshes", None) is None:
+            # dp_shard unflattened into (dp_shard / ep, ep); torch's API for it is private (cached by torch too)
+            split = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+            shard = split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+            if self.dp_replicate_enabled:
+                shard = split["dp_replicate", "dp_shard_mod_ep_cp"]
+            mesh._disttrain_expert_meshes = (split["ep"], shard)
+        return mesh._disttrain_expert_meshes
 
     @property
     def pp_enabled(self) -> bool:
@@ -99,12 +127,15 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @classmethod
-    def resolve(cls, world_size: int, pp: int, dp_replicate: int, dp_shard: int, tp: int, cp: int = 1
+    def resolve(cls, world_size: int, pp: int, dp_replicate: int, dp_shard: int, tp: int, cp: int = 1, ep: int = 1
                 ) -> ParallelDims:
-        """Fill in the one degree given as -1 ("the rest of the world") and check the product.
+        """Fill in the one degree given as -1 ("the rest of the world") and check the product; ``ep`` must divide
+        the resolved dp_shard.
 
         Raises ConfigError naming the degrees when they cannot multiply to ``world_size``.
         """
+        if ep < 1:
+            raise ConfigError("parallel.ep", ep, "a positive degree (1: every rank holds all experts)")
         given = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
         for key, value in given.items():
             if value == 0 or value < -1:
@@ -122,7 +153,10 @@ class ParallelDims:
                     f"the other degrees multiply to {known}, which does not divide world size {world_size}",
                 )
             given[rest[0]] = world_size // known
-        dims = cls(**given)
+        dims = cls(**given, ep=ep)
+        if dims.dp_shard % ep:
+            raise ConfigError("parallel.ep", ep, f"a divisor of parallel.dp_shard={dims.dp_shard} (experts are split "
+                              "over ranks that shard the model state; raise dp_shard or lower ep)")
         if dims.world_size != world_size:
             raise ConfigError(
                 "parallel", " x ".join(f"{k}={v}" for k, v in given.items()),
