@@ -42,6 +42,13 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
             _check_submodule(net, f"parallel.{key}", unit)
     if dims.cp_enabled:
         _check_sequence_split(name, net, dims, p.sequence_parallel, spec)
+        capacities = [m.capacity_factor for m in net.modules() if getattr(m, "capacity_factor", None) is not None]
+        if capacities:
+            raise ConfigError("model.capacity_factor", capacities[0], f"null with parallel.cp={dims.cp} (which "
+                              "tokens of a sequence an expert drops depends on its tokens on the other cp ranks; "
+                              "not available yet)")
+    if dims.ep_enabled:
+        _check_experts(name, net, dims)
     if p.activation_checkpoint != "none" and not shard_units_of(net, p.shard_units, p.min_params_per_unit):
         raise ConfigError("parallel.activation_checkpoint", p.activation_checkpoint,
                           f"none for model {name}: it has no blocks to checkpoint (declare shard_units(), or set "
@@ -89,3 +96,21 @@ def _check_submodule(net: Any, key: str, name: str) -> None:
         net.get_submodule(name)
     except AttributeError:
         raise ConfigError(key, name, f"names of submodules of {type(net).__name__}") from None
+
+
+def _check_experts(name: str, net: Any, dims: ParallelDims) -> None:
+    """Expert parallelism needs grouped experts (``expert_parallel`` modules) whose count ep divides."""
+    experts = [m for m in net.modules() if hasattr(m, "expert_parallel")]
+    if not experts:
+        model_type = getattr(getattr(net, "config", None), "model_type", None)
+        kind = f"{name} ({model_type})" if model_type else name
+        raise ConfigError("parallel.ep", dims.ep,
+                          f"1 for model {kind}: expert parallelism splits grouped experts (modules with an "
+                          "expert_parallel attribute holding [n_experts, ...] weights, as model=moe has); "
+                          f"{type(net).__name__} has none" + (
+                              " (a Hugging Face mixture-of-experts model keeps each expert in its own modules, "
+                              "which expert parallelism does not split; it trains with ep=1)" if model_type else ""))
+    for module in experts:
+        if module.n_experts % dims.ep:
+            raise ConfigError("parallel.ep", dims.ep, f"a divisor of model.n_experts={module.n_experts} (each of the "
+                              "ep ranks holds the same number of experts)")
