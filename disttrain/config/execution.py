@@ -31,7 +31,9 @@ class ExecutionPlan:
     microbatch_dtype: str = "float32"
     """Its dtype: int64 for token ids, float32 for images."""
     loss_divisor: int = 1
-    """Microbatches x accumulation: a pipelined microbatch loss is divided by it."""
+    """Forward passes per optimiser step on a rank (accumulation micro-batches x pipeline microbatches): each
+    one's loss enters the step's gradient divided by it (a pipelined microbatch's loss function divides by it,
+    Lightning divides for accumulation, a model's auxiliary losses are scaled by it)."""
     loss_ranks: int = 1
     """Ranks that hold the last stage's losses (data-parallel x context-parallel x tensor-parallel)."""
 
@@ -58,9 +60,10 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
     """The plan for a run of these degrees, batch and data."""
     kind = run_kind(parallel, dims)
     if kind == "federated":  # clients clip their own local steps
-        return ExecutionPlan(kind, batch.accumulation, None, True, False)
+        return ExecutionPlan(kind, batch.accumulation, None, True, False, loss_divisor=batch.accumulation)
     if kind != "pipelined":
-        return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False)
+        return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False,
+                             loss_divisor=batch.accumulation)
     size = batch.micro_size // parallel.pipeline.microbatches
     text = spec.kind == "text"
     shape = (size, spec.block_size // dims.cp) if text else (size, spec.in_channels, spec.image_size, spec.image_size)

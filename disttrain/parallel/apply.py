@@ -1,9 +1,9 @@
 """Plain functions that apply parallelism to a model over a mesh, in one fixed order.
 
-Order: tensor parallelism, activation checkpointing, compilation, then either FSDP2 sharding (ZeRO-2/3, hybrid
-sharding), DDP replication (plain data parallelism and ZeRO-1, whose optimiser state is sharded by the strategy) or
-replicas whose exchange is not DDP's (Local SGD and DiLoCo between outer steps, a parameter server in the
-optimiser step).
+Order: tensor parallelism, expert parallelism, activation checkpointing, compilation, then either FSDP2 sharding
+(ZeRO-2/3, hybrid sharding; experts over their own ranks), DDP replication (plain data parallelism and ZeRO-1, whose
+optimiser state is sharded by the strategy) or replicas whose exchange is not DDP's (Local SGD and DiLoCo between
+outer steps, a parameter server in the optimiser step).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from disttrain.parallel.buffers import step_broadcast_needed
 from disttrain.parallel.compile import compile_model
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.experts import apply_expert_parallel
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
 from disttrain.parallel.local_sgd import broadcast_module
 from disttrain.parallel.model_plan import shard_units_of, tp_plan_of
@@ -54,6 +55,7 @@ def apply_parallelism(
     ``ddp_exchange``: replicas exchange gradients through DDP (False: the kind of run exchanges them itself)."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
+    experts = apply_expert_parallel(model, dims.expert_meshes(mesh)[0]) if dims.ep_enabled else []
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if parallel.activation_checkpoint != "none":
         apply_activation_checkpointing(model, units, parallel.activation_checkpoint, parallel.checkpoint_every_n_blocks)
@@ -67,6 +69,8 @@ def apply_parallelism(
             mp_policy=mixed_precision_policy(precision, device.type, wire_dtype(comm)),
             offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
             units=units,
+            experts=experts,
+            expert_mesh=dims.expert_meshes(mesh)[1] if experts else None,
         )
     if dims.dp_enabled and not ddp_exchange:  # replicas without DDP's all-reduce
         broadcast_module(model, dims.dp_mesh(mesh).get_group())

@@ -100,9 +100,9 @@ class ParallelConfig:
     length divisible by 2 x cp. ZeRO-2/3 shard over dp_shard x cp. -1: the rest of the world."""
     ep: int = 1
     """Expert-parallel degree for mixture-of-experts models: each mixture layer's experts are split over ep
-    consecutive ranks of dp_shard (a divisor of it), which send each token to its experts' rank and back with
+    consecutive ranks of dp_shard x cp (a divisor of it), which send each token to its experts' rank and back with
     all-to-all; attention, norms and the router stay data-parallel (ZeRO over dp_shard x cp), each expert is
-    sharded over the remaining dp_shard / ep x cp ranks, and its gradient is averaged over every rank that
+    sharded over the remaining dp_shard x cp / ep ranks, and its gradient is averaged over every rank that
     trained on tokens. Needs zero_stage 2 or 3 and a model with experts (model=moe) whose expert count ep
     divides. Under tp the experts are not tensor-parallel: every tp rank runs the mixture on the same tokens.
     1: every rank holds all experts."""

@@ -1,4 +1,4 @@
-"""Parallel degrees ``pp x dp_replicate x dp_shard x cp x tp`` (and ``ep``, borrowed from ``dp_shard``) and their
+"""Parallel degrees ``pp x dp_replicate x dp_shard x cp x tp`` (and ``ep``, borrowed from ``dp_shard x cp``) and their
 validation (no processes needed)."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ class ParallelDims:
     cp: int = 1
     """Context-parallel degree: ranks that each hold a slice of every sequence."""
     ep: int = 1
-    """Expert-parallel degree: consecutive ranks of ``dp_shard`` that each hold 1/ep of every mixture-of-experts
-    layer's experts and exchange tokens with all-to-all. Not a factor of the world size: it divides dp_shard."""
+    """Expert-parallel degree: consecutive ranks of ``dp_shard x cp`` that each hold 1/ep of every mixture-of-experts
+    layer's experts and exchange tokens with all-to-all. Not a factor of the world size: it divides dp_shard x cp."""
 
     @property
     def world_size(self) -> int:
@@ -63,16 +63,16 @@ class ParallelDims:
 
     def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         """``(ep_mesh, expert_shard_mesh)``: the 1-D mesh of the ranks that split the experts between them (``ep``
-        consecutive ranks of dp_shard) and the mesh FSDP shards each expert over (the rest of dp_shard joined
-        with cp, or ``dp_replicate x`` that for hybrid sharding). Both come from one mesh, so FSDP can shard a
-        parameter that is already split over ep."""
+        consecutive ranks of dp_shard x cp) and the mesh FSDP shards each expert over (the other ranks of dp_shard x
+        cp, or ``dp_replicate x`` those for hybrid sharding). Both come from one mesh, so FSDP can shard a
+        parameter already split over ep."""
         if getattr(mesh, "_disttrain_expert_meshes", None) is None:
-            # dp_shard unflattened into (dp_shard / ep, ep); torch's API for it is private (cached by torch too)
-            split = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
-            shard = split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
-            if self.dp_replicate_enabled:
-                shard = split["dp_replicate", "dp_shard_mod_ep_cp"]
-            mesh._disttrain_expert_meshes = (split["ep"], shard)
+            shard = self.shard_mesh(mesh)
+            name = shard.mesh_dim_names[-1]
+            # the sharding dimension unflattened into (dp_shard x cp / ep, ep); torch's API for it is private
+            split = shard._unflatten(name, (self.shard_degree // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+            rest = split["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate_enabled else split["dp_shard_mod_ep"]
+            mesh._disttrain_expert_meshes = (split["ep"], rest)
         return mesh._disttrain_expert_meshes
 
     @property
@@ -154,9 +154,10 @@ class ParallelDims:
                 )
             given[rest[0]] = world_size // known
         dims = cls(**given, ep=ep)
-        if dims.dp_shard % ep:
-            raise ConfigError("parallel.ep", ep, f"a divisor of parallel.dp_shard={dims.dp_shard} (experts are split "
-                              "over ranks that shard the model state; raise dp_shard or lower ep)")
+        if dims.shard_degree % ep:
+            raise ConfigError("parallel.ep", ep, f"a divisor of parallel.dp_shard x parallel.cp = {dims.dp_shard} x "
+                              f"{dims.cp} (experts are split over ranks that shard the model state; raise dp_shard "
+                              "or lower ep)")
         if dims.world_size != world_size:
             raise ConfigError(
                 "parallel", " x ".join(f"{k}={v}" for k, v in given.items()),

@@ -32,6 +32,8 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     units: list[nn.Module] | None = None,
+    experts: list[nn.Module] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``dp_mesh`` and return it (now also an ``FSDPModule``).
 
@@ -43,16 +45,24 @@ def apply_fsdp(
     own before the root (default ``shard_units_of(model)``). Build the optimiser afterwards, on the sharded
     parameters (DTensors).
     """
-    if dp_mesh.ndim == 2 and dp_mesh.size(0) == 1 and dp_mesh.mesh_dim_names:
-        dp_mesh = dp_mesh[dp_mesh.mesh_dim_names[1]]
+    dp_mesh = _one_dim_if_unreplicated(dp_mesh)
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D or 2-D data-parallel mesh, got {dp_mesh.ndim}-D")
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+    for unit in experts or []:
+        fully_shard(unit, **{**kwargs, "mesh": _one_dim_if_unreplicated(expert_mesh)})
     for unit in shard_units_of(model) if units is None else units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _one_dim_if_unreplicated(mesh: DeviceMesh) -> DeviceMesh:
+    """A 2-D (replicate, shard) mesh whose replicate dimension has size 1 as its 1-D shard dimension."""
+    if mesh.ndim == 2 and mesh.size(0) == 1 and mesh.mesh_dim_names:
+        return mesh[mesh.mesh_dim_names[1]]
+    return mesh
 
 
 def mixed_precision_policy(precision: str, device_type: str, reduce_dtype: torch.dtype | None = None

@@ -23,6 +23,7 @@ from disttrain.models import build_model
 from disttrain.parallel.process_group import shutdown_process_group
 from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.rank.energy import EnergyMeter
+from disttrain.rank.experts import ExpertBalance
 from disttrain.rank.kinds import KINDS
 from disttrain.rank.results import Fitted, close_loggers, restart_causes, run_results, test_best, write_results
 from disttrain.rank.trainer import build_trainer
@@ -46,11 +47,14 @@ def run_rank(run: RunConfig) -> float | None:
         datamodule.full_eval_batches = run.plan.full_eval_batches
         spec = datamodule.spec
         kind = KINDS[run.plan.kind](run, agreement)
-        task, datamodule = kind.task(build_model(run.model, spec), datamodule)
+        net = build_model(run.model, spec)
+        balance = ExpertBalance.of(net, run.plan.loss_divisor)
+        task, datamodule = kind.task(net, datamodule)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement)])
         energy = EnergyMeter(cfg.trainer.log_every_n_steps)
-        trainer.callbacks += [*([energy] if cfg.energy else []), *kind.callbacks(trainer.strategy),
+        trainer.callbacks += [*([energy] if cfg.energy else []), *([balance] if balance else []),
+                              *kind.callbacks(trainer.strategy),
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
         resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
@@ -62,6 +66,8 @@ def run_rank(run: RunConfig) -> float | None:
         results = run_results(run, trainer, fitted, meter, test_s)
         if cfg.energy:
             results["energy"] = energy.result(fitted.steps, run.batch.global_size)
+        if balance:
+            results["experts"] = balance.result
         results.update(kind.results(trainer))
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
                                       "skipped_steps": agreement.skipped_steps}

@@ -17,13 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.experts import apply_expert_parallel
+from disttrain.parallel.fsdp import apply_fsdp
 from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 from disttrain.parallel.pipeline.split import (
     UnitStage,
@@ -153,10 +154,15 @@ def build_pipeline(
         plan = tp_plan_of(model, parallel.tp_plan)
         for module in modules:
             apply_tp(module, mesh["tp"], plan, sequence_parallel=False)
+    experts = [apply_expert_parallel(module, dims.expert_meshes(mesh)[0]) if dims.ep_enabled else []
+               for module in modules]
     checkpoint_stage_blocks(model, modules, parallel)
     if parallel.zero_stage in (2, 3):
-        for module in modules:  # one FSDP unit per stage root (per-block units broke interleaved zero bubble)
-            fully_shard(module, mesh=dims.shard_mesh(mesh), reshard_after_forward=parallel.zero_stage == 3)
+        for module, held in zip(modules, experts, strict=True):
+            # one FSDP unit per stage root (per-block units broke interleaved zero bubble), and one per experts'
+            # module, which shards over other ranks
+            apply_fsdp(module, dims.shard_mesh(mesh), reshard_after_forward=parallel.zero_stage == 3, units=[],
+                       experts=held, expert_mesh=dims.expert_meshes(mesh)[1] if held else None)
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
                             group=pp_group) for m, i in zip(modules, indices, strict=True)]
