@@ -30,9 +30,9 @@ LAYOUTS = {
     "ep2+hsdp": (["parallel=hsdp", "parallel.ep=2"], 4),
 }
 STATISTICS = ("moe/load_max_over_mean", "moe/balance_loss", "moe/tokens_expert_0", "moe/tokens_expert_3")
-# measured over the layouts (fp32, gloo): losses within 1.06e-6 relative (ep2xdp_shard2; the others 2.3e-7), router
-# statistics within 1e-7 relative (the token counts are exact)
-LOSS_RTOL, STATISTICS_RTOL = 2e-6, 1e-6
+# measured over the layouts (fp32, gloo): pre-clip norms within 1.06e-6 relative (ep2xdp_shard2, whose expert
+# gradients add up in a different order; the others below 1e-6), router statistics within 1e-7 (exact counts)
+NORM_RTOL, STATISTICS_RTOL = 2e-6, 1e-6
 
 
 def moe_summary(run_dir, overrides: list[str]) -> dict:
@@ -52,7 +52,7 @@ def reference(tmp_path_factory) -> dict:
 def test_expert_parallel_matches_one_process(tmp_path, reference, layout):
     overrides, ranks = LAYOUTS[layout]
     got = moe_summary(tmp_path / "run", [*MOE, *overrides, f"trainer.devices={ranks}"])
-    check_against(reference, got, clipped=True, loss_rtol=LOSS_RTOL)
+    check_against(reference, got, clipped=True, norm_rtol=NORM_RTOL)
     for key, values in reference["statistics"].items():
         assert relative_deviation(values, got["statistics"][key]) <= STATISTICS_RTOL, key
     assert got["experts"]["tokens_per_expert"] == reference["experts"]["tokens_per_expert"]
