@@ -13,12 +13,17 @@ import json
 import pytest
 import torch
 
-from tests.conftest import logged_metric
+from disttrain.launch.job import train
+from tests.conftest import compose_config, logged_metric
 from tests.test_parity import BASE, CLIP, check_against, relative_deviation, run_summary
+from tests.test_resume_layouts import BASE as RESUME_BASE
+from tests.test_resume_layouts import SAVED
+from tests.test_resume_layouts import STEPS as RESUME_STEPS
+from tests.test_run import step_losses
 
-MOE = [*(o for o in BASE if not o.startswith("model")), "model=moe", "model.flavour=micro", "model.n_experts=4",
-       "model.top_k=2",
-       "model.aux_loss_coef=0.1", "model.bias_update_rate=0.01", f"trainer.gradient_clip_val={CLIP}"]
+MOE_MODEL = ["model=moe", "model.flavour=micro", "model.n_experts=4", "model.top_k=2", "model.aux_loss_coef=0.1",
+             "model.bias_update_rate=0.01"]
+MOE = [*(o for o in BASE if not o.startswith("model")), *MOE_MODEL, f"trainer.gradient_clip_val={CLIP}"]
 LAYOUTS = {
     "ep2": (["parallel=zero3", "parallel.ep=2"], 2),
     "ep4": (["parallel=zero3", "parallel.ep=4"], 4),
@@ -33,6 +38,8 @@ STATISTICS = ("moe/load_max_over_mean", "moe/balance_loss", "moe/tokens_expert_0
 # measured over the layouts (fp32, gloo): pre-clip norms within 1.06e-6 relative (ep2xdp_shard2, whose expert
 # gradients add up in a different order; the others below 1e-6), router statistics within 1e-7 (exact counts)
 NORM_RTOL, STATISTICS_RTOL = 2e-6, 1e-6
+# measured (fp32, gloo): resumed steps within 9.7e-8 relative of the saving run's
+RESUME_RTOL = 1e-6
 
 
 def moe_summary(run_dir, overrides: list[str]) -> dict:
@@ -43,18 +50,56 @@ def moe_summary(run_dir, overrides: list[str]) -> dict:
     return summary
 
 
+CAPACITY = ["model.capacity_factor=1.0"]
+"""Experts that drop what exceeds their capacity (33% of the assignments over the reference run)."""
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    return moe_summary(tmp_path_factory.mktemp("single"), MOE)
+def references(tmp_path_factory):
+    """One process's run of each family (no drops, drops), run when first asked for."""
+    runs: dict[str, dict] = {}
+
+    def reference(family: str) -> dict:
+        if family not in runs:
+            extra = CAPACITY if family == "capacity" else []
+            runs[family] = moe_summary(tmp_path_factory.mktemp(family), [*MOE, *extra])
+        return runs[family]
+
+    return reference
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallel_matches_one_process(tmp_path, reference, layout):
+@pytest.mark.parametrize(("layout", "family"), [*((name, "all") for name in LAYOUTS), ("ep2xdp_shard2", "capacity"),
+                                                ("ep2xpp2", "capacity")])
+def test_expert_parallel_matches_one_process(tmp_path, references, layout, family):
     overrides, ranks = LAYOUTS[layout]
-    got = moe_summary(tmp_path / "run", [*MOE, *overrides, f"trainer.devices={ranks}"])
+    reference = references(family)
+    extra = CAPACITY if family == "capacity" else []
+    got = moe_summary(tmp_path / "run", [*MOE, *extra, *overrides, f"trainer.devices={ranks}"])
+    if family == "capacity":  # the same assignments dropped as in one process, and there were some
+        assert got["experts"]["dropped_fraction"] == reference["experts"]["dropped_fraction"] > 0.05
     check_against(reference, got, clipped=True, norm_rtol=NORM_RTOL)
     for key, values in reference["statistics"].items():
         assert relative_deviation(values, got["statistics"][key]) <= STATISTICS_RTOL, key
     assert got["experts"]["tokens_per_expert"] == reference["experts"]["tokens_per_expert"]
     torch.testing.assert_close(got["weights"]["layers.0.feed_forward.expert_bias"],
                                reference["weights"]["layers.0.feed_forward.expert_bias"], rtol=0, atol=0)
+
+
+RESUME = [*(o for o in RESUME_BASE if not o.startswith("model")), *MOE_MODEL]
+RESUME_LAYOUTS = {"single": ([], 1), "ep2": (LAYOUTS["ep2"][0], 2), "ep4": (LAYOUTS["ep4"][0], 4),
+                  "ep2xpp2": LAYOUTS["ep2xpp2"]}
+
+
+@pytest.mark.parametrize(("before", "after"), [("ep2", "ep4"), ("ep4", "single"), ("single", "ep2xpp2")])
+def test_an_expert_parallel_checkpoint_resumes_under_another_ep(tmp_path, before, after):
+    """AdamW's moments, the routing biases and the experts' shards move between ep degrees (and to one process,
+    and into pipeline stages): the resumed steps continue the saving run's curve."""
+    curves = {}
+    for name, resume in ((before, None), (after, f"last-step{SAVED}.ckpt")):
+        overrides, ranks = RESUME_LAYOUTS[name]
+        extra = [f"resume={tmp_path / before / 'checkpoints' / resume}"] if resume else []
+        train(compose_config([*RESUME, *overrides, f"trainer.devices={ranks}", *extra], tmp_path / name))
+        curves[name] = step_losses(tmp_path / name)
+    resumed = curves[after][-(RESUME_STEPS - SAVED):]
+    assert len(resumed) == RESUME_STEPS - SAVED
+    assert relative_deviation(curves[before][SAVED:], resumed) <= RESUME_RTOL, (curves[before][SAVED:], resumed)
