@@ -37,7 +37,7 @@ def _exchange() -> dict:
     out = exchange.exchange(rows, counts, compute)
     out.backward(torch.ones_like(out))
     return {"rows": rows.detach(), "counts": counts, "out": out.detach(), "grad": rows.grad,
-            "arrived": arrived[0][0], "arrived_counts": arrived[0][1]}
+            "arrived": arrived[0][0], "arrived_counts": arrived[0][1], "sent_bytes": exchange.sent_bytes}
 
 
 def test_rows_reach_their_experts_once_and_come_back_in_order():
@@ -55,6 +55,11 @@ def test_rows_reach_their_experts_once_and_come_back_in_order():
                 start = int(source["counts"][:expert].sum())
                 expected.append(source["rows"][start:start + int(source["counts"][expert])])
         torch.testing.assert_close(got["arrived"], torch.cat(expected), rtol=0, atol=0)
+        # bytes sent to other ranks: rows out and results back in forward, their gradients both ways in backward
+        own = slice(rank * LOCAL_EXPERTS, (rank + 1) * LOCAL_EXPERTS)
+        sent = int(got["counts"].sum() - got["counts"][own].sum())
+        received = sum(int(source["counts"][own].sum()) for r, source in enumerate(results) if r != rank)
+        assert got["sent_bytes"] == 2 * (sent + received) * WIDTH * 4
         assert got["arrived_counts"].tolist() == [
             sum(int(source["counts"][rank * LOCAL_EXPERTS + local]) for source in results)
             for local in range(LOCAL_EXPERTS)]

@@ -19,6 +19,7 @@ on the way (``_ScaleGradient``): gloo has no pre-scaled reduction for FSDP's own
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -29,21 +30,18 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 class _AllToAll(torch.autograd.Function):
-    """All-to-all of rows with given split sizes; backward sends the gradients back the same way reversed."""
+    """All-to-all of rows with given split sizes; backward sends the gradients back the same way reversed. The
+    bytes this rank sends to other ranks are added to ``exchange.sent_bytes``."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup
+    def forward(ctx, rows: torch.Tensor, received: list[int], sent: list[int], exchange: ExpertParallel
                 ) -> torch.Tensor:
-        ctx.received, ctx.sent, ctx.group = received, sent, group
-        out = rows.new_empty((sum(received), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
-        return out
+        ctx.received, ctx.sent, ctx.exchange = received, sent, exchange
+        return exchange.all_to_all(rows, received, sent)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        out = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
-        return out, None, None, None
+        return ctx.exchange.all_to_all(grad, ctx.sent, ctx.received), None, None, None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -69,6 +67,16 @@ class ExpertParallel:
         """This rank's index in it: it holds experts ``rank * local ... (rank + 1) * local - 1``."""
         self.size = size
         """Ranks the experts are split over."""
+        self.sent_bytes = 0
+        """Bytes of rows and gradients this rank has sent to the other ep ranks (forward and backward)."""
+
+    def all_to_all(self, rows: torch.Tensor, received: list[int], sent: list[int]) -> torch.Tensor:
+        """Send ``sent[r]`` rows of ``rows`` (in order) to ep rank r; return the ``received[r]`` rows from each."""
+        out = rows.new_empty((sum(received), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=self.group)
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+        self.sent_bytes += (sum(sent) - sent[self.rank]) * row_bytes
+        return out
 
     def __deepcopy__(self, memo: dict) -> ExpertParallel:
         # a process group cannot be copied; copies of a model (pipeline stages) share the one exchange
@@ -89,7 +97,7 @@ class ExpertParallel:
         dist.all_to_all_single(received_counts, per_rank, group=self.group)  # [source rank, local expert]
         sent = per_rank.sum(1).tolist()
         received = received_counts.sum(1).tolist()
-        arrived = _AllToAll.apply(rows, received, sent, self.group)
+        arrived = _AllToAll.apply(rows, received, sent, self)
         # arrived rows are grouped by source rank, then local expert: a stable sort by local expert regroups them
         local_experts = received_counts.size(1)
         expert_of_row = torch.arange(local_experts, device=rows.device).repeat(self.size).repeat_interleave(
@@ -98,7 +106,7 @@ class ExpertParallel:
         computed = compute(arrived[order], received_counts.sum(0))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(computed[back], sent, received, self.group)
+        return _AllToAll.apply(computed[back], sent, received, self)
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

@@ -44,6 +44,10 @@ class ExpertBalance(pl.Callback):
         """Assignments dropped for lack of capacity over the run (all ranks)."""
         self.last: dict[str, float] = {}
         """The statistics of the newest step."""
+        self.steps = 0
+        """Optimiser steps counted."""
+        self.sent_bytes = 0
+        """Bytes this rank's expert-parallel exchanges sent to other ranks over the run (0 without ep)."""
 
     @classmethod
     def of(cls, model: nn.Module, forwards_per_step: int) -> ExpertBalance | None:
@@ -59,6 +63,9 @@ class ExpertBalance(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Sum the step's statistics over ranks, move the biases, log."""
         layers = moe_layers(pl_module.net)
+        self.steps += 1
+        exchanges = {id(e): e for _, layer in layers if (e := layer.experts.expert_parallel) is not None}
+        self.sent_bytes = sum(e.sent_bytes for e in exchanges.values())
         load = torch.zeros(self.layers, self.experts, dtype=torch.float64)
         extra = torch.zeros(self.layers, 3, dtype=torch.float64)  # dropped, balance-loss sum, forwards counted
         for position, (name, layer) in enumerate(layers):
@@ -107,13 +114,15 @@ class ExpertBalance(pl.Callback):
     @property
     def result(self) -> dict[str, Any]:
         """The ``experts`` section of ``results.json``: assignments per layer and expert over the run, their
-        max/mean balance per layer, drops, and the last step's statistics."""
+        max/mean balance per layer, drops, the bytes this rank's all-to-alls sent per step (forward and backward,
+        counted when the step is taken, so a last step's backward is included) and the last step's statistics."""
         totals = self.tokens_per_expert
         mean = totals.mean(1, keepdim=True).clamp(min=1e-12)
         return {
             "tokens_per_expert": totals.tolist(),
             "load_max_over_mean_per_layer": (totals.max(1, keepdim=True).values / mean).squeeze(1).tolist(),
             "dropped_fraction": self.dropped / max(float(totals.sum()), 1.0),
+            "all_to_all_bytes_per_step": self.sent_bytes / max(self.steps, 1),
             "last_step": self.last,
         }
 
