@@ -3,9 +3,10 @@
 Candidates: every split of the world into ``pp x dp x cp x tp`` the model supports (tp within a node,
 dividing the heads; cp for a model with attention over sequences that split into 2 cp chunks; pp no deeper
 than the pipeline units), each data-parallel way (replicas, ZeRO-1/2/3, and hybrid sharding within a node;
-ZeRO-2/3 only with cp and tp or pp), each activation-checkpointing policy (none, full, selective, on every
-block), and micro-batches from the largest that divides the batch down; pipelines with 1F1B and 2 or 4
-microbatches per stage. Predictions within ``TIE`` of the fastest count as a tie, which goes to the simplest
+ZeRO-2/3 only with cp and tp or pp), for a model with experts each expert-parallel degree under ZeRO-2/3 (a
+divisor of dp_shard dividing every layer's experts), each activation-checkpointing policy (none, full,
+selective, on every block), and micro-batches from the largest that divides the batch down; pipelines with 1F1B
+and 2 or 4 microbatches per stage. Predictions within ``TIE`` of the fastest count as a tie, which goes to the simplest
 layout.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
-from disttrain.plan.layout import CHECKPOINT_POLICIES, Layout
+from disttrain.plan.layout import CHECKPOINT_POLICIES, Layout, expert_degrees
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.units import human_bytes
 
@@ -61,7 +62,7 @@ SIMPLICITY = {"none": 0, "full": 1, "selective": 2}
 def complexity(layout: Layout) -> tuple:
     """Ordering of simplicity: fewer kinds of parallelism, lower ZeRO stage, simpler checkpointing, less
     accumulation."""
-    return (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.dp_replicate > 1 and layout.dp_shard > 1,
+    return (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1, layout.dp_replicate > 1 and layout.dp_shard > 1,
             layout.zero_stage, SIMPLICITY[layout.activation_checkpoint], layout.accumulation)
 
 
@@ -99,14 +100,16 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
                 if global_batch % dp:
                     continue
                 for replicate, shard, stage in _data_parallel_ways(dp, tp, cp, devices_per_node, pp):
-                    for policy in CHECKPOINT_POLICIES:
-                        if policy != "none" and pp > 1:
-                            continue
-                        group = _micro_batches(Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, cp=cp,
-                                                      zero_stage=stage, activation_checkpoint=policy,
-                                                      accumulate_grads=accumulate_grads), global_batch // dp)
-                        if group:
-                            groups.append(group)
+                    for ep in expert_degrees(inputs.stats, shard, stage):
+                        for policy in CHECKPOINT_POLICIES:
+                            if policy != "none" and pp > 1:
+                                continue
+                            group = _micro_batches(Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
+                                                          cp=cp, ep=ep, zero_stage=stage,
+                                                          activation_checkpoint=policy,
+                                                          accumulate_grads=accumulate_grads), global_batch // dp)
+                            if group:
+                                groups.append(group)
     return groups
 
 

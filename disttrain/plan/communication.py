@@ -17,8 +17,9 @@ class Collective:
     kind: str
     """all_reduce, reduce_scatter, all_gather, all_to_all, broadcast or send (point-to-point)."""
     group: str
-    """Mesh dimension it runs over (dp_replicate, dp_shard, cp, tp, pp), or the flattened ones of cp > 1:
-    dp_shard_cp (ZeRO-2/3 shard over dp_shard x cp) and dp_cp (replicas average gradients over dp x cp)."""
+    """Mesh dimension it runs over (dp_replicate, dp_shard, cp, tp, pp, ep), or the flattened ones of cp > 1:
+    dp_shard_cp (ZeRO-2/3 shard over dp_shard x cp) and dp_cp (replicas average gradients over dp x cp); under
+    expert parallelism experts shard over dp_shard_mod_ep (dp_shard_mod_ep_cp with cp)."""
     size: int
     """Ranks in the group."""
     buffer_bytes: float
@@ -31,6 +32,13 @@ class Collective:
     """Predicted time per step on the profile's link."""
     after_step: bool = False
     """Runs after the optimiser step (ZeRO-1's parameter broadcast), when no backward is left to hide it."""
+    what: str = ""
+    """What it moves, where the kind and group leave it open (expert parallelism's rows and their counts)."""
+
+    @property
+    def label(self) -> str:
+        """The kind, and what it moves where that is said."""
+        return f"{self.kind} ({self.what})" if self.what else self.kind
 
 
 # Bytes each rank sends (and receives), as a fraction of the whole buffer, in a ring of n ranks: an all-gather
@@ -53,17 +61,21 @@ def group_link(profile: HardwareProfile, span: int) -> Link:
 
 
 def collective(kind: str, group: str, size: int, buffer: float, calls: int, link: Link,
-               after_step: bool = False) -> Collective:
+               after_step: bool = False, what: str = "") -> Collective:
     """``calls`` calls of ``kind`` over ``group`` moving ``buffer`` bytes in all, timed on ``link``."""
     sent = RING_FACTOR[kind](size) * buffer
     seconds = sent / link.bandwidth + calls * RING_STEPS[kind](size) * link.latency
-    return Collective(kind, group, size, buffer, calls, sent, seconds, after_step)
+    return Collective(kind, group, size, buffer, calls, sent, seconds, after_step, what)
 
 
 def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
                  ranks: list[list[str] | None], act_scale: float, profile: HardwareProfile,
-                 gather_bf16: bool = False) -> list[Collective]:
-    """What each rank sends per optimiser step, by group."""
+                 gather_bf16: bool = False, experts: float = 0.0, row_scale: float | None = None
+                 ) -> list[Collective]:
+    """What each rank sends per optimiser step, by group; ``params``: the rank's parameter elements before
+    data-parallel sharding, ``experts`` of them experts' (under expert parallelism FSDP gathers and reduces a
+    rank's 1/ep of them over their own ranks, dp_shard / ep x cp); ``act_scale``: bytes per measured byte of
+    activations, ``row_scale`` of the rows experts exchange (None: the same)."""
     out: list[Collective] = []
     acc, tp, cp, ds, dr = layout.accumulation, layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
     shards = layout.state_shards
@@ -72,21 +84,31 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
     link_ds = group_link(profile, tp * cp * ds)
     link_dr = group_link(profile, tp * cp * ds * dr)
     shard_group = "dp_shard_cp" if cp > 1 else "dp_shard"
+    expert_parallel = layout.ep > 1
+    dense = params - experts if expert_parallel else params
     # FSDP2 under bf16-mixed on a GPU gathers bf16 copies of the parameters (reduces gradients in fp32)
-    grads, weights = params * state.grad, params * (2 if gather_bf16 else state.param)
+    param_bytes = 2 if gather_bf16 else state.param
+    grads, weights = dense * state.grad, dense * param_bytes
     if layout.zero_stage == 0 and dr * cp > 1:  # DDP averages over the replicas and the cp ranks
         out.append(collective("all_reduce", "dp_cp" if cp > 1 else "dp_replicate", dr * cp, grads, 1, link_dr))
     if layout.zero_stage == 1 and ds > 1:
         out.append(collective("all_reduce", "dp_shard", ds, grads, 1, link_ds))
         # each rank broadcasts the parameters it stepped: after the optimiser step, so nothing overlaps it
         out.append(collective("broadcast", "dp_shard", ds, weights, ds, link_ds, after_step=True))
-    if layout.zero_stage >= 2 and shards > 1:
+    if layout.zero_stage >= 2:
         gathers = acc * (2 if layout.zero_stage == 3 else 1)
-        out.append(collective("all_gather", shard_group, shards, weights * gathers, gathers, link_ds))
         scatters = acc if layout.sharded_accumulation else 1  # every micro-batch, or once per step
-        out.append(collective("reduce_scatter", shard_group, shards, grads * scatters, scatters, link_ds))
-        if dr > 1:
-            out.append(collective("all_reduce", "dp_replicate", dr, grads / shards, 1, link_dr))
+        groups = [(shard_group, shards, dense)]
+        if expert_parallel:  # the rank's own experts, over the ranks that share them (their span is dp_shard's)
+            groups.append(("dp_shard_mod_ep_cp" if cp > 1 else "dp_shard_mod_ep", layout.expert_state_shards,
+                           experts / layout.ep))
+        for group, size, elements in groups:
+            if size > 1 and elements:
+                out.append(collective("all_gather", group, size, elements * param_bytes * gathers, gathers, link_ds))
+                out.append(collective("reduce_scatter", group, size, elements * state.grad * scatters, scatters,
+                                      link_ds))
+        if dr > 1:  # each rank's shards: its dense and expert ones are 1 / (dp_shard x cp) of their wholes alike
+            out.append(collective("all_reduce", "dp_replicate", dr, params * state.grad / shards, 1, link_dr))
     recomputed = _recomputed_fraction(stats, layout)
     tokens = act_scale / cp  # activations a rank sends are its 1/cp of the sequence
     if tp > 1:
@@ -98,6 +120,9 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
             out.append(collective(kind, "tp", tp, forward + backward, acc, link_tp))
     if cp > 1:
         out += context_parallel(stats, layout, ranks, act_scale, link_cp)
+    if expert_parallel:
+        out += expert_exchange(stats, layout, ranks, act_scale if row_scale is None else row_scale,
+                               group_link(profile, tp * cp * layout.ep))
     if layout.pp > 1:
         boundaries = [stats.unit_output_bytes.get(units[-1], 0) for units in ranks if units]
         per_micro = max(boundaries) * tokens / layout.microbatches
@@ -137,6 +162,42 @@ def context_parallel(stats: ModelStats, layout: Layout, ranks: list[list[str] | 
     return [collective("all_gather", "cp", layout.cp, (2 * gathered + again) * per_step,
                        (2 * layers + recomputed_layers) * calls, link),
             collective("all_to_all", "cp", layout.cp, gathered * per_step, layers * calls, link)]
+
+
+def expert_exchange(stats: ModelStats, layout: Layout, ranks: list[list[str] | None], act_scale: float,
+                    link: Link) -> list[Collective]:
+    """Expert parallelism's all-to-alls of the busiest pipeline rank, per optimiser step. Each mixture of experts
+    sends its rows to their experts' ranks and the results back in forward (two all-to-alls over the ep group),
+    and their gradients the same ways in backward (two more); a checkpointed block's recomputed forward sends
+    them again (full and selective alike: neither keeps what an all-to-all received). The rows are the
+    rank's tokens (1/cp of each sequence; tp ranks each send their own, as each runs the whole mixture) x
+    experts per token, at ``act_scale`` of the measured bytes; each rank sends (ep - 1) / ep of them
+    (``RING_FACTOR``: under balanced routing the rows for its own experts stay). Before each forward exchange
+    the ranks swap how many rows each sends to each expert (one small all-to-all of n_experts integers)."""
+    policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
+    per_pass = 1 if layout.pp == 1 else layout.microbatches  # a micro-batch's microbatches each exchange theirs
+    busiest = (0.0, 0, 0.0, 0, 0)
+    for units in ranks:
+        rows = again = counts = 0.0
+        layers = recomputed = 0
+        for call in stats.expert_calls:
+            if not unit_on_rank(stats, call.unit, units):
+                continue
+            checkpointed = any(p != "none" and within(call.unit, block) for block, p in policies.items())
+            forwards = 2 if checkpointed else 1
+            rows, layers = rows + call.in_bytes + call.out_bytes, layers + 1
+            again, recomputed = again + (forwards - 1) * (call.in_bytes + call.out_bytes), recomputed + forwards - 1
+            counts += forwards * call.n_experts * 8  # int64 counts
+        busiest = max(busiest, (rows, layers, again, recomputed, counts))
+    rows, layers, again, recomputed, counts = busiest
+    if not layers:
+        return []
+    passes = layout.accumulation * per_pass
+    per_step = act_scale / layout.cp * layout.accumulation  # measured bytes -> this rank's, per optimiser step
+    return [collective("all_to_all", "ep", layout.ep, (2 * rows + again) * per_step,
+                       (4 * layers + 2 * recomputed) * passes, link, what="token rows"),
+            collective("all_to_all", "ep", layout.ep, counts * passes, (layers + recomputed) * passes, link,
+                       what="row counts")]
 
 
 def _recomputed_fraction(stats: ModelStats, layout: Layout) -> float:

@@ -8,8 +8,9 @@ has it (Korthikanti et al., 2022: 24 of 34 bytes per token and width are split w
 all of them with it), divided by context parallelism (each rank holds 1/cp of every sequence, plus one
 layer's gathered keys and values), and under activation checkpointing what each policy keeps: full the
 checkpointed units' inputs, selective also the outputs of their matrix products and attention (measured in
-the pass, operator by operator). Communication is charged per collective in the ring model; time is the
-alpha-beta model of the profile's links.
+the pass, operator by operator). Under expert parallelism a rank holds 1/ep of the experts, sharded over the
+other dp_shard / ep x cp ranks, and exchanges token rows with all-to-all. Communication is charged per
+collective in the ring model; time is the alpha-beta model of the profile's links.
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from dataclasses import dataclass, field, replace
 
 from disttrain.plan.communication import Collective, collectives
 from disttrain.plan.devices import HardwareProfile
-from disttrain.plan.layout import CHECKPOINT_POLICIES, Layout, StateBytes, rank_params, rank_units
+from disttrain.plan.layout import (
+    CHECKPOINT_POLICIES,
+    Layout,
+    StateBytes,
+    expert_degrees,
+    local_params,
+    rank_expert_params,
+    rank_params,
+    rank_units,
+)
 from disttrain.plan.memory import activations, activations_by_length, model_state, state_peak, transient
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.step_time import bubble_fraction, compute_seconds, power
@@ -58,6 +68,12 @@ class Estimate:
     """Communication time not hidden behind compute."""
     tokens_per_step: int
     """Tokens (samples, for images) per optimiser step over all ranks."""
+    by_ep: dict[int, dict[str, float] | None] = field(default_factory=dict)
+    """For a model with experts: ep degree (``EP_DEGREES`` and the layout's) -> this layout at that ep: per-rank
+    ``params``, ``grads``, ``optimizer``, ``transient`` and ``peak`` bytes, and the bytes a rank sends per step in
+    expert parallelism's all-to-alls (``all_to_all``) and in ZeRO's gathers and reduce-scatters (``fsdp``: the
+    experts' over their own ranks included); None where the ep does not divide dp_shard and every layer's experts,
+    or the layout has no ZeRO-2/3. Empty for other models."""
     grads_alternative: float | None = None
     """Gradient bytes under the other ``parallel.accumulate_grads`` choice (sharded <-> unsharded); None where
     there is no choice (no ZeRO-2/3 accumulation without pipelining)."""
@@ -103,27 +119,37 @@ class Estimate:
                 f"({human_bytes(over)} over); largest term: {term} {human_bytes(self.memory[term])}")
 
 
+EP_DEGREES = (1, 2, 4)
+"""Expert-parallel degrees a plan of a model with experts shows (and the layout's own)."""
+
+
+def busiest_params(stats: ModelStats, layout: Layout, ranks: list[list[str] | None]) -> tuple[float, float]:
+    """Parameter elements before data-parallel sharding of the pipeline rank that holds the most (counting 1/ep
+    of its experts), and how many of them are experts'."""
+    return max(((rank_params(stats, layout, units), rank_expert_params(stats, layout, units)) for units in ranks),
+               key=lambda pair: local_params(layout, *pair))
+
+
 def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state: StateBytes,
              bf16: bool = False) -> Estimate:
     """Predict ``layout`` for the model measured in ``stats`` on ``profile``."""
     scale = layout.micro_size / stats.micro_size
     act_dtype = 0.5 if bf16 else 1.0  # autocast keeps matmul outputs in bf16 (norms and softmax stay fp32)
     ranks = rank_units(stats, layout)
-    params = max(rank_params(stats, layout, units) for units in ranks)
-    memory = model_state(params, layout, state)
+    params, experts = busiest_params(stats, layout, ranks)
     alternative = None
     if layout.zero_stage >= 2 and layout.pp == 1 and layout.accumulation > 1:
         other = replace(layout, accumulate_grads="unsharded" if layout.sharded_accumulation else "sharded")
-        alternative = model_state(params, other, state)["grads"]
+        alternative = model_state(params, other, state, experts)["grads"]
     policies = {policy: activations(stats, ranks[0], replace(layout, activation_checkpoint=policy), scale * act_dtype)
                 for policy in CHECKPOINT_POLICIES}
     mine = policies[layout.activation_checkpoint]
-    memory["activations"] = mine.peak
-    memory["transient"] = transient(stats, layout, state)
-    phases = state_peak(params, layout, state)
-    phases["after_forward"] += memory["activations"] + memory["transient"]
-    traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile,
-                          gather_bf16=bf16 and not profile.cpu)
+    memory, phases = _memory(stats, layout, state, params, experts, mine.peak)
+    gather_bf16 = bf16 and not profile.cpu
+    # the rows experts exchange are the normalised residual stream, which autocast leaves in fp32 (and on a CPU the
+    # grouped product returns fp32 too): the pass's bytes under bf16-mixed as well
+    traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
+                          scale)
     compute, recompute = compute_seconds(stats, layout, ranks, profile, state, params, bf16)
     shared_cpu = profile.cpu
     overlappable = [c for c in traffic if c.group.startswith("dp") and not c.after_step]
@@ -138,7 +164,40 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     capacity = profile.memory_bytes * profile.devices_per_node / layout.world_size if shares else profile.memory_bytes
     # the cp ranks of one data-parallel index share their samples: cp adds no tokens to a step
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
+    by_ep = {}
+    if stats.has_experts:
+        fitting = expert_degrees(stats, layout.dp_shard, layout.zero_stage)
+        for ep in sorted({*EP_DEGREES, layout.ep}):
+            by_ep[ep] = _at_ep(stats, replace(layout, ep=ep), state, ranks, scale, act_dtype, profile,
+                               gather_bf16) if ep in fitting else None
     return Estimate(layout, memory, phases, mine.held, {p: a.peak for p, a in policies.items()},
                     activations_by_length(stats, ranks[0], layout, scale * act_dtype), capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
-                    compute, recompute, exposed, tokens, alternative, power(profile, layout.world_size))
+                    compute, recompute, exposed, tokens, by_ep, alternative, power(profile, layout.world_size))
+
+
+def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float, experts: float,
+            activation_peak: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-rank memory terms and the bytes in use at the moments memory peaks (``Estimate.memory`` and
+    ``Estimate.phases``)."""
+    memory = model_state(params, layout, state, experts)
+    memory["activations"] = activation_peak
+    memory["transient"] = transient(stats, layout, state)
+    phases = state_peak(params, layout, state, experts)
+    phases["after_forward"] += memory["activations"] + memory["transient"]
+    return memory, phases
+
+
+def _at_ep(stats: ModelStats, layout: Layout, state: StateBytes, ranks: list[list[str] | None], scale: float,
+           act_dtype: float, profile: HardwareProfile, gather_bf16: bool) -> dict[str, float]:
+    """``Estimate.by_ep``'s figures of ``layout`` (as ``estimate`` reckons them)."""
+    params, experts = busiest_params(stats, layout, ranks)
+    memory, phases = _memory(stats, layout, state, params, experts,
+                             activations(stats, ranks[0], layout, scale * act_dtype).peak)
+    traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
+                          scale)
+    return {**{term: memory[term] for term in ("params", "grads", "optimizer", "transient")},
+            "peak": max(phases.values()),
+            "all_to_all": sum(c.sent_bytes for c in traffic if c.group == "ep"),
+            "fsdp": sum(c.sent_bytes for c in traffic if c.kind in ("all_gather", "reduce_scatter")
+                        and c.group.startswith("dp_shard"))}

@@ -72,6 +72,12 @@ class Layout(ParallelDims):
         return self.shard_degree if self.zero_stage else 1
 
     @property
+    def expert_state_shards(self) -> int:
+        """Ranks one copy of an expert's state is sharded over: dp_shard / ep x cp under ZeRO (expert parallelism
+        needs ZeRO-2/3; each rank holds 1/ep of the experts besides), none without."""
+        return self.expert_shard_degree if self.zero_stage else 1
+
+    @property
     def sharded_accumulation(self) -> bool:
         """Accumulation micro-batches reduce-scatter into gradient shards (ZeRO-2/3 without pipelining)."""
         return self.pp == 1 and accumulates_sharded(self.zero_stage, self.accumulate_grads)
@@ -83,10 +89,11 @@ class Layout(ParallelDims):
         return self.zero_stage < 2 or (self.accumulation > 1 and not self.sharded_accumulation)
 
     def describe(self) -> str:
-        """Short text, e.g. ``dp_shard=4 cp=2 zero3 tp=2 ac=selective micro=8x2`` (``ac=full every 2`` when the
+        """Short text, e.g. ``dp_shard=4 ep=2 cp=2 zero3 tp=2 ac=selective micro=8x2`` (``ac=full every 2`` when the
         policy covers every second unit)."""
         parts = [f"{k}={v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                         ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1] or ["single"]
+                                         ("ep", self.ep), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
+                 if v > 1] or ["single"]
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
         if self.sequence_parallel:
@@ -150,3 +157,25 @@ def rank_params(stats: ModelStats, layout: Layout, units: list[str] | None) -> f
     """Parameter elements on a rank before data-parallel sharding: its stages', split by tensor parallelism."""
     return sum(n / (layout.tp if stats.tp_sharded.get(name) else 1)
                for name, n in stats.param_numel.items() if param_on_rank(stats, name, units))
+
+
+def rank_expert_params(stats: ModelStats, layout: Layout, units: list[str] | None) -> float:
+    """The part of ``rank_params`` that is experts' (all of a stage's experts: expert parallelism's split comes
+    after, with the data-parallel one)."""
+    return sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
+               if name in stats.expert_params and param_on_rank(stats, name, units))
+
+
+def expert_degrees(stats: ModelStats, dp_shard: int, zero_stage: int) -> list[int]:
+    """Expert-parallel degrees a layout with ``dp_shard`` and ``zero_stage`` can take: 1, and for a model with
+    experts under ZeRO-2/3 each divisor of dp_shard that divides every layer's number of experts."""
+    if not stats.has_experts or zero_stage < 2:
+        return [1]
+    return [ep for ep in range(1, dp_shard + 1)
+            if dp_shard % ep == 0 and all(n % ep == 0 for n in stats.expert_counts)]
+
+
+def local_params(layout: Layout, params: float, experts: float) -> float:
+    """Parameter elements a rank holds whole between data-parallel sharding and ``params`` of its stage (of which
+    ``experts`` are experts'): all but the experts of the other ep ranks."""
+    return params - experts + experts / layout.ep

@@ -15,10 +15,20 @@ LENGTH_FACTORS = (0.25, 0.5, 1, 2, 4)
 """Sequence lengths that table shows, as multiples of the run's."""
 
 
-def model_state(params: float, layout: Layout, state: StateBytes) -> dict[str, float]:
+def model_state(params: float, layout: Layout, state: StateBytes, experts: float = 0.0) -> dict[str, float]:
     """Bytes per rank of parameters, gradients and optimiser state (each at its largest during a step) for
-    ``params`` elements on this rank before data-parallel sharding (its tensor-parallel and pipeline share)."""
-    shard = layout.state_shards
+    ``params`` elements on this rank before data-parallel sharding (its tensor-parallel and pipeline share), of
+    which ``experts`` are experts': a rank holds 1/ep of those, sharded over dp_shard / ep x cp under ZeRO
+    (``Layout.expert_state_shards``), and the rest over dp_shard x cp as without expert parallelism."""
+    dense = _state(params - experts, layout.state_shards, layout, state)
+    if not experts:
+        return dense
+    own = _state(experts / layout.ep, layout.expert_state_shards, layout, state)
+    return {term: dense[term] + own[term] for term in dense}
+
+
+def _state(params: float, shard: int, layout: Layout, state: StateBytes) -> dict[str, float]:
+    """``model_state`` of ``params`` elements that ZeRO shards over ``shard`` ranks."""
     p = params * state.param
     if layout.zero_stage == 3:
         held = p / shard
@@ -31,12 +41,19 @@ def model_state(params: float, layout: Layout, state: StateBytes) -> dict[str, f
     return {"params": held, "grads": grads, "optimizer": params * state.optim / shard}
 
 
-def state_peak(params: float, layout: Layout, state: StateBytes) -> dict[str, float]:
+def sharded_params(params: float, layout: Layout, experts: float = 0.0) -> float:
+    """Parameter elements of a rank's shards (``model_state``'s split: experts' over ep and their shard ranks)."""
+    return (params - experts) / layout.state_shards + experts / layout.ep / layout.expert_state_shards
+
+
+def state_peak(params: float, layout: Layout, state: StateBytes, experts: float = 0.0) -> dict[str, float]:
     """Model state at the two moments it peaks: after forward (ZeRO-2 holds whole parameters; gradients exist
     only while accumulating) and after backward (ZeRO-2 has resharded; every gradient exists)."""
-    terms = model_state(params, layout, state)
-    shard = layout.state_shards
-    resharded = params * state.param / shard if layout.zero_stage == 2 and state.zero2_keeps_shards else terms["params"]
+    terms = model_state(params, layout, state, experts)
+    if layout.zero_stage == 2 and state.zero2_keeps_shards:
+        resharded = sharded_params(params, layout, experts) * state.param
+    else:
+        resharded = terms["params"]
     carried = terms["grads"] if layout.accumulation > 1 else 0.0
     return {"after_forward": terms["params"] + carried + terms["optimizer"],
             "after_backward": resharded + terms["grads"] + terms["optimizer"]}
@@ -53,19 +70,31 @@ class ActivationBytes:
     """At their largest: as backward starts (what is held and the gradient of the output) or in the last
     block's backward (what is held but the head's activations, the block's recomputed activations and the
     gradient of its widest activation), whichever is more; under cp also a layer's attention backward (the
-    whole sequence's keys and values, their gradient and the parts' gradients)."""
+    whole sequence's keys and values, their gradient and the parts' gradients); under ep also, in a mixture of
+    experts' backward, the buffer its all-to-all receives."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> ActivationBytes:
     """Activation bytes of the first pipeline rank (it keeps the most microbatches in flight) under the
     layout's checkpointing policy, tensor- and context-parallel split; ``scale``: bytes per measured byte
-    (micro-batch over the pass's, and the activation dtype)."""
+    (micro-batch over the pass's, and the activation dtype).
+
+    Mixtures of experts are not split by tp (every tp rank runs them on the same tokens). Under expert
+    parallelism a rank keeps, of a mixture, the rows its all-to-all received (the grouped products save them)
+    and the combined rows that came back (the weighting saves them) instead of its own rows, as many under
+    balanced routing: what the pass saved. The exchange's receive buffer while a mixture's backward runs comes
+    on top of it."""
     last_stage = units is None or stats.pipeline_units[-1] in units
     blocks = set(stats.shard_units)
     policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
     split = 1.0
     if layout.tp > 1:  # Megatron: 24 of 34 sbh bytes are split by tp; all of them with sequence parallelism
         split = 1 / layout.tp if layout.sequence_parallel else (10 + 24 / layout.tp) / 34
+
+    def tp_share(unit: str, total: float, part: str) -> float:  # a unit's mixtures of experts stay whole
+        whole = stats.mixture_bytes.get(unit, {}).get(part, 0)
+        return (total - whole) * split + whole
+
     held = outside = recompute = gradient = 0.0
     # what runs after the last block (the head, the loss) is freed before backward reaches the blocks; what
     # runs before them (a CNN's stem) stays until the end
@@ -82,20 +111,23 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
             continue
         policy, unit_input = policies[unit], stats.unit_input_bytes.get(unit, 0)
         if policy == "full":  # the input stays; backward recomputes everything the unit saved
-            kept, again = unit_input, saved * split
+            kept, again = unit_input, tp_share(unit, saved, "saved")
         elif policy == "selective":  # the input and every matmul and attention output stay; the rest is redone
-            kept = unit_input + stats.selective_bytes.get(unit, 0) * split
-            again = stats.saved_by_kind.get(unit, {}).get("other", 0) * split
+            kept = unit_input + tp_share(unit, stats.selective_bytes.get(unit, 0), "selective")
+            again = tp_share(unit, stats.saved_by_kind.get(unit, {}).get("other", 0), "other")
         else:
-            kept, again = saved * split, 0.0
+            kept, again = tp_share(unit, saved, "saved"), 0.0
         held += kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
     output_grad = stats.output_bytes if last_stage else 0
+    # what expert parallelism's all-to-all receives in backward, beside the gradient it sends
+    exchange = max((max(c.in_bytes, c.out_bytes) for c in stats.expert_calls if unit_on_rank(stats, c.unit, units)),
+                   default=0) if layout.ep > 1 else 0
     # two moments: backward's start (everything held and the output's gradient), and the last block's backward,
     # when the head's activations and the output's gradient are gone, the block's recomputed activations are
     # back and the gradient of its widest activation lives beside them
-    peak = max(held + output_grad, held - outside + recompute + gradient)
+    peak = max(held + output_grad, held - outside + recompute + gradient + exchange)
     in_flight = 1
     if layout.pp > 1:  # the first stage holds this many microbatches' activations (GPipe: all of them)
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
@@ -139,11 +171,15 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
 
 def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
     """Short-lived buffers: under ZeRO-3 the gathered unit and the one prefetched; under ZeRO-2/3 one unit's
-    whole gradients before their reduce-scatter."""
+    whole gradients before their reduce-scatter (of its experts, the rank's 1/ep)."""
     if layout.zero_stage < 2:
         return 0.0
     units = stats.shard_units or [ROOT]
-    largest = max(sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
-                      if within(stats.param_unit[name], u)) for u in units)
+
+    def whole(name: str, n: int) -> float:  # a rank gathers its tp share, and its own experts only
+        return n / (layout.tp if stats.tp_sharded.get(name) else 1) / (layout.ep if name in stats.expert_params else 1)
+
+    largest = max(sum(whole(name, n) for name, n in stats.param_numel.items() if within(stats.param_unit[name], u))
+                  for u in units)
     gathered = 2 * largest * state.param if layout.zero_stage == 3 else 0.0
     return gathered + largest * state.grad

@@ -16,11 +16,17 @@ What it records, for one micro-batch:
   attention matrix the meta device's reference path would keep);
 - the output bytes of every pipeline unit (what crosses a stage boundary) and the activation bytes the
   tensor-parallel plan communicates: each row-wise layer's output (all-reduced in forward) and each
-  input of a column-wise layer (all-reduced in backward).
+  input of a column-wise layer (all-reduced in backward);
+- mixtures of experts (``disttrain.plan.experts``): which parameters are experts, the rows each expert module
+  computed and their bytes in and out (what expert parallelism's all-to-alls move), and what a mixture (the
+  module around the experts: router, experts, combination) saved and ran, which tensor parallelism does not
+  split. Routing runs balanced (the meta device has no values to route by); the grouped products count
+  2 x M x K x N FLOPs, which torch's counter leaves out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -35,6 +41,7 @@ from torch.utils.flop_counter import flop_registry
 
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.parallel import activation_checkpoint
+from disttrain.plan.experts import BalancedRouting, expert_modules, expert_parameters, grouped_mm_flops
 
 ROOT = ""
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
@@ -50,6 +57,16 @@ SELECTIVE_SAVE_OPS = MATMUL_OPS | ATTENTION_OPS
 collectives run only under tensor parallelism, which a measured pass leaves out); it recomputes the others."""
 KINDS = ("matmul", "attention", "other")
 """Kinds of operator a pass tells apart (``op_kind``)."""
+_aten = torch.ops.aten
+FLOP_REGISTRY = {
+    **flop_registry,
+    # the CPU kernel's FLOPs are those of the CUDA one (same arguments first)
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[_aten._scaled_dot_product_flash_attention_backward],
+    _aten._grouped_mm: grouped_mm_flops,
+}
+"""torch's FLOP formulas, with the CPU attention kernels and the grouped matrix product of experts."""
 
 
 def op_kind(packet: Any) -> str:
@@ -58,6 +75,24 @@ def op_kind(packet: Any) -> str:
     if packet in MATMUL_OPS:
         return "matmul"
     return "attention" if packet in ATTENTION_OPS else "other"
+
+
+@dataclass
+class ExpertCall:
+    """One forward of a module of grouped experts."""
+
+    module: str
+    """The expert module's name."""
+    unit: str
+    """The innermost tracked unit it ran in (``ROOT`` if none)."""
+    n_experts: int
+    """Experts it holds."""
+    rows: int
+    """Rows it computed (tokens x experts per token, less any dropped)."""
+    in_bytes: int
+    """Bytes of the rows it received (expert parallelism's dispatch all-to-all moves them)."""
+    out_bytes: int
+    """Bytes of the rows it returned (the combining all-to-all moves them back)."""
 
 
 @dataclass
@@ -106,6 +141,15 @@ class ModelStats:
     largest_saved: dict[str, int] = field(default_factory=dict)
     """Unit name -> bytes of its largest saved storage: the gradient of that activation is alive beside the
     unit's activations while backward goes through it."""
+    expert_params: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """Expert parameter name -> (its expert module, experts in it); see ``disttrain.plan.experts``."""
+    expert_calls: list[ExpertCall] = field(default_factory=list)
+    """Each forward of an expert module, in order."""
+    mixture_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Unit name -> the part inside mixtures of experts of its ``saved`` bytes, its ``selective`` bytes and its
+    saved bytes made by ``other`` operators (tensor parallelism leaves mixtures whole)."""
+    mixture_ops: dict[str, list[Op]] = field(default_factory=dict)
+    """Unit name -> the forward operators that ran inside a mixture of experts (also in ``forward_ops``)."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -113,10 +157,48 @@ class ModelStats:
         ``SELECTIVE_SAVE_OPS``)."""
         return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.forward_ops.items()}
 
+    @functools.cached_property
+    def recomputed_mixture_ops(self) -> dict[str, list[Op]]:
+        """Unit name -> the part of ``recomputed_ops`` that runs inside mixtures of experts."""
+        return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.mixture_ops.items()}
+
     @property
     def params(self) -> int:
         """Parameters of the model (tied ones once)."""
         return sum(self.param_numel.values())
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model has grouped experts."""
+        return bool(self.expert_params)
+
+    @property
+    def expert_counts(self) -> set[int]:
+        """The numbers of experts of the model's expert modules (expert parallelism's degree divides each)."""
+        return {n for _, n in self.expert_params.values()}
+
+    @property
+    def expert_param_count(self) -> int:
+        """Parameters of the experts, all of them."""
+        return sum(self.param_numel.get(name, 0) for name in self.expert_params)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token's forward uses: every parameter but the experts it is not routed to. Each expert
+        parameter counts the share of its experts a token meets: the module's rows per token over its experts
+        (top_k / n_experts for routing that drops nothing)."""
+        tokens = self.micro_size * self.tokens_per_sample
+        rows: dict[str, int] = {}
+        for call in self.expert_calls:
+            rows[call.module] = rows.get(call.module, 0) + call.rows
+        active = 0.0
+        for name, numel in self.param_numel.items():
+            if name in self.expert_params:
+                module, n_experts = self.expert_params[name]
+                active += numel * rows.get(module, 0) / tokens / n_experts
+            else:
+                active += numel
+        return active
 
     @property
     def forward_flops(self) -> dict[str, int]:
@@ -147,16 +229,14 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     inputs, targets = example_batch(spec, micro_size, "meta")
     skip = {inputs.untyped_storage()._cdata, targets.untyped_storage()._cdata}
     skip |= {p.untyped_storage()._cdata for p in net.parameters()}
-    aten = torch.ops.aten  # the CPU kernel's FLOPs are those of the CUDA one (same arguments first)
-    flash, flash_backward = aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
-    registry = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[flash],
-                aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[flash_backward]}
     # every pass starts without gradients, as a step after zero_grad does: a gradient left by an earlier pass
     # on the same net would add an accumulating operator per parameter to this pass's backward
     kept = {p: p.grad for p in net.parameters()}
     net.zero_grad(set_to_none=True)
     try:
-        with recorder, _FusedAttention(), _OpCounter(registry, recorder.on_op, recorder.on_call), \
+        # the counter sees each operator before routing's stand-ins for the meta device answer it
+        routing = BalancedRouting() if expert_parameters(net) else contextlib.nullcontext()
+        with recorder, _FusedAttention(), routing, _OpCounter(FLOP_REGISTRY, recorder.on_op, recorder.on_call), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
             logits = net(inputs)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -173,7 +253,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
                       recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
                       recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded,
-                      recorder.saved_by_kind, recorder.selective, recorder.attention_kv, recorder.largest)
+                      recorder.saved_by_kind, recorder.selective, recorder.attention_kv, recorder.largest,
+                      expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops)
 
 
 def _meta_copy(net: nn.Module) -> nn.Module:
@@ -219,6 +300,11 @@ class _Recorder:
         self.inputs: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
         self.tp_forward = self.tp_backward = 0
+        self.expert_calls: list[ExpertCall] = []
+        self.mixture: dict[str, dict[str, int]] = {unit: dict.fromkeys(("saved", "selective", "other"), 0)
+                                                   for unit in [ROOT, *units]}
+        self.mixture_ops: dict[str, list[Op]] = {unit: [] for unit in [ROOT, *units]}
+        self._mixture_depth = 0
         self._seen: set[int] = set()
         self._in_forward, self._handles = True, []
 
@@ -231,6 +317,10 @@ class _Recorder:
                 self.saved[self.stack[-1]] += nbytes
                 self.largest[self.stack[-1]] = max(self.largest[self.stack[-1]], nbytes)
                 self.saved_by_kind[self.stack[-1]][self._producer.get(key, "other")] += nbytes
+                if self._mixture_depth:
+                    self.mixture[self.stack[-1]]["saved"] += nbytes
+                    if self._producer.get(key, "other") == "other":
+                        self.mixture[self.stack[-1]]["other"] += nbytes
             return tensor
         return hook
 
@@ -249,12 +339,16 @@ class _Recorder:
             self._producer[t.untyped_storage()._cdata] = kind
         if kind != "other":
             self.selective[self.stack[-1]] += sum(t.untyped_storage().nbytes() for t in outputs)
+            if self._mixture_depth:
+                self.mixture[self.stack[-1]]["selective"] += sum(t.untyped_storage().nbytes() for t in outputs)
         if kind == "attention":  # query, key, value come first in every fused kernel's arguments
             self.attention_kv[self.stack[-1]].append(_nbytes(args[0][1]) + _nbytes(args[0][2]))
 
     def on_op(self, op: Op) -> None:
         """An operator ran: charge it to the running unit (forward) or to backward."""
         (self.forward_ops[self.stack[-1]] if self._in_forward else self.backward_ops).append(op)
+        if self._in_forward and self._mixture_depth:
+            self.mixture_ops[self.stack[-1]].append(op)
 
     def __enter__(self) -> _Recorder:
         for name in self.units:
@@ -267,6 +361,14 @@ class _Recorder:
             for name, module in self.net.named_modules():
                 if fnmatchcase(name, pattern):
                     self._handles.append(module.register_forward_hook(self._tp_hook(style)))
+        for name, module in expert_modules(self.net).items():
+            self._handles.append(module.register_forward_pre_hook(self._enter_experts(name, module)))
+            self._handles.append(module.register_forward_hook(self._leave_experts()))
+            # the mixture is the module around the experts (router and combination); the experts alone if the
+            # model is nothing else
+            mixture = self.net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+            self._handles.append(mixture.register_forward_pre_hook(self._mixture(1)))
+            self._handles.append(mixture.register_forward_hook(self._mixture(-1), always_call=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -287,6 +389,27 @@ class _Recorder:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self.stack.pop()
             self.outputs[name] = _nbytes(output)
+        return hook
+
+    def _enter_experts(self, name: str, module: nn.Module):
+        """A hook noting each forward of the expert module ``name``; ``_leave_experts`` adds its output."""
+        n_experts = next((p.size(0) for p in module.parameters() if p.dim() == 3), 0)
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._in_forward:  # the rows to compute come first
+                self.expert_calls.append(ExpertCall(name, self.stack[-1], n_experts, args[0].size(0),
+                                                    _nbytes(args[0]), 0))
+        return hook
+
+    def _leave_experts(self):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._in_forward:
+                self.expert_calls[-1].out_bytes = _nbytes(output)
+        return hook
+
+    def _mixture(self, step: int):
+        def hook(module: nn.Module, *args: Any) -> None:
+            self._mixture_depth += step
         return hook
 
     def _tp_hook(self, style: str):

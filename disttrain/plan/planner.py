@@ -10,7 +10,7 @@ from disttrain.plan.auto import choose
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
-from disttrain.plan.layout import Layout, state_bytes
+from disttrain.plan.layout import Layout, expert_degrees, state_bytes
 from disttrain.plan.memory import ActivationBytes
 from disttrain.plan.model_stats import ModelStats, measure_model
 from disttrain.plan.units import human_bytes
@@ -44,7 +44,7 @@ def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
     """The layout of a validated run (its resolved degrees, options and batch)."""
     pipe = parallel.pipeline
     return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, cp=dims.cp,
-                  zero_stage=parallel.zero_stage, activation_checkpoint=parallel.activation_checkpoint,
+                  ep=dims.ep, zero_stage=parallel.zero_stage, activation_checkpoint=parallel.activation_checkpoint,
                   checkpoint_every_n_blocks=parallel.checkpoint_every_n_blocks,
                   sequence_parallel=parallel.sequence_parallel, micro_size=batch.micro_size,
                   accumulation=batch.accumulation, microbatches=pipe.microbatches if dims.pp > 1 else 1,
@@ -80,9 +80,9 @@ def planned_precision(precision: str, profile: HardwareProfile) -> str:
 
 
 def preset_name(layout: Layout) -> str:
-    """The preset a layout corresponds to (what a run chosen by ``parallel=auto`` is called), with ``+cp`` for
-    context parallelism (``cp`` alone on one data-parallel rank)."""
-    name = _data_and_model_preset(layout)
+    """The preset a layout corresponds to (what a run chosen by ``parallel=auto`` is called), with ``+ep`` for
+    expert parallelism and ``+cp`` for context parallelism (``cp`` alone on one data-parallel rank)."""
+    name = _data_and_model_preset(layout) + ("+ep" if layout.ep > 1 else "")
     if layout.cp == 1:
         return name
     return "cp" if name == "single" else f"{name}+cp"
@@ -111,7 +111,8 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
 
     def valid(layout: Layout) -> bool:
         candidate = apply_layout(parallel, layout)
-        dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp)
+        dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp,
+                                    layout.ep)
         try:
             candidate.check_dims(dims)
             check_model_plan("model", net, candidate, dims, layout.micro_size, spec)
@@ -136,7 +137,7 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
                        parallel.pipeline.microbatches, schedule=layout.schedule if layout.pp > 1 else
                        parallel.pipeline.schedule)
     return replace(parallel, name=preset_name(layout), dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                   tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage,
+                   tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero_stage=layout.zero_stage,
                    activation_checkpoint=layout.activation_checkpoint,
                    checkpoint_every_n_blocks=layout.checkpoint_every_n_blocks,
                    sequence_parallel=layout.sequence_parallel, pipeline=pipeline)
@@ -145,7 +146,8 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
 def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, batch: Any, optim: Any,
                         precision: str, memory_gb: float) -> None:
     """``plan.memory_gb`` on a training run: refuse, before any rank starts, a layout whose predicted peak per
-    rank exceeds it, naming what would fit: a higher cp degree, or another checkpointing policy."""
+    rank exceeds it, naming what would fit: a higher ep degree (a model with experts), a higher cp degree, or
+    another checkpointing policy."""
     from dataclasses import replace
 
     from disttrain.errors import ConfigError
@@ -159,6 +161,10 @@ def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, bat
     if est.fits:
         return
     fitting = []
+    for ep in expert_degrees(inputs.stats, layout.dp_shard, layout.zero_stage):  # the same ranks, experts split
+        if ep > layout.ep and inputs.estimate(replace(layout, ep=ep)).fits:
+            fitting.append(f"parallel.ep={ep}")
+            break
     for cp in (2, 4, 8):  # the same data-parallel ranks, each sequence split over more ranks
         if cp > layout.cp and spec.block_size % (2 * cp) == 0:
             other = replace(layout, cp=cp)
@@ -189,7 +195,7 @@ def print_plan(run: Any) -> Estimate:
     inputs = plan_inputs(net, run.datamodule.spec, run.batch.micro_size, cfg.parallel, run.optim,
                          planned_precision(cfg.trainer.precision, profile), profile)
     est = inputs.estimate(layout_of(run.dims, cfg.parallel, run.batch))
-    print(render(est, profile, inputs.stats.params, run.model.name), flush=True)
+    print(render(est, profile, inputs.stats.params, run.model.name, inputs.stats), flush=True)
     for path in write_plan(est, profile, Path(cfg.run_dir), cfg.plots):
         print(f"wrote {path}")
     return est

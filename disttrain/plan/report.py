@@ -9,16 +9,20 @@ from typing import Any
 
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
-from disttrain.plan.units import human_bytes
+from disttrain.plan.model_stats import ModelStats
+from disttrain.plan.units import human_bytes, human_count
 
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimiser state", "activations": "activations",
          "transient": "transient (gathered units, unreduced gradients)"}
 
 
-def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> str:
-    """The plan as text: memory terms, collectives, bubble and predicted time."""
+def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats: ModelStats | None = None) -> str:
+    """The plan as text: memory terms, collectives, bubble and predicted time; with the model's ``stats``, its
+    experts and expert parallelism too (for a model that has them)."""
     lay = e.layout
-    lines = [f"plan: {model} ({params / 1e6:.4g}M parameters) on {lay.world_size} rank(s): {lay.describe()}",
+    experts = stats is not None and stats.has_experts
+    active = f", {stats.active_params / 1e6:.4g}M active per token" if experts else ""
+    lines = [f"plan: {model} ({params / 1e6:.4g}M parameters{active}) on {lay.world_size} rank(s): {lay.describe()}",
              f"profile: {profile.name} ({profile.source})", "",
              "memory per rank (the most loaded rank)", "| term | bytes |", "|---|---|"]
     for key, label in TERMS.items():
@@ -37,10 +41,12 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str) -> st
     moment = max(e.phases, key=e.phases.get).replace("_", " ")
     lines += [f"| peak ({moment}) | {human_bytes(e.total_bytes)} of {human_bytes(e.capacity)}: {verdict} |", ""]
     lines += sequence_table(e)
+    if experts:
+        lines += expert_table(e, stats)
     if e.collectives:
         lines += ["communication per optimiser step (ring model, bytes this rank sends)",
                   "| collective | over | ranks | buffer | calls | sent | time |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {c.kind} | {c.group} | {c.size} | {human_bytes(c.buffer_bytes)} | {c.calls} | "
+        lines += [f"| {c.label} | {c.group} | {c.size} | {human_bytes(c.buffer_bytes)} | {c.calls} | "
                   f"{human_bytes(c.sent_bytes)} | {c.seconds * 1e3:.3g} ms |" for c in e.collectives]
         lines.append("")
     else:
@@ -75,13 +81,47 @@ def sequence_table(e: Estimate) -> list[str]:
     return [*lines, ""]
 
 
+EP_COLUMNS = {"params": "parameters", "grads": "gradients", "optimizer": "optimiser state", "transient": "transient",
+              "peak": "peak", "all_to_all": "all-to-all sent", "fsdp": "FSDP sent"}
+"""Columns of the expert-parallel table (``Estimate.by_ep``'s keys) and their headings."""
+
+
+def expert_table(e: Estimate, stats: ModelStats) -> list[str]:
+    """Lines on the model's experts and this layout's memory per rank and expert traffic per step at each ep
+    degree (``Estimate.by_ep``), and a blank line."""
+    tokens = stats.micro_size * stats.tokens_per_sample
+    modules: dict[str, tuple[int, int]] = {}
+    for call in stats.expert_calls:
+        rows = modules.get(call.module, (call.n_experts, 0))[1]
+        modules[call.module] = (call.n_experts, rows + call.rows)
+    counts = "/".join(str(n) for n in sorted(stats.expert_counts))
+    per_token = "/".join(f"{rows / tokens:.3g}" for rows in sorted({r for _, r in modules.values()}))
+    lines = [f"experts: {len(modules)} mixture layer(s) of {counts} experts, {per_token} per token (planned as "
+             f"balanced routing); {human_count(stats.expert_param_count)} of the {human_count(stats.params)} "
+             f"parameters are experts', {human_count(stats.active_params)} active per token"]
+    if all(row is None for ep, row in e.by_ep.items() if ep > 1):
+        return [*lines, f"expert parallelism: none in this layout (ep must divide dp_shard={e.layout.dp_shard} and "
+                f"every layer's {counts} experts, under ZeRO-2/3; this run: zero_stage={e.layout.zero_stage})", ""]
+    lines += ["expert parallelism: this layout at each ep, per rank (all-to-all and FSDP: bytes a rank sends per "
+              "optimiser step; FSDP's gathers and reduce-scatters, the experts' over their own ranks included)",
+              "| ep | " + " | ".join(EP_COLUMNS.values()) + " |", "|---" * (len(EP_COLUMNS) + 1) + "|"]
+    for ep, row in e.by_ep.items():
+        label = f"{ep} (this run)" if ep == e.layout.ep else str(ep)
+        cells = ["-"] * len(EP_COLUMNS) if row is None else [human_bytes(row[key]) for key in EP_COLUMNS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if None in e.by_ep.values():
+        lines.append(f"-: ep must divide dp_shard={e.layout.dp_shard} and every layer's {counts} experts, under "
+                     f"ZeRO-2/3 (this run: zero_stage={e.layout.zero_stage})")
+    return [*lines, ""]
+
+
 def as_json(e: Estimate, profile: HardwareProfile) -> dict[str, Any]:
     """Everything the report shows, as plain JSON values."""
     return {"layout": asdict(e.layout), "memory_bytes": e.memory, "phases_bytes": e.phases,
             "total_bytes": e.total_bytes,
             "capacity_bytes": e.capacity, "fits": e.fits, "overflow": e.overflow() or None,
             "activations_held": e.activations_held, "activations_by_policy": e.activations_by_policy,
-            "activations_by_length": e.activations_by_length, "recompute_s": e.recompute_s,
+            "activations_by_length": e.activations_by_length, "by_ep": e.by_ep, "recompute_s": e.recompute_s,
             "collectives": [asdict(c) for c in e.collectives], "bubble": e.bubble, "compute_s": e.compute_s,
             "exposed_comm_s": e.exposed_comm_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
             "joules_per_token": e.joules_per_token, "profile": asdict(profile)}

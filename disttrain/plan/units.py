@@ -9,3 +9,11 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def human_count(n: float) -> str:
+    """A count in the largest of k, M, B that keeps a number >= 1 (parameters: 2.43M, 46.7B)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
