@@ -218,13 +218,17 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(x)
         out = self.drop(out)
         if self.training:
-            self._record(routing, flat_experts.numel())
+            # activation checkpointing runs this forward again in backward: its tokens are counted already
+            recomputing = _in_backward()
+            if not recomputing:
+                self._record(routing, flat_experts.numel())
             if self.aux_loss_coef:
                 per_sequence = F.one_hot(routing.experts, self.n_experts).sum((1, 2))
                 if self.sequence_split is not None:
                     per_sequence = self.sequence_split.total(per_sequence)
                 loss = self.balance_loss(per_sequence, scores)
-                self._record_aux(loss.detach())
+                if not recomputing:
+                    self._record_aux(loss.detach())
                 out = AuxiliaryLossGradient.apply(out, loss, self.aux_loss_scale)
         return out
 
@@ -251,6 +255,12 @@ class MoEFeedForward(nn.Module):
         if self.bias_update_rate:
             load = load.float()
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias.device)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now (where a checkpointed block's forward is recomputed); the
+    test torch's own FSDP2 uses to tell a recomputation from a forward."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:

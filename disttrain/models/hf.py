@@ -74,6 +74,12 @@ class HFConfig:
         # built with its fields, not set afterwards: a config derives some fields from others (layer types)
         config = self._config(transformers, fields)
         _check_fits(config, spec)
+        if getattr(config, "output_router_logits", False):
+            # transformers adds the router's balance loss only to the loss it computes from labels; disttrain
+            # computes its own from the logits, so the balance loss would be computed and never trained on
+            raise ConfigError("model.output_router_logits", True, "false (+model.output_router_logits=false): "
+                              f"{type(config).__name__}'s router balance loss does not enter disttrain's loss "
+                              "(model=moe has one that does, model.aux_loss_coef)")
         if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
                               f"a causal language model; transformers has none for {type(config).__name__}")
