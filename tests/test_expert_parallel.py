@@ -33,6 +33,9 @@ LAYOUTS = {
     "ep2xcp2": (["parallel=zero3", "parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"], 4),
     "ep2xtp2": (["parallel=hybrid", "parallel.tp=2", "parallel.ep=2"], 4),
     "ep2+hsdp": (["parallel=hsdp", "parallel.ep=2"], 4),
+    "ep2+full": (["parallel=zero3", "parallel.ep=2", "parallel.activation_checkpoint=full"], 2),
+    "ep2xpp2+full": (["parallel=pipeline", "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
+                      "parallel.ep=2", "parallel.activation_checkpoint=full"], 4),
 }
 STATISTICS = ("moe/load_max_over_mean", "moe/balance_loss", "moe/tokens_expert_0", "moe/tokens_expert_3")
 # measured over the layouts (fp32, gloo): pre-clip norms within 1.06e-6 relative (ep2xdp_shard2, whose expert
@@ -103,3 +106,38 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_ep(tmp_path, before
     resumed = curves[after][-(RESUME_STEPS - SAVED):]
     assert len(resumed) == RESUME_STEPS - SAVED
     assert relative_deviation(curves[before][SAVED:], resumed) <= RESUME_RTOL, (curves[before][SAVED:], resumed)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel=ddp", "parallel.ep=2", "trainer.devices=2"], r"^parallel\.ep=2 is invalid: a divisor of parallel\."),
+    (["parallel=zero1", "parallel.ep=2", "trainer.devices=2"], r"^parallel\.zero_stage=1 is invalid: 2 or 3 with "),
+    (["parallel=zero3", "parallel.ep=4", "trainer.devices=2"], r"^parallel\.ep=4 is invalid: a divisor of "),
+    (["parallel=zero3", "parallel.ep=3", "trainer.devices=3", "batch.global_size=9"],
+     r"^parallel\.ep=3 is invalid: a divisor of model\.n_experts=4"),
+    (["parallel=zero3", "parallel.ep=0", "trainer.devices=2"], r"^parallel\.ep=0 is invalid: a positive degree"),
+    (["parallel=zero3", "parallel.ep=2", "trainer.devices=2", "parallel.activation_checkpoint=selective"],
+     r"^parallel\.activation_checkpoint='selective' is invalid: none or full with parallel\.ep=2"),
+    (["parallel=hybrid", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "trainer.devices=4"],
+     r"^parallel\.sequence_parallel=True is invalid: false with parallel\.ep=2"),
+    (["parallel=zero3", "parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2", "trainer.devices=4",
+      "model.capacity_factor=1.0"], r"^model\.capacity_factor=1\.0 is invalid: null with parallel\.cp=2"),
+])
+def test_expert_parallel_refusals_name_the_key_before_ranks_start(make_config, overrides, message):
+    from disttrain.config.validation import validate
+    from disttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as raised:
+        validate(make_config([*MOE, *overrides]))
+    assert "\n" not in str(raised.value)
+
+
+def test_a_dense_model_is_refused_expert_parallelism(make_config):
+    from disttrain.config.validation import validate
+    from disttrain.errors import ConfigError
+
+    dense = [o for o in MOE if not o.startswith("model.") or o.startswith("model.flavour")]
+    dense = ["model=llama" if o == "model=moe" else o for o in dense]
+    with pytest.raises(ConfigError, match=r"^parallel\.ep=2 is invalid: 1 for model llama: expert parallelism "
+                                          r"splits grouped experts") as raised:
+        validate(make_config([*dense, "parallel=zero3", "parallel.ep=2", "trainer.devices=2"]))
+    assert "\n" not in str(raised.value)

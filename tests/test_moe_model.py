@@ -519,9 +519,6 @@ def test_hf_moe_under_expert_parallelism_is_refused_before_ranks_start(make_conf
     assert validate(make_config([*MOE, *degrees])).dims.ep == 2
 
 
-@pytest.mark.xfail(strict=True, reason="disttrain.parallel.model_checks._check_experts reads the model type from "
-                   "net.config, and HFCausalLM keeps it as net.hf_config: the sentence for Hugging Face models "
-                   "never shows")
 def test_hf_moe_refusal_names_the_model_type(make_config):
     with pytest.raises(ConfigError, match=r"1 for model hf \(qwen3_moe\).*trains with ep=1"):
         validate(make_config([*hf_moe_overrides("qwen3_moe"), "parallel=zero3", "parallel.ep=2",

@@ -40,10 +40,11 @@ def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset:
     return frozenset(getattr(namespace, name) for name in names if hasattr(namespace, name))
 
 
-MATMUL_OPS = _ops(torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"))
+MATMUL_OPS = _ops(torch.ops.aten, ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm"))
 """Matrix products as they reach the dispatcher: ``nn.Linear`` and ``matmul`` are composite and arrive as
 ``addmm`` (with bias) or ``mm`` (without, or 3-D inputs flattened), batched products as ``bmm``/``baddbmm``
-(also attention's math fallback); ``_scaled_mm`` is the float8 product."""
+(also attention's math fallback), mixture-of-experts' grouped products as ``_grouped_mm``; ``_scaled_mm`` is the
+float8 product."""
 
 ATTENTION_OPS = _ops(torch.ops.aten, (
     "_scaled_dot_product_flash_attention_for_cpu",  # CPU, fp32 and bf16, with or without attn_mask (torch 2.13)

@@ -273,6 +273,11 @@ class ParallelConfig:
             raise ConfigError("parallel.zero_stage", self.zero_stage,
                               f"2 or 3 with parallel.ep={dims.ep} (experts' gradients are averaged over other ranks "
                               "than the dense layers', which FSDP does per unit), e.g. parallel=zero3")
+        if dims.ep_enabled and self.activation_checkpoint == "selective":
+            raise ConfigError("parallel.activation_checkpoint", "selective",
+                              f"none or full with parallel.ep={dims.ep} (each experts' module is an FSDP unit of its "
+                              "own inside its block, whose hooks run a different sequence of operations when torch's "
+                              "selective checkpoint recomputes the block; not available yet)")
         if dims.ep_enabled and self.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, f"false with parallel.ep={dims.ep} (the mixture "
                               "layers take whole sequences; not available yet)")

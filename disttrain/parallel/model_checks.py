@@ -102,13 +102,13 @@ def _check_experts(name: str, net: Any, dims: ParallelDims) -> None:
     """Expert parallelism needs grouped experts (``expert_parallel`` modules) whose count ep divides."""
     experts = [m for m in net.modules() if hasattr(m, "expert_parallel")]
     if not experts:
-        model_type = getattr(getattr(net, "config", None), "model_type", None)
+        model_type = getattr(getattr(net, "hf_config", None), "model_type", None)
         kind = f"{name} ({model_type})" if model_type else name
         raise ConfigError("parallel.ep", dims.ep,
                           f"1 for model {kind}: expert parallelism splits grouped experts (modules with an "
                           "expert_parallel attribute holding [n_experts, ...] weights, as model=moe has); "
                           f"{type(net).__name__} has none" + (
-                              " (a Hugging Face mixture-of-experts model keeps each expert in its own modules, "
+                              " (a Hugging Face mixture-of-experts model keeps its experts in modules of its own, "
                               "which expert parallelism does not split; it trains with ep=1)" if model_type else ""))
     for module in experts:
         if module.n_experts % dims.ep:

@@ -102,8 +102,8 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
                 for replicate, shard, stage in _data_parallel_ways(dp, tp, cp, devices_per_node, pp):
                     for ep in expert_degrees(inputs.stats, shard, stage):
                         for policy in CHECKPOINT_POLICIES:
-                            if policy != "none" and pp > 1:
-                                continue
+                            if (policy != "none" and pp > 1) or (policy == "selective" and ep > 1):
+                                continue  # what the run refuses (``ParallelConfig.check_dims``)
                             group = _micro_batches(Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
                                                           cp=cp, ep=ep, zero_stage=stage,
                                                           activation_checkpoint=policy,
