@@ -47,8 +47,14 @@ class CommMeter(pl.Callback):
             # per unit: a reduce-scatter, an all-reduce over the replicas, one all-gather (two for ZeRO-3)
             per_unit = (shard - 1) * (2 if self.zero_stage == 3 else 1) + (shard - 1)
             per_unit += ring_allreduce_messages(replicate) if replicate > 1 else 0
-            self.computed = (sharded_bytes(numel, shard, replicate, *self.itemsizes, self.zero_stage),
-                             units * per_unit)
+            # experts split over ep ranks are sharded over the other dp_shard / ep of them, at 1/ep of their size
+            experts = sum(p.numel() for m in net.modules() if hasattr(m, "expert_parallel")
+                          for p in m.parameters(recurse=False) if p.requires_grad)
+            ep = self.dims.ep
+            sent = sharded_bytes(numel - experts, shard, replicate, *self.itemsizes, self.zero_stage)
+            if experts:
+                sent += sharded_bytes(experts // ep, shard // ep, replicate, *self.itemsizes, self.zero_stage)
+            self.computed = (sent, units * per_unit)
         elif net is not None and self.dims.dp_enabled and not (isinstance(net, FSDPModule) or self.dims.tp_enabled
                                                                or self.dims.pp_enabled):
             # replicas outside DDP (Local SGD, DiLoCo, a parameter server): their exchanges are counted
