@@ -40,6 +40,11 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
 ``sequence_split`` (an attribute of the modules that attend or read positions, None while the sequence is whole)
     Context parallelism sets a ``SequenceSplit`` on each of them (``disttrain.parallel.context``).
 
+``expert_parallel`` (an attribute of modules holding grouped experts as ``[n_experts, ...]`` parameters, with an
+    ``n_experts`` attribute; None while every rank holds all of them)
+    Expert parallelism splits those parameters over the ep ranks and sets an ``ExpertExchange``
+    (``disttrain.models.experts``) through which the module sends rows to their experts' ranks.
+
 ``sequence_split_refusal(self) -> str | None`` (optional, for a model that may lack those modules)
     Why it takes no sequence split, for the message that refuses ``parallel.cp``.
 """

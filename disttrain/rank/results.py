@@ -77,7 +77,7 @@ def run_results(run: RunConfig, trainer: pl.Trainer, fitted: Fitted, meter: Thro
         "tokens_per_sec": _finite(meter.tokens_per_sec) if meter.tokens_per_sample > 1 else None,
         "world_size": run.dims.world_size,
         "parallel": {"pp": run.dims.pp, "dp_replicate": run.dims.dp_replicate,
-                     "dp_shard": run.dims.dp_shard, "tp": run.dims.tp},
+                     "dp_shard": run.dims.dp_shard, "cp": run.dims.cp, "tp": run.dims.tp, "ep": run.dims.ep},
         "batch": {"global": run.batch.global_size, "micro": run.batch.micro_size,
                   "accumulation": run.batch.accumulation},
         "device": str(trainer.strategy.root_device),
