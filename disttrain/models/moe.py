@@ -40,11 +40,12 @@ class MoEConfig(LlamaConfig):
     multiple of 8, so a token meets about the dense model's feed-forward parameters."""
     shared_expert: bool = False
     """Add one expert of width expert_hidden that every token passes through (DeepSeek-V3, Qwen2-MoE)."""
-    aux_loss_coef: float = 0.01
-    """Weight of the sequence-wise balance loss (``disttrain.models.experts``); 0: none."""
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by this much per optimiser
-    step towards the mean load (0.001 in DeepSeek-V3); 0: off."""
+    aux_loss_coef: float = 0.001
+    """Weight of the sequence-wise balance loss (``disttrain.models.experts``), a small complement to the bias
+    balancing as in DeepSeek-V3 (which used 0.0001; Switch-style training with no bias uses about 0.01); 0: none."""
+    bias_update_rate: float = 0.001
+    """Auxiliary-loss-free balancing (DeepSeek-V3's rate): each expert's routing bias moves by this much per
+    optimiser step towards the mean load; 0: off (the bias then takes no part in routing)."""
     capacity_factor: float | None = None
     """None: every assignment is computed (no drops). A number c: each expert takes at most
     ceil(c x sequence length x top_k / n_experts) tokens of a sequence, the earliest first; the rest are dropped

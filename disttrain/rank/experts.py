@@ -47,7 +47,9 @@ class ExpertBalance(pl.Callback):
         self.steps = 0
         """Optimiser steps counted."""
         self.sent_bytes = 0
-        """Bytes this rank's expert-parallel exchanges sent to other ranks over the run (0 without ep)."""
+        """Bytes this rank's expert-parallel exchanges sent to other ranks for training steps (0 without ep)."""
+        self._evaluation_bytes = 0
+        self._evaluation_start = 0
 
     @classmethod
     def of(cls, model: nn.Module, forwards_per_step: int) -> ExpertBalance | None:
@@ -64,8 +66,7 @@ class ExpertBalance(pl.Callback):
         """Sum the step's statistics over ranks, move the biases, log."""
         layers = moe_layers(pl_module.net)
         self.steps += 1
-        exchanges = {id(e): e for _, layer in layers if (e := layer.experts.expert_parallel) is not None}
-        self.sent_bytes = sum(e.sent_bytes for e in exchanges.values())
+        self.sent_bytes = self._exchanged(pl_module) - self._evaluation_bytes
         load = torch.zeros(self.layers, self.experts, dtype=torch.float64)
         extra = torch.zeros(self.layers, 3, dtype=torch.float64)  # dropped, balance-loss sum, forwards counted
         for position, (name, layer) in enumerate(layers):
@@ -88,6 +89,20 @@ class ExpertBalance(pl.Callback):
         if pl_module.logs_this_step():
             for key, value in self.last.items():
                 pl_module.log(f"moe/{key}", value, on_step=True, on_epoch=False, sync_dist=False)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Evaluation's exchanges are not a training step's."""
+        self._evaluation_start = self._exchanged(pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """See ``on_validation_start``."""
+        self._evaluation_bytes += self._exchanged(pl_module) - self._evaluation_start
+
+    @staticmethod
+    def _exchanged(pl_module: pl.LightningModule) -> int:
+        """Bytes this rank's expert exchanges have sent so far."""
+        exchanges = {layer.experts.expert_parallel for _, layer in moe_layers(pl_module.net)} - {None}
+        return sum(exchange.sent_bytes for exchange in exchanges)
 
     def _groups(self, trainer: pl.Trainer) -> list[dist.ProcessGroup]:
         """The groups whose counts add up: data x context-parallel ranks, then the pipeline stages."""
