@@ -156,8 +156,8 @@ class ParallelDims:
         dims = cls(**given, ep=ep)
         if dims.shard_degree % ep:
             raise ConfigError("parallel.ep", ep, f"a divisor of parallel.dp_shard x parallel.cp = {dims.dp_shard} x "
-                              f"{dims.cp} (experts are split over ranks that shard the model state; raise dp_shard "
-                              "or lower ep)")
+                              f"{dims.cp} (experts are split over ranks that shard the model state, e.g. "
+                              "parallel=zero3 shards over every rank; raise dp_shard or lower ep)")
         if dims.world_size != world_size:
             raise ConfigError(
                 "parallel", " x ".join(f"{k}={v}" for k, v in given.items()),
