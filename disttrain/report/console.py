@@ -89,6 +89,16 @@ def _federated_line(fed: dict[str, Any]) -> str:
     return "  federated: " + "; ".join(parts)
 
 
+def _experts_line(experts: dict[str, Any]) -> str:
+    """How evenly a mixture of experts was loaded over the run, what it dropped and what its all-to-alls sent."""
+    worst = max(experts["load_max_over_mean_per_layer"], default=1.0)
+    parts = [f"busiest expert {worst:.3g}x the mean load (worst layer, whole run)",
+             f"{experts['dropped_fraction']:.2%} of assignments dropped"]
+    if experts.get("all_to_all_bytes_per_step"):
+        parts.append(f"all-to-all {experts['all_to_all_bytes_per_step']:,.0f} bytes per rank and step")
+    return "  experts: " + "; ".join(parts)
+
+
 def run_summary(results: dict[str, Any], results_path: Path) -> str:
     """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
     where everything is. Every figure is the one in ``results.json``, rounded for reading."""
@@ -125,6 +135,8 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
     exchange = _exchange_line(results)
     if exchange:
         lines.append(exchange)
+    if results.get("experts"):
+        lines.append(_experts_line(results["experts"]))
     expect = results.get("expect")
     if expect:
         value = "not measured" if expect["value"] is None else f"{expect['value']:.4f}"
