@@ -3,6 +3,7 @@ by local expert, and its result comes back to its place; gradients travel the sa
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -63,3 +64,35 @@ def test_rows_reach_their_experts_once_and_come_back_in_order():
         assert got["arrived_counts"].tolist() == [
             sum(int(source["counts"][rank * LOCAL_EXPERTS + local]) for source in results)
             for local in range(LOCAL_EXPERTS)]
+
+
+def _counted_and_loopback_bytes() -> tuple[int, int | None]:
+    """Bytes this rank's exchange counted for 3 exchanges of 2 x 200,000 rows of 4 values (half to each rank's
+    experts), and (rank 0) the loopback interface's bytes meanwhile."""
+    from tests.test_comm import _loopback_tx_bytes
+
+    exchange = ExpertParallel(dist.group.WORLD, dist.get_rank(), 2)
+    counts = torch.tensor([100_000, 100_000, 100_000, 100_000])  # 2 experts a rank
+    rows = torch.randn(int(counts.sum()), 4, requires_grad=True)
+    dist.barrier()
+    before = _loopback_tx_bytes()
+    for _ in range(3):
+        exchange.exchange(rows, counts, lambda local, _: local * 2).sum().backward()
+    dist.barrier()
+    after = _loopback_tx_bytes()
+    return exchange.sent_bytes, None if before is None or after is None else after - before
+
+
+def test_the_counted_bytes_are_the_bytes_on_the_loopback_interface():
+    from tests.test_comm import _loopback_tx_bytes
+
+    if _loopback_tx_bytes() is None:
+        pytest.skip("no /proc/net/dev loopback counters on this system")
+    by_rank = run_on_ranks(_counted_and_loopback_bytes, 2)
+    counted = sum(sent for sent, _ in by_rank)
+    # per exchange a rank sends its 200,000 rows for the other's experts, returns the other's 200,000 results, and
+    # backward sends both gradients back: 4 x 200,000 x 16 bytes; a rank's rows for its own experts stay home
+    assert counted == 2 * 3 * 4 * 200_000 * 16
+    # every rank's traffic goes through lo (gloo over TCP on one machine); TCP/IP headers and the counts'
+    # all-to-alls add a little
+    assert by_rank[0][1] == pytest.approx(counted, rel=0.05)

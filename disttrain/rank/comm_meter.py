@@ -41,13 +41,13 @@ class CommMeter(pl.Callback):
             if self.codec == "none":
                 self.computed = (self.fp32_bytes, ddp_buckets(net, numel * 4) * ring_allreduce_messages(world))
         elif isinstance(net, FSDPModule) and not self.dims.tp_enabled and not self.dims.pp_enabled:
-            shard, replicate = self.dims.dp_shard, self.dims.dp_replicate
+            shard, replicate = self.dims.shard_degree, self.dims.dp_replicate  # FSDP shards over dp_shard x cp
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
             units = sum(isinstance(module, FSDPModule) for module in net.modules())
             # per unit: a reduce-scatter, an all-reduce over the replicas, one all-gather (two for ZeRO-3)
             per_unit = (shard - 1) * (2 if self.zero_stage == 3 else 1) + (shard - 1)
             per_unit += ring_allreduce_messages(replicate) if replicate > 1 else 0
-            # experts split over ep ranks are sharded over the other dp_shard / ep of them, at 1/ep of their size
+            # experts split over ep ranks are sharded over the other shard / ep ranks, at 1/ep of their size
             experts = sum(p.numel() for m in net.modules() if hasattr(m, "expert_parallel")
                           for p in m.parameters(recurse=False) if p.requires_grad)
             ep = self.dims.ep
