@@ -89,3 +89,26 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 p.terminate()
                 p.join(timeout=10)
     return [values[r] for r in range(world_size)]
+
+
+def loopback_tx_bytes() -> int | None:
+    """Bytes sent through the loopback interface so far (Linux), or None where it cannot be read."""
+    try:
+        for line in open("/proc/net/dev").read().splitlines():
+            name, _, fields = line.partition(":")
+            if name.strip() == "lo":
+                return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
+    except OSError:
+        return None
+    return None
+
+
+def loopback_bytes_during(action: Callable[[], Any]) -> int | None:
+    """Bytes the loopback interface carried while every rank ran ``action`` (between two barriers), or None where
+    the counters cannot be read."""
+    dist.barrier()
+    before = loopback_tx_bytes()
+    action()
+    dist.barrier()
+    after = loopback_tx_bytes()
+    return None if before is None or after is None else after - before

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from disttrain.comm.codecs import SCALE_BLOCK, CastCodec, Int8Codec, SignCodec
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes
 from disttrain.comm.exchange import ErrorFeedback, compressed_mean
-from tests.dist_utils import run_on_ranks
+from tests.dist_utils import loopback_bytes_during, loopback_tx_bytes, run_on_ranks
 
 NUMEL = 1001  # not a multiple of the world size: the padding is exercised
 TOLERANCE = {"fp16": 3e-4, "bf16": 3e-4}  # measured over 30 steps: 1.0e-4 (fp16), 1.1e-4 (bf16) relative
@@ -354,33 +354,21 @@ def test_powersgd_is_the_simulated_algorithm_and_sends_its_factors_only():
         assert [by_rank[r][step][1] for r in range(world)] == [ring_allreduce_bytes(values, 4, world)] * world
 
 
-def _loopback_tx_bytes() -> int | None:
-    """Bytes sent through the loopback interface so far (Linux), or None where it cannot be read."""
-    try:
-        for line in open("/proc/net/dev").read().splitlines():
-            name, _, fields = line.partition(":")
-            if name.strip() == "lo":
-                return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
-    except OSError:
-        return None
-    return None
-
-
 def _counted_and_loopback_bytes() -> tuple[int, int | None]:
     """Bytes this rank counted for int8 exchanges of 2 M values, and (rank 0) the loopback's bytes meanwhile."""
     values = torch.randn(2_000_000, generator=torch.Generator().manual_seed(dist.get_rank()))
     counter = ByteCounter()
-    dist.barrier()
-    before = _loopback_tx_bytes()
-    for _ in range(3):
-        compressed_mean(values, Int8Codec(), counter=counter)
-    dist.barrier()
-    after = _loopback_tx_bytes()
-    return counter.bytes_sent, None if before is None or after is None else after - before
+
+    def exchanges() -> None:
+        for _ in range(3):
+            compressed_mean(values, Int8Codec(), counter=counter)
+
+    loopback = loopback_bytes_during(exchanges)
+    return counter.bytes_sent, loopback
 
 
 def test_the_counted_bytes_are_the_bytes_on_the_loopback_interface():
-    if _loopback_tx_bytes() is None:
+    if loopback_tx_bytes() is None:
         pytest.skip("no /proc/net/dev loopback counters on this system")
     by_rank = run_on_ranks(_counted_and_loopback_bytes, 2)
     counted = sum(sent for sent, _ in by_rank)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.parallel.experts import ExpertParallel
-from tests.dist_utils import run_on_ranks
+from tests.dist_utils import loopback_bytes_during, loopback_tx_bytes, run_on_ranks
 
 RANKS, LOCAL_EXPERTS, WIDTH = 4, 2, 3
 
@@ -69,24 +69,20 @@ def test_rows_reach_their_experts_once_and_come_back_in_order():
 def _counted_and_loopback_bytes() -> tuple[int, int | None]:
     """Bytes this rank's exchange counted for 3 exchanges of 2 x 200,000 rows of 4 values (half to each rank's
     experts), and (rank 0) the loopback interface's bytes meanwhile."""
-    from tests.test_comm import _loopback_tx_bytes
-
     exchange = ExpertParallel(dist.group.WORLD, dist.get_rank(), 2)
     counts = torch.tensor([100_000, 100_000, 100_000, 100_000])  # 2 experts a rank
     rows = torch.randn(int(counts.sum()), 4, requires_grad=True)
-    dist.barrier()
-    before = _loopback_tx_bytes()
-    for _ in range(3):
-        exchange.exchange(rows, counts, lambda local, _: local * 2).sum().backward()
-    dist.barrier()
-    after = _loopback_tx_bytes()
-    return exchange.sent_bytes, None if before is None or after is None else after - before
+
+    def exchanges() -> None:
+        for _ in range(3):
+            exchange.exchange(rows, counts, lambda local, _: local * 2).sum().backward()
+
+    loopback = loopback_bytes_during(exchanges)
+    return exchange.sent_bytes, loopback
 
 
 def test_the_counted_bytes_are_the_bytes_on_the_loopback_interface():
-    from tests.test_comm import _loopback_tx_bytes
-
-    if _loopback_tx_bytes() is None:
+    if loopback_tx_bytes() is None:
         pytest.skip("no /proc/net/dev loopback counters on this system")
     by_rank = run_on_ranks(_counted_and_loopback_bytes, 2)
     counted = sum(sent for sent, _ in by_rank)
