@@ -42,6 +42,10 @@ def job_world_size(group_world: int) -> int | None:
 
 def group_view(run: Any) -> Any:
     """``run`` (validated for the whole job) as one replica group sees it: the same batch and options, the degrees
-    without the replicate dimension (each group builds its own mesh over its own ranks)."""
+    without the replicate dimension (each group builds its own mesh over its own ranks). Group 0 alone writes the
+    loggers' rows (every group's rank 0 is its world's rank 0, and the rows are the same in every group); a
+    restarted group 0 continues them from the step it healed at."""
     dims = dataclasses.replace(run.dims, dp_replicate=1)
-    return dataclasses.replace(run, dims=dims)
+    group = replica_group()
+    train = run.train if group is None or group[0] == 0 else dataclasses.replace(run.train, logger={})
+    return dataclasses.replace(run, dims=dims, train=train)

@@ -60,7 +60,11 @@ class ReplicaSteps:
         the heartbeat the job watches; once per process."""
         if self.manager is not None:
             return
+        import logging
+
         from torchft import Manager, ProcessGroupGloo
+
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-quorum warnings would fill every log
 
         timeout = timedelta(seconds=self.ft.timeout_s)
         pg: Any
