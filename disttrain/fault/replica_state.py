@@ -59,7 +59,7 @@ def peer_state(trainer: pl.Trainer) -> dict[str, Any]:
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": pl.__version__,
-        "loops": connector._get_loops_state_dict(),
+        "loops": _between_steps(connector._get_loops_state_dict()),
         "callbacks": own_callback_states(trainer),
         "optimizer_states": [],  # the optimisers travel whole in "peer_optimizers" (see load_peer_state)
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -72,6 +72,20 @@ def peer_state(trainer: pl.Trainer) -> dict[str, Any]:
         if data_state:
             state[datamodule.__class__.__qualname__] = data_state
     return state
+
+
+def _between_steps(loops: dict[str, Any]) -> dict[str, Any]:
+    """The loops' state as a checkpoint saved at the end of the previous batch holds it, which Lightning knows how
+    to resume from: the state is read during the first batch of a step, which has started but not finished (as
+    it stands, a restore counted it as done and the restored group ran one batch ahead of its peers)."""
+    fit = loops["fit_loop"]
+    for part in ("total", "current"):
+        counts = fit["epoch_loop.batch_progress"][part]
+        done = counts["completed"]
+        counts.update(ready=done, started=done, processed=done, completed=done - 1)
+    # Lightning adds the batch a checkpoint was saved at the end of to this count as it resumes
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    return loops
 
 
 def load_peer_state(state: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer]
