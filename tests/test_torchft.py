@@ -206,7 +206,7 @@ def test_what_torchft_cannot_run_is_refused_by_name(make_config, overrides, key,
 
 
 def test_without_the_package_the_message_names_the_extra(make_config, monkeypatch):
-    monkeypatch.setattr("disttrain.fault.torchft_checks.torchft_installed", lambda: False)
+    monkeypatch.setattr("disttrain.config.torchft_checks.torchft_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"pip install 'disttrain\[torchft\]'"):
         validate(make_config([*VALID, *GPT]))
 

@@ -21,9 +21,9 @@ from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
 from disttrain.config.precision import resolve_precision
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
+from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
-from disttrain.fault.torchft_checks import check_torchft
 from disttrain.federated.checks import check_federated
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
