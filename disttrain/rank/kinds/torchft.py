@@ -174,7 +174,7 @@ class TorchFT(RunKind):
     def writes_checkpoints(self) -> bool:
         """One group writes the checkpoints on disk: the first of the current step's quorum."""
         manager = self.steps.manager
-        return manager is None or manager.participating_rank() in (0, None)
+        return manager is None or manager.participating_rank() == 0
 
     def writes_results(self, trainer: pl.Trainer) -> bool:
         """Rank 0 of the group that writes checkpoints writes results.json."""
