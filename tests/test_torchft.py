@@ -144,6 +144,10 @@ def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(r
     assert "killed by SIGKILL" in restart["cause"]
     membership = [json.loads(line) for line in (run_dir / "logs" / "membership.jsonl").read_text().splitlines()]
     assert any(row.get("healed") and row["group"] == 1 for row in membership)
+    failed = [row for row in membership if row["event"] == "group_failed"]
+    assert [(row["group"], row["cause"]) for row in failed] == [(1, "rank 0 was killed by SIGKILL")]
+    back = [row for row in membership if row["event"] == "first_commit" and row["group"] == 1 and row["attempt"] == 1]
+    assert back[0]["step"] == first and 0 < back[0]["rejoin_s"] < REJOIN_S
     assert_final_loss_bounded(run_dir, reference, section)
     assert "torchft: 3 replica groups; 1 group restart(s) (group 1:" in done.stdout
     assert_no_orphans(run_dir)

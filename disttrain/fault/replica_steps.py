@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from disttrain.fault.config import FaultToleranceConfig
-from disttrain.fault.replica_groups import BEAT_KEY, JOB_STORE_VAR, LIGHTHOUSE_VAR
+from disttrain.fault.replica_groups import BEAT_KEY, FAULT_TIME_VAR, JOB_STORE_VAR, LIGHTHOUSE_VAR
 
 BEAT_INTERVAL_S = 0.2
 """How often each rank leaves a heartbeat for the job in its group's store."""
@@ -180,7 +180,9 @@ class ReplicaSteps:
             self.counts["samples_full_steps_would_have"] += self.groups * self.samples_per_group
         if not self._committed_once:
             self._committed_once = True
-            self._record({"event": "first_commit"})
+            fault = os.environ.get(FAULT_TIME_VAR)
+            self._record({"event": "first_commit", **({"rejoin_s": round(time.time() - float(fault), 3)}
+                                                      if fault else {})})
         return True
 
     def step(self) -> int:

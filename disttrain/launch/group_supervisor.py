@@ -27,7 +27,15 @@ from disttrain.fault.config import (
     RESTARTS_FILE,
     FaultToleranceConfig,
 )
-from disttrain.fault.replica_groups import BEAT_KEY, GROUP_VAR, GROUPS_VAR, JOB_STORE_VAR, LIGHTHOUSE_VAR
+from disttrain.fault.replica_groups import (
+    BEAT_KEY,
+    FAULT_TIME_VAR,
+    GROUP_VAR,
+    GROUPS_VAR,
+    JOB_STORE_VAR,
+    LIGHTHOUSE_VAR,
+    MEMBERSHIP_FILE,
+)
 from disttrain.fault.steps import Preempted
 from disttrain.launch.fork_server import ForkedRank
 from disttrain.launch.supervisor import POLL_S, Failure, RankProcess, RanksStopped, threads_per_rank
@@ -90,7 +98,7 @@ class GroupSupervisor:
         from torch.distributed import TCPStore
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (RESTARTS_FILE, "membership.jsonl"):
+        for stale in (RESTARTS_FILE, MEMBERSHIP_FILE):
             (self.log_dir / stale).unlink(missing_ok=True)
         os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum otherwise
         address = self.ft.lighthouse or self._start_lighthouse()
@@ -123,8 +131,9 @@ class GroupSupervisor:
             heartbeat_timeout_ms=int(1e3 * ft.heartbeat_timeout_s))
         return self._lighthouse.address()
 
-    def _start(self, group: Group, lighthouse: str) -> None:
-        """Start ``group``'s ranks on a fresh store (a restarted group's ranks must not read the old one's keys)."""
+    def _start(self, group: Group, lighthouse: str, fault_time: float | None = None) -> None:
+        """Start ``group``'s ranks on a fresh store (a restarted group's ranks must not read the old one's keys);
+        ``fault_time``: when its previous start failed."""
         from torch.distributed import TCPStore
 
         group.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -135,6 +144,7 @@ class GroupSupervisor:
                 "TORCHELASTIC_MAX_RESTARTS": str(self.ft.max_restarts),
                 GROUP_VAR: str(group.index), GROUPS_VAR: str(len(self.groups)), LIGHTHOUSE_VAR: lighthouse,
                 JOB_STORE_VAR: f"127.0.0.1:{self._job_store.port}",
+                **({FAULT_TIME_VAR: repr(fault_time)} if fault_time is not None else {}),
                 **threads_per_rank(size * len(self.groups))}
         group.procs = [self._launch(group, rank, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
                        for rank in range(size)]
@@ -186,7 +196,7 @@ class GroupSupervisor:
                 print(f"disttrain: replica group {group.index}: {failure.describe()}\ndisttrain: restarting group "
                       f"{group.index} ({group.attempt} of {self.ft.max_restarts}); it copies its state from a live "
                       "group", file=sys.stderr, flush=True)
-                self._start(group, lighthouse)
+                self._start(group, lighthouse, failure.time)
             time.sleep(POLL_S)
         if any(group.finished for group in self.groups) and all(
                 proc.poll() in (0, PREEMPTED_EXIT) for group in self.groups if group.finished for proc in group.procs) \
@@ -228,8 +238,13 @@ class GroupSupervisor:
         return None
 
     def _record(self, failure: GroupFailure) -> None:
+        """Keep the failure in ``logs/restarts.json`` and as a line of ``logs/membership.jsonl``."""
         self.failures.append(failure)
         (self.log_dir / RESTARTS_FILE).write_text(json.dumps([asdict(f) for f in self.failures], indent=2))
+        line = {"event": "group_failed", "group": failure.group, "attempt": failure.attempt,
+                "cause": failure.cause or f"rank {failure.rank} {failure.exit}", "time": failure.time}
+        with open(self.log_dir / MEMBERSHIP_FILE, "a") as out:
+            out.write(json.dumps(line) + "\n")
 
     def _tail(self, group: int, rank: int, lines: int = 15) -> list[str]:
         path = self._log_path(group, rank)
