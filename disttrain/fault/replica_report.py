@@ -49,9 +49,11 @@ def fault_tolerance_section(steps: Any, ft: FaultToleranceConfig, log_dir: Path)
     """The ``fault_tolerance`` section of ``results.json`` for ``engine=torchft`` (``steps``: this rank's
     ``ReplicaSteps``)."""
     quorums = {row["quorum_id"] for row in read_lines(log_dir / MEMBERSHIP_FILE) if row.get("event") == "quorum"}
+    restarts = group_restarts(log_dir)
     return {
         "engine": "torchft", "groups": steps.groups, "min_groups": ft.min_groups,
-        "group_restarts": group_restarts(log_dir), "membership_changes": max(0, len(quorums) - 1),
+        "restarts": len(restarts),  # of every group (a rank's own restart count is its group's)
+        "group_restarts": restarts, "membership_changes": max(0, len(quorums) - 1),
         **steps.counts,
         "quorum_ms_median": round(1e3 * statistics.median(steps.quorum_s), 2) if steps.quorum_s else None,
     }
