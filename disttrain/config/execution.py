@@ -38,12 +38,15 @@ class ExecutionPlan:
     """Ranks that hold the last stage's losses (data-parallel x context-parallel x tensor-parallel)."""
 
 
-RUN_KINDS = ("synchronous", "pipelined", "local_sgd", "param_server", "federated")
+RUN_KINDS = ("synchronous", "pipelined", "local_sgd", "param_server", "federated", "torchft")
 """Every kind of run, by the name ``disttrain.rank.kinds`` builds it by."""
 
 
-def run_kind(parallel: ParallelConfig, dims: ParallelDims) -> str:
-    """The one decision of which kind of run this is (the rank side never asks again)."""
+def run_kind(parallel: ParallelConfig, dims: ParallelDims, engine: str = "restart") -> str:
+    """The one decision of which kind of run this is (the rank side never asks again); ``engine``:
+    ``fault_tolerance.engine`` (torchft replica groups are a kind of their own)."""
+    if engine == "torchft":
+        return "torchft"
     if parallel.federated:
         return "federated"
     if dims.pp_enabled:
@@ -56,11 +59,12 @@ def run_kind(parallel: ParallelConfig, dims: ParallelDims) -> str:
 
 
 def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerConfig, parallel: ParallelConfig,
-                   spec: Any) -> ExecutionPlan:
-    """The plan for a run of these degrees, batch and data."""
-    kind = run_kind(parallel, dims)
-    if kind == "federated":  # clients clip their own local steps
-        return ExecutionPlan(kind, batch.accumulation, None, True, False, loss_divisor=batch.accumulation)
+                   spec: Any, engine: str = "restart") -> ExecutionPlan:
+    """The plan for a run of these degrees, batch and data (``engine``: ``fault_tolerance.engine``)."""
+    kind = run_kind(parallel, dims, engine)
+    if kind in ("federated", "torchft"):  # clients clip their own local steps; replica groups step by hand
+        return ExecutionPlan(kind, batch.accumulation if kind == "federated" else 1, None, True, False,
+                             loss_divisor=batch.accumulation)
     if kind != "pipelined":
         return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False,
                              loss_divisor=batch.accumulation)

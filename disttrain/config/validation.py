@@ -21,6 +21,7 @@ from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
 from disttrain.config.precision import resolve_precision
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
+from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
@@ -129,11 +130,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     check_model_plan(model.name, net, p, dims, batch.micro_size, datamodule.spec)
     top.comm.check_model(net)
     notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
+    check_torchft(top, dims, net)
     if top.plan.memory_gb is not None and top.mode == "train" and not chose_layout:
         from disttrain.plan.planner import check_memory_budget
 
         check_memory_budget(net, datamodule.spec, dims, p, batch, optim, top.trainer.precision, top.plan.memory_gb)
-    plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec)
+    plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)

@@ -201,16 +201,21 @@ class DataModule(pl.LightningDataModule):
         """Build the splits (once; later calls are free)."""
         _ = self.datasets
 
-    def replicas(self) -> tuple[int, int]:
-        """``(num_replicas, rank)`` of data parallelism: from the attached trainer, else ``(1, 0)``."""
+    def replicas(self, train: bool = False) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of data parallelism: from the attached trainer, else ``(1, 0)``; ``train``: of
+        the training data (replica groups split it between them, see ``DistTrainStrategy.train_sampler_kwargs``)."""
         trainer: Any = getattr(self, "trainer", None)
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        if train and hasattr(strategy, "train_sampler_kwargs"):
+            kwargs = strategy.train_sampler_kwargs  # type: ignore[union-attr]
+            return int(kwargs["num_replicas"]), int(kwargs["rank"])
         kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
         if not kwargs:
             return 1, 0
         return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        num_replicas, rank = self.replicas()
+        num_replicas, rank = self.replicas(train)
         if train:
             sampler_cls = EpochDistributedSampler if getattr(dataset, "epoch_indexed", False) else DistributedSampler
             inner = sampler_cls(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed,

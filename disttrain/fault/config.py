@@ -19,6 +19,8 @@ NON_FINITE_EXIT = 65
 LOST_PEER_EXIT = 69
 """A rank's collective failed because another rank went away: a consequence, never the cause (EX_UNAVAILABLE)."""
 NAN_POLICIES = ("stop", "skip")
+ENGINES = ("restart", "torchft")
+"""How failures are survived: restart every rank from a checkpoint, or keep training in torchft replica groups."""
 RESTARTS_FILE = "restarts.json"
 """In the log folder: one record per restart (attempt, rank, exit, cause, end of log), written by the supervisor."""
 FAILURE_KEY = "disttrain/failure"
@@ -45,8 +47,45 @@ class FaultToleranceConfig:
     """stop: a non-finite loss or gradient norm ends the run, keeping the last good checkpoint;
     skip: that step's update is dropped on every rank and counted."""
 
+    engine: str = "restart"
+    """restart: a failed rank stops all ranks, which restart from the newest checkpoint (``max_restarts``);
+    torchft: every replica of ``parallel.dp_replicate`` is a replica group that trains on when another fails; a
+    failed group alone is restarted (``max_restarts`` times per group) and copies its state from a live one
+    (needs the ``torchft`` extra: ``pip install disttrain[torchft]``)."""
+    lighthouse: str | None = None
+    """engine=torchft: address of a running torchft lighthouse (``http://host:port``); null: the job starts one
+    in its own process."""
+    min_groups: int = 1
+    """engine=torchft: replica groups that must take part in a step for it to count (1 to parallel.dp_replicate);
+    with fewer the others wait up to ``quorum_timeout_s``."""
+    heartbeat_timeout_s: float = 5.0
+    """engine=torchft: a group whose heartbeats stop this long is left out of the next step; a dead group delays
+    the others by up to this much."""
+    join_timeout_s: float = 60.0
+    """engine=torchft: how long a step's quorum waits for groups that are alive but have not asked to join it."""
+    quorum_timeout_s: float = 60.0
+    """engine=torchft: how long a group waits for a quorum (too few groups alive) before it fails; must exceed
+    the longest pause between steps (evaluation, checkpoint saves)."""
+    timeout_s: float = 60.0
+    """engine=torchft: the cross-group all-reduce, commit vote and state transfer give up after this long, and a
+    hung group is left behind; below ``parallel.timeout_s``."""
+
     def validate(self, collective_timeout_s: int) -> None:
         """Raise ConfigError on a value outside its range."""
+        if self.engine not in ENGINES:
+            raise ConfigError("fault_tolerance.engine", self.engine, f"one of {', '.join(ENGINES)}")
+        if self.min_groups < 1:
+            raise ConfigError("fault_tolerance.min_groups", self.min_groups, "1 or more replica groups")
+        for key in ("heartbeat_timeout_s", "join_timeout_s", "quorum_timeout_s", "timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"fault_tolerance.{key}", getattr(self, key), "a positive number of seconds")
+        if self.engine == "torchft" and self.timeout_s >= collective_timeout_s:
+            raise ConfigError("fault_tolerance.timeout_s", self.timeout_s,
+                              f"below parallel.timeout_s={collective_timeout_s} (a group's own collectives must "
+                              "outlast the cross-group ones, or a hung peer group ends the group as well)")
+        if self.lighthouse is not None and not str(self.lighthouse).startswith(("http://", "https://")):
+            raise ConfigError("fault_tolerance.lighthouse", self.lighthouse,
+                              "null (the job starts a lighthouse) or an address http://host:port")
         if self.max_restarts < 0:
             raise ConfigError("fault_tolerance.max_restarts", self.max_restarts, "0 or more")
         if self.hang_timeout_s < 0:

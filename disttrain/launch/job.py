@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from disttrain.config.typed import parallel_options
 from disttrain.config.validation import validate
 from disttrain.launch.fork_server import forks_ranks
+from disttrain.launch.group_supervisor import GroupSupervisor
 from disttrain.launch.supervisor import Supervisor
 from disttrain.parallel.process_group import external_environment, free_port, init_process_group
 from disttrain.rank.results import RESULTS_FILE
@@ -57,6 +58,11 @@ def train(cfg: DictConfig) -> float | None:
     config_path = run_dir / CONFIG_FILE
     config_path.write_text(run.yaml)
     restarts = run.train.fault_tolerance.max_restarts
+    if run.plan.kind == "torchft":  # replica groups: the job runs the lighthouse and restarts groups one by one
+        groups = run.dims.dp_replicate
+        GroupSupervisor(groups, run.dims.world_size // groups, config_path, run_dir / "logs", run.train.fault_tolerance,
+                        forks_ranks(run.train.trainer.rank_start)).run()
+        return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
     if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
         with rank_environment(single_rank_environment()):
             return run_rank(run)

@@ -79,6 +79,14 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Whether buffers are broadcast before each training batch (decided at the first one)."""
         self.sequence_split: SequenceSplit | None = None
         """This rank's slice of every sequence under context parallelism (None: whole sequences)."""
+        self.replica_slot: tuple[int, int] | None = None
+        """``(group, groups)`` of torchft replica groups: the group trains on its fixed slot of the data (None:
+        the mesh's data-parallel ranks are all there is)."""
+        self.checkpoint_gate: Callable[[], bool] | None = None
+        """Whether this Trainer writes (and prunes) checkpoints now (None: always); one replica group does."""
+        self.in_memory_checkpoint: Callable[[Any, list[Any]], dict[str, Any]] | None = None
+        """A state to resume from instead of a file (a live replica group's): given the laid-out model and the
+        optimisers, it loads them and returns the rest of the checkpoint; used by the next load, once."""
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 5-D mesh."""
@@ -93,6 +101,17 @@ class DistTrainStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel replicas and this rank's index among them (tp/pp peers read the same data)."""
         return {"num_replicas": self.dims.dp, "rank": dp_rank(self.device_mesh)}
+
+    @property
+    def train_sampler_kwargs(self) -> dict[str, Any]:
+        """As ``distributed_sampler_kwargs`` for training data; replica groups each read their own slot of it
+        (evaluation stays within a group: every group evaluates the whole set)."""
+        kwargs = self.distributed_sampler_kwargs
+        if self.replica_slot is None:
+            return kwargs
+        group, groups = self.replica_slot
+        return {"num_replicas": groups * kwargs["num_replicas"], "rank": group * kwargs["num_replicas"] +
+                kwargs["rank"]}
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Move the model, apply the parallel plan once, then build optimisers on the wrapped parameters."""
@@ -194,6 +213,8 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A sharded folder swapped in whole (``disttrain.checkpoint.sharded``)."""
+        if self.checkpoint_gate is not None and not self.checkpoint_gate():
+            return
         self.checkpoints.save(checkpoint, filepath)
 
     def wait_for_checkpoint(self) -> None:
@@ -203,10 +224,15 @@ class DistTrainStrategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's removal of a superseded checkpoint, after the save in flight has landed."""
         self.checkpoints.wait()
+        if self.checkpoint_gate is not None and not self.checkpoint_gate():
+            return
         super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimiser shards into the already-parallelised model (any world size)."""
+        if self.in_memory_checkpoint is not None:
+            load, self.in_memory_checkpoint = self.in_memory_checkpoint, None
+            return load(self.model, self.optimizers)
         return self.checkpoints.load(checkpoint_path, self.model, self.optimizers)
 
 

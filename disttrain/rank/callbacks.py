@@ -99,7 +99,8 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        if self.save_last and trainer.is_global_zero and self.dirpath is not None:
+        gate = getattr(trainer.strategy, "checkpoint_gate", None)  # one of several replica groups writes
+        if self.save_last and trainer.is_global_zero and self.dirpath is not None and (gate is None or gate()):
             from disttrain.checkpoint.folders import retire_and_prune
 
             retire_and_prune(Path(self.dirpath), self.keep_last)

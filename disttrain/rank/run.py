@@ -16,6 +16,7 @@ from disttrain.checkpoint.folders import resume_path
 from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config.validation import RunConfig, validate
 from disttrain.fault.config import LOST_PEER_EXIT, restart_count
+from disttrain.fault.replica_groups import group_view, job_world_size
 from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import NonFiniteStep, Preempted, StepAgreement, StepDecisions
 from disttrain.fault.watchdog import RankWatchdog
@@ -40,6 +41,7 @@ def run_rank(run: RunConfig) -> float | None:
     agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints")
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
     watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
+    kind = None
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = run.datamodule
@@ -57,7 +59,8 @@ def run_rank(run: RunConfig) -> float | None:
                               *kind.callbacks(trainer.strategy),
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
-        resume = resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir), announce=trainer.is_global_zero)
+        resume = kind.resume_from(trainer) or resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir),
+                                                          announce=trainer.is_global_zero)
         trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
         trainer.strategy.wait_for_checkpoint()  # the last save lands before testing from it
         fitted = Fitted.of(trainer, meter)
@@ -68,20 +71,28 @@ def run_rank(run: RunConfig) -> float | None:
             results["energy"] = energy.result(fitted.steps, run.batch.global_size)
         if balance:
             results["experts"] = balance.result
-        results.update(kind.results(trainer))
+        sections = kind.results(trainer)
+        results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
-                                      "skipped_steps": agreement.skipped_steps}
-        if trainer.is_global_zero:
+                                      "skipped_steps": agreement.skipped_steps, **sections.get("fault_tolerance", {})}
+        if kind.writes_results(trainer):
             write_results(run, results, agreement.skipped_steps, trainer.global_step)
         return results["objective"]
     finally:
         watchdog.stop()
+        if kind is not None:
+            kind.close()
         shutdown_process_group()
 
 
 def run_worker(config_path: Path) -> None:
     """A worker rank started by the job process: the resolved config, validated here once, no Hydra."""
-    run_rank(validate(OmegaConf.load(config_path)))
+    cfg = OmegaConf.load(config_path)
+    groups_world = job_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    if groups_world is None:
+        run_rank(validate(cfg))
+    else:  # a torchft replica group: the config describes the whole job, this rank's world is its group
+        run_rank(group_view(validate(cfg, world_size=groups_world)))
 
 
 def lost_a_peer(err: BaseException) -> bool:

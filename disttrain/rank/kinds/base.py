@@ -75,6 +75,17 @@ class RunKind:
         """The kind's sections of ``results.json``, after fit and test."""
         return {"comm": self.comm_meter.result}
 
+    def resume_from(self, trainer: pl.Trainer) -> str | None:
+        """A checkpoint the kind itself chooses to fit from, before the run's own choice (None: the run's)."""
+        return None
+
+    def writes_results(self, trainer: pl.Trainer) -> bool:
+        """Whether this rank writes ``results.json`` and prints the summary."""
+        return trainer.is_global_zero
+
+    def close(self) -> None:
+        """Release what the kind holds beyond the Trainer (called once the rank is done, also after a failure)."""
+
 
 def _zero1(optimizer: torch.optim.Optimizer, strategy: DistTrainStrategy) -> torch.optim.Optimizer:
     return shard_optimizer_state(optimizer, strategy.device_mesh["dp_shard"].get_group())

@@ -1,0 +1,193 @@
+"""torchft replica groups (``fault_tolerance.engine=torchft``): each replica of ``dp_replicate`` is a group that
+trains on when another fails; a restarted group copies a live group's state and rejoins at the next step.
+
+The task steps by hand (Lightning's manual optimisation): a step that the groups do not commit takes no
+optimiser or scheduler step, so Lightning's global step stays equal to the Manager's count of committed steps;
+under automatic optimisation an uncommitted step would still be counted and the group would never be healed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from disttrain.config.validation import RunConfig
+from disttrain.fault.config import restart_count
+from disttrain.fault.replica_groups import replica_group
+from disttrain.fault.replica_report import fault_tolerance_section, summary_line
+from disttrain.fault.replica_state import PEER_CHECKPOINT, load_peer_state, peer_state
+from disttrain.fault.replica_steps import ReplicaSteps
+from disttrain.fault.steps import SkippedStep, StepAgreement
+from disttrain.parallel.clip import clip_grad_norm, grad_norm
+from disttrain.parallel.strategy import DistTrainStrategy
+from disttrain.rank.kinds.base import RunKind
+from disttrain.rank.task import TrainTask
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ReplicaTask(TrainTask):
+    """TrainTask under manual optimisation: the quorum before a step's first micro-batch, the mean over the
+    groups after its last backward, and the optimiser step only when the groups commit it."""
+
+    def __init__(self, *args: Any, steps: ReplicaSteps, accumulation: int, clip: float | None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.steps = steps
+        self.accumulation = accumulation
+        self.clip = clip
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """One micro-batch: forward and backward (the group's own exchange on the step's last one only)."""
+        if batch_idx % self.accumulation == 0:
+            self.steps.begin_step()
+        loss, _ = self._loss(batch)
+        self._record_train_loss(loss.detach())
+        last = (batch_idx + 1) % self.accumulation == 0
+        if last:
+            self.manual_backward(loss / self.accumulation)
+            self._finish_step()
+        else:
+            with self.trainer.strategy.block_backward_sync():
+                self.manual_backward(loss / self.accumulation)
+
+    def _finish_step(self) -> None:
+        """Average gradients and loss over the groups, clip, vote, and step when the groups commit."""
+        optimizer = self.optimizers()
+        group_loss = self.agreement.reduce_loss(torch.stack(self._step_loss).mean(), self.trainer.world_size)
+        self._step_loss.clear()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        loss = group_loss.reshape(1).clone()
+        self.steps.average([_local(p.grad) for p in params if p.grad is not None] + [loss])
+        norm = clip_grad_norm(params, self.clip) if self.clip else grad_norm(params)
+        if self.clip and self.logs_this_step():
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        self._log_step_row(loss[0], optimizer.optimizer)
+        finite = True
+        try:
+            self.agreement.check_finite("the training loss", loss[0], self.global_step + 1)
+            self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
+        except SkippedStep:
+            finite = False
+        committed = self.steps.commit(finite)
+        if committed:
+            optimizer.step()
+            self.lr_schedulers().step()
+        self._count_applied_step(committed)
+        optimizer.zero_grad(set_to_none=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's loss is already averaged over the groups (see ``_finish_step``)."""
+
+
+class ReplicaCounters(pl.Callback):
+    """Carries the group's counts of committed, uncommitted and short steps in checkpoints and healed states."""
+
+    def __init__(self, steps: ReplicaSteps) -> None:
+        self.steps = steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counts so far."""
+        return {"counts": dict(self.steps.counts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the saved (or the source group's) counts."""
+        self.steps.counts.update(state_dict.get("counts", {}))
+
+
+class TorchFT(RunKind):
+    """Replica groups under a torchft Manager; the group's own layout (DDP of one rank, FSDP2 within an HSDP
+    replica) is applied as for a synchronous run of the group's ranks."""
+
+    name = "torchft"
+
+    def __init__(self, run: RunConfig, agreement: StepAgreement) -> None:
+        super().__init__(run, agreement)
+        self.group, self.groups = replica_group() or (0, 1)
+        cfg = run.train
+        self.log_dir = Path(cfg.run_dir) / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        samples = run.batch.micro_size * run.batch.accumulation * run.dims.dp
+        self.steps = ReplicaSteps(cfg.fault_tolerance, self.group, self.groups, samples, self.log_dir,
+                                  send=self._send, receive=self._receive)
+        self.trainer: pl.Trainer | None = None
+        self._peer: dict[str, Any] | None = None
+
+    def task(self, net: nn.Module, datamodule: Any) -> tuple[pl.LightningModule, Any]:
+        """``ReplicaTask``: the torchft step protocol around each step's micro-batches."""
+        run = self.run
+        task = ReplicaTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
+                           agreement=self.agreement, gradients_agree=True, steps=self.steps,
+                           accumulation=run.batch.accumulation, clip=run.train.trainer.gradient_clip_val)
+        return task, datamodule
+
+    def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
+        """Tell the strategy the group's data slot and who writes checkpoints; count the steps."""
+        strategy.replica_slot = (self.group, self.groups)
+        strategy.checkpoint_gate = self.writes_checkpoints
+        return [ReplicaCounters(self.steps), *super().callbacks(strategy)]
+
+    def resume_from(self, trainer: pl.Trainer) -> str | None:
+        """Join the groups; a restarted group takes the next step's quorum now and, where the others are ahead,
+        resumes from a live group's state (``PEER_CHECKPOINT``) instead of a checkpoint on disk."""
+        self.trainer = trainer
+        self.steps.start()
+        if not restart_count():
+            return None
+        self.steps.take_quorum()
+        self.steps.quorum_taken = True  # the task's first step must not ask for another
+        if self._peer is None:
+            return None
+        peer, self._peer = self._peer, None
+        trainer.strategy.in_memory_checkpoint = lambda model, optimizers: load_peer_state(peer, model, optimizers)
+        return PEER_CHECKPOINT
+
+    def _send(self) -> dict[str, Any]:
+        if self.trainer is None or not self.trainer.training:
+            raise RuntimeError("this group is not training yet: it cannot serve its state")
+        return peer_state(self.trainer)
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        if trainer is None or not trainer.training:  # before fit: restored as a checkpoint (resume_from)
+            self._peer = state
+            return
+        # a running group that fell behind (it did not commit a step the others committed): same data position,
+        # so weights, optimiser, schedule and the step count are all it needs
+        rest = load_peer_state(state, trainer.lightning_module, trainer.optimizers)
+        for config, saved in zip(trainer.lr_scheduler_configs, rest["lr_schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        for counts in (progress.total, progress.current):
+            counts.ready = counts.started = counts.completed = int(rest["global_step"])
+        counters = rest["callbacks"].get(ReplicaCounters.__qualname__)
+        if counters:
+            self.steps.counts.update(counters["counts"])
+
+    def writes_checkpoints(self) -> bool:
+        """One group writes the checkpoints on disk: the first of the current step's quorum."""
+        manager = self.steps.manager
+        return manager is None or manager.participating_rank() == 0
+
+    def writes_results(self, trainer: pl.Trainer) -> bool:
+        """Rank 0 of the group that writes checkpoints writes results.json."""
+        return trainer.is_global_zero and self.writes_checkpoints()
+
+    def results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The ``fault_tolerance`` section: groups, restarts with causes and rejoin times, short and uncommitted
+        steps, the quorum's time per step; its one line is printed by the group that writes results."""
+        section = fault_tolerance_section(self.steps, self.run.train.fault_tolerance, self.log_dir)
+        if self.writes_results(trainer):
+            print(summary_line(section), flush=True)
+        return {**super().results(trainer), "fault_tolerance": section}
+
+    def close(self) -> None:
+        """Leave the groups (the Manager's servers and the heartbeat)."""
+        self.steps.stop()

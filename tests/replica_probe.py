@@ -1,0 +1,62 @@
+"""A callback for the torchft tests: after each step a group commits, its rank 0 records the step, its process id
+and a digest of its weights and optimiser state; one group signals itself at a given step of its first start."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed.tensor import DTensor
+
+DIGESTS = "digests.jsonl"
+"""In the run's log folder: one line per committed step and group rank."""
+
+
+def state_digest(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> str:
+    """SHA-256 of this rank's weights and optimiser state tensors, in order: equal digests are bitwise equal."""
+    sha = hashlib.sha256()
+
+    def add(value: Any) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            sha.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+
+    for value in module.state_dict().values():
+        add(value)
+    for optimizer in optimizers:
+        for entry in optimizer.state.values():
+            for key in sorted(entry):
+                add(entry[key])
+    return sha.hexdigest()[:16]
+
+
+class StepDigests(pl.Callback):
+    """Records every committed step; group ``group`` sends itself ``signum`` after ``step`` committed steps in its
+    first start (0: never); each step also sleeps ``sleep_s``, standing for a longer step's compute."""
+
+    def __init__(self, group: int = -1, step: int = 0, signum: int = 0, sleep_s: float = 0.0) -> None:
+        self.group, self.step, self.signum, self.sleep_s = group, step, signum, sleep_s
+        self._last = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        step = trainer.global_step
+        if step == self._last:
+            return  # an accumulation micro-batch, or a step not committed
+        self._last = step
+        group = int(os.environ.get("DISTTRAIN_REPLICA_GROUP", "0"))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        row = {"group": group, "rank": trainer.global_rank, "attempt": attempt, "pid": os.getpid(), "step": step,
+               "digest": state_digest(trainer.lightning_module, trainer.optimizers), "time": time.time()}
+        with open(Path(trainer.default_root_dir) / "logs" / DIGESTS, "a") as out:
+            out.write(json.dumps(row) + "\n")
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if group == self.group and attempt == 0 and step == self.step and self.signum:
+            os.kill(os.getpid(), self.signum)

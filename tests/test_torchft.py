@@ -1,0 +1,221 @@
+"""fault_tolerance.engine=torchft: a killed or stopped replica group costs the others a pause, never the run; it
+comes back with its peers' state, bitwise; and what the engine cannot run is refused before ranks start."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from disttrain.config import validate
+from disttrain.errors import ConfigError
+from tests.conftest import ROOT, train_cli
+from tests.fault_runs import assert_no_orphans
+from tests.replica_probe import DIGESTS
+
+pytest.importorskip("torchft")
+
+STEPS, EVERY, KILL_AT = 40, 10, 5
+HEARTBEAT_S = 1
+"""The lighthouse leaves a silent group out of the next quorum after this long."""
+SURVIVOR_GAP_S = 6.0
+"""Longest time a surviving group may go without committing a step after a kill: the heartbeat timeout (1 s) plus
+a 0.2 s step, with room for a 2-core CI machine also starting the replacement interpreter."""
+REJOIN_S = 10.0
+"""From the kill to the restarted group's first committed step: a rank forked from the job's fork server building
+the run (about 1 s measured on 2 shared cores; a new interpreter importing torch, Lightning and torchft takes 8 to
+10 s), the quorum and the state copy (< 0.1 s)."""
+STOP_TIMEOUT_S = 2
+"""fault_tolerance.timeout_s of the SIGSTOP test: survivors caught in a collective with the stopped group wait this
+long; the job kills the stopped group after HANG_S."""
+HANG_S = 3
+RUN = ["model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", "batch.global_size=12",
+       f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=4",
+       "trainer.run_test=false", f"trainer.val_check_interval={EVERY}", "trainer.check_val_every_n_epoch=null",
+       "logger=csv", "callbacks=none", "fault_tolerance.engine=torchft", "fault_tolerance.min_groups=2",
+       f"fault_tolerance.heartbeat_timeout_s={HEARTBEAT_S}", "fault_tolerance.max_restarts=1",
+       f"fault_tolerance.hang_timeout_s={HANG_S}", "parallel.timeout_s=20",
+       "+callbacks.digests._target_=tests.replica_probe.StepDigests", "+callbacks.digests.sleep_s=0.2"]
+DDP3 = ["parallel=ddp", "trainer.devices=3"]
+
+
+def signal_group(group: int, signum: int) -> list[str]:
+    """Group ``group`` sends itself ``signum`` after its ``KILL_AT``-th committed step, in its first start."""
+    return [f"+callbacks.digests.group={group}", f"+callbacks.digests.step={KILL_AT}",
+            f"+callbacks.digests.signum={int(signum)}"]
+
+
+def run(args: list[str], run_dir: Path, timeout_s: float = 10):
+    """``train.py`` with ``RUN``, ``args`` and the cross-group ``timeout_s`` into ``run_dir``."""
+    return train_cli([*RUN, *args, f"fault_tolerance.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}"], ROOT)
+
+
+def digests(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "logs" / DIGESTS).read_text().splitlines()]
+
+
+def final_val_loss(run_dir: Path) -> float:
+    return json.loads((run_dir / "results.json").read_text())["metrics"]["val/loss"]
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    """Validation loss by step, as group 0 logged it."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("val/loss")]
+    return {int(float(row["step"])): float(row["val/loss"]) for row in rows}
+
+
+def assert_survivors_never_stopped(rows: list[dict], survivors: tuple[int, ...]) -> float:
+    """Every survivor committed steps 1..STEPS in order, in one process; returns its longest pause."""
+    longest = 0.0
+    for group in survivors:
+        own = [row for row in rows if row["group"] == group and row["rank"] == 0]
+        assert [row["step"] for row in own] == list(range(1, STEPS + 1)), group  # never back, never skipped
+        assert len({row["pid"] for row in own}) == 1, group  # never restarted
+        longest = max(longest, *(b["time"] - a["time"] for a, b in zip(own, own[1:], strict=False)))
+    return longest
+
+
+def assert_rejoined_bitwise(rows: list[dict], group: int) -> int:
+    """The restarted ``group`` holds, at its first committed step and every later one, the weights and optimiser
+    state of every other group at that step, bitwise (rank by rank); returns that first step."""
+    back = [row for row in rows if row["group"] == group and row["attempt"] == 1]
+    assert back, f"group {group} never committed a step after its restart"
+    first = min(row["step"] for row in back)
+    for row in back:
+        peers = {other["digest"] for other in rows if other["step"] == row["step"] and other["rank"] == row["rank"]}
+        assert peers == {row["digest"]}, (row["step"], peers)
+    return first
+
+
+def assert_final_loss_bounded(run_dir: Path, reference: Path, section: dict) -> None:
+    """The final validation loss of a run that lost a group, against the uninterrupted run's.
+
+    Where every step ran with all groups and was committed, the runs read the same samples and took the same
+    updates: the loss is bitwise the same. Otherwise each step with 2 of 3 groups averaged 8 of its 12 samples
+    (the mean gradient of fewer samples: unbiased, noisier) and each uncommitted step dropped a batch; together
+    they missed fewer samples than the uninterrupted run trains on in one validation interval (``EVERY`` steps),
+    so the run ends no further from the uninterrupted one than that run moved in its last interval.
+    """
+    ours, theirs = final_val_loss(run_dir), final_val_loss(reference)
+    degraded, dropped = section["steps_with_fewer_groups"], section["steps_not_committed"]
+    if degraded == dropped == 0:
+        assert ours == theirs
+        return
+    lost = section["samples_full_steps_would_have"] - section["samples_in_those_steps"] + 12 * dropped
+    assert section["samples_full_steps_would_have"] - section["samples_in_those_steps"] == degraded * 4
+    assert lost <= 12 * EVERY, lost
+    straight = val_losses(reference)
+    bound = straight[STEPS - EVERY] - straight[STEPS]
+    assert abs(ours - theirs) <= bound, (ours, theirs, bound)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run of 3 groups of one rank."""
+    run_dir = tmp_path_factory.mktemp("torchft-straight")
+    done = run(DDP3, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(reference, tmp_path):
+    run_dir = tmp_path / "killed"
+    done = run([*DDP3, *signal_group(1, signal.SIGKILL)], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "replica group 1: rank 0 was killed by SIGKILL" in done.stderr
+    assert "restarting group 1 (1 of 1)" in done.stderr
+    rows = digests(run_dir)
+    pause = assert_survivors_never_stopped(rows, (0, 2))
+    assert pause < SURVIVOR_GAP_S, pause
+    first = assert_rejoined_bitwise(rows, 1)
+    # the restored loop counts batches as its peers do: it validates at the same steps
+    after_restart = (run_dir / "logs" / "group1" / "rank0.log").read_text().split("--- restart 1 ---")[-1]
+    assert re.findall(r"validation at step (\d+)", after_restart) == [str(s) for s in range(EVERY, STEPS + 1, EVERY)]
+    section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    restart = section["group_restarts"][0]
+    assert section["restarts"] == 1 and (restart["group"], restart["rejoined_at_step"]) == (1, first)
+    assert restart["rejoin_s"] is not None and restart["rejoin_s"] < REJOIN_S, restart
+    assert "killed by SIGKILL" in restart["cause"]
+    membership = [json.loads(line) for line in (run_dir / "logs" / "membership.jsonl").read_text().splitlines()]
+    assert any(row.get("healed") and row["group"] == 1 for row in membership)
+    failed = [row for row in membership if row["event"] == "group_failed"]
+    assert [(row["group"], row["cause"]) for row in failed] == [(1, "rank 0 was killed by SIGKILL")]
+    back = [row for row in membership if row["event"] == "first_commit" and row["group"] == 1 and row["attempt"] == 1]
+    assert back[0]["step"] == first and 0 < back[0]["rejoin_s"] < REJOIN_S
+    assert_final_loss_bounded(run_dir, reference, section)
+    assert "torchft: 3 replica groups; 1 group restart(s) (group 1:" in done.stdout
+    assert_no_orphans(run_dir)
+
+
+def test_a_stopped_group_is_left_behind_then_replaced(reference, tmp_path):
+    run_dir = tmp_path / "stopped"
+    done = run([*DDP3, *signal_group(1, signal.SIGSTOP)], run_dir, timeout_s=STOP_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hung: rank 0 of replica group 1 sent no heartbeat" in done.stderr
+    rows = digests(run_dir)
+    pause = assert_survivors_never_stopped(rows, (0, 2))
+    # the survivors go on once the lighthouse drops the silent group (HEARTBEAT_S), or after STOP_TIMEOUT_S where it
+    # stopped inside their all-reduce; they never wait for the job to notice the hang (HANG_S)
+    assert pause < STOP_TIMEOUT_S + HEARTBEAT_S + 2, pause
+    assert_rejoined_bitwise(rows, 1)
+    section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    restart = section["group_restarts"][0]
+    assert restart["group"] == 1 and restart["cause"].startswith("hung")
+    assert section["steps_with_fewer_groups"] >= 1  # the others trained on while the job waited HANG_S
+    assert_final_loss_bounded(run_dir, reference, section)
+    assert_no_orphans(run_dir)
+
+
+@pytest.mark.slow
+def test_hsdp_groups_of_two_ranks_survive_a_killed_group(tmp_path):
+    run_dir = tmp_path / "hsdp"
+    done = run(["parallel=hsdp", "parallel.dp_replicate=3", "trainer.devices=6", *signal_group(2, signal.SIGKILL)],
+               run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = digests(run_dir)
+    assert_survivors_never_stopped(rows, (0, 1))
+    assert_rejoined_bitwise(rows, 2)  # each rank's shard equals the same rank's shard in the other groups
+    assert_no_orphans(run_dir)
+
+
+VALID = ["fault_tolerance.engine=torchft", "parallel=ddp", "trainer.devices=3", "batch.global_size=12"]
+GPT = ["model=gpt", "model.flavour=micro", "data=pydocs"]
+
+
+@pytest.mark.parametrize(("overrides", "key", "allowed"), [
+    (["fault_tolerance.engine=elastic"], "fault_tolerance.engine", "one of restart, torchft"),
+    (["parallel=zero3", "trainer.devices=2"], "fault_tolerance.engine", "parallel.dp_replicate=1"),
+    (["parallel=param_server", "trainer.devices=3"], "fault_tolerance.engine", "parameter servers"),
+    (["parallel=localsgd", "trainer.devices=3"], "fault_tolerance.engine", "Local SGD"),
+    (["parallel=federated"], "fault_tolerance.engine", "federated"),
+    (["comm=powersgd"], "fault_tolerance.engine", "comm=powersgd"),
+    (["model=cnn", "data=digits"], "fault_tolerance.engine", "BatchNorm"),  # the default model has BatchNorm
+    (["fault_tolerance.min_groups=4"], "fault_tolerance.min_groups", "1 to parallel.dp_replicate=3"),
+    (["fault_tolerance.min_groups=0"], "fault_tolerance.min_groups", "1 or more"),
+    (["fault_tolerance.timeout_s=1800"], "fault_tolerance.timeout_s", "below parallel.timeout_s=1800"),
+    (["fault_tolerance.heartbeat_timeout_s=0"], "fault_tolerance.heartbeat_timeout_s", "positive"),
+    (["fault_tolerance.lighthouse=host:29510"], "fault_tolerance.lighthouse", "http://host:port"),
+])
+def test_what_torchft_cannot_run_is_refused_by_name(make_config, overrides, key, allowed):
+    with pytest.raises(ConfigError) as info:
+        validate(make_config([*VALID, *(overrides if "model=cnn" in overrides else [*GPT, *overrides])]))
+    assert info.value.key == key, str(info.value)
+    assert allowed in str(info.value), str(info.value)
+
+
+def test_without_the_package_the_message_names_the_extra(make_config, monkeypatch):
+    monkeypatch.setattr("disttrain.config.torchft_checks.torchft_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"pip install 'disttrain\[torchft\]'"):
+        validate(make_config([*VALID, *GPT]))
+
+
+def test_a_valid_config_is_the_torchft_kind(make_config):
+    run = validate(make_config([*VALID, *GPT]))
+    assert run.plan.kind == "torchft" and run.plan.trainer_accumulation == 1  # the task steps by hand
+    assert run.dims.dp_replicate == 3
