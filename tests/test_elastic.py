@@ -311,6 +311,8 @@ def test_under_a_launcher_each_rank_checks_its_world_and_degrees_follow_it(tmp_p
      r"to 2, which does not divide world size 3\); counts from 3 to 4 that do: 4"),
     (["trainer.devices=2:4", "trainer.num_nodes=1:2"], r"trainer.num_nodes='1:2' is invalid: one number under "
                                                        r"disttrain's own supervisor"),
+    (["trainer.devices=2:4", "trainer.num_nodes=2"], r"trainer.num_nodes=2 is invalid: 1 with trainer.devices=2:4 "
+                                                     r"under disttrain's own supervisor"),
     (["trainer.num_nodes=x"], r"trainer.num_nodes='x' is invalid: a positive number of nodes, or MIN:MAX"),
     (["trainer.devices=2:4", "parallel=localsgd"], r"trainer.devices='2:4' is invalid: one number for a local sgd "
                                                    r"run"),

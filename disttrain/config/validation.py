@@ -150,16 +150,11 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
     world_sizes: tuple[int, ...] = ()
     if elastic:
-        if plan.kind not in ("synchronous", "pipelined"):
-            key, value = (devices_range or nodes_range).key, (devices_range or nodes_range).text  # type: ignore
-            raise ConfigError(key, value, f"one number for a {plan.kind.replace('_', ' ')} run (a range needs "
-                              "synchronous or pipelined training, whose state moves between world sizes)")
-        if devices_range is not None and not _launched():
-            world_sizes = elastic_worlds(devices_range, top.trainer.num_nodes,
-                                         lambda w: _runs_on(w, top, model.name, net, datamodule.spec))
-            if not top.fault_tolerance.max_restarts:
-                notices.append(f"trainer.devices={devices_range.text} with fault_tolerance.max_restarts=0: no "
-                               f"restart, so the run trains on {world} ranks only")
+        world_sizes = _restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
+                                      lambda w: _runs_on(w, top, model.name, net, datamodule.spec))
+        if world_sizes and devices_range and not top.fault_tolerance.max_restarts:
+            notices.append(f"trainer.devices={devices_range.text} with fault_tolerance.max_restarts=0: no "
+                           f"restart, so the run trains on {world} ranks only")
     if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
         notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
                        f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
@@ -191,7 +186,22 @@ def _rank_ranges(t: TrainerConfig) -> tuple[RankRange | None, RankRange | None]:
         raise ConfigError(nodes.key, nodes.text, "one number under disttrain's own supervisor, which starts every "
                           "rank on this machine; a range of nodes needs a launcher that adds and removes nodes "
                           "(torchrun --nnodes=MIN:MAX)")
+    elif devices is not None and t.num_nodes != 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, f"1 with trainer.devices={devices.text} under disttrain's "
+                          "own supervisor, which starts every rank on this machine (several nodes: torchrun "
+                          "--nnodes=MIN:MAX)")
     return devices, nodes
+
+
+def _restart_worlds(top: TrainConfig, kind: str, given: RankRange, runs_on: Any) -> tuple[int, ...]:
+    """For a range of ranks: the world sizes disttrain's supervisor may restart on, largest first (none under a
+    launcher, which decides); ConfigError for a kind of run whose state does not move between world sizes."""
+    if kind not in ("synchronous", "pipelined"):
+        raise ConfigError(given.key, given.text, f"one number for a {kind.replace('_', ' ')} run (a range needs "
+                          "synchronous or pipelined training, whose state moves between world sizes)")
+    if given.key != "trainer.devices" or _launched():
+        return ()
+    return elastic_worlds(given, top.trainer.num_nodes, runs_on)
 
 
 def _largest_world(t: TrainerConfig, devices: RankRange | None, nodes: RankRange | None, world: int) -> int:
