@@ -189,3 +189,16 @@ class CountCollectives(pl.Callback):
         self.counts.pop()  # opened after the last step
         out = Path(trainer.default_root_dir) / f"collectives-rank{trainer.global_rank}.json"
         out.write_text(json.dumps(self.counts))
+
+
+class LoseNodeAtStep(pl.Callback):
+    """After ``step`` steps in the first attempt, SIGKILL this rank's launcher (its parent process, torchrun's
+    agent) and then the rank itself, as a node that loses power."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step and restart_count() == 0:
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -62,9 +62,12 @@ class TrainerConfig:
     devices: Any = "auto"
     """Ranks per node that the runner starts (ignored under torchrun/SLURM, which start their own): a number,
     or auto: every GPU of the machine, or on a CPU the fewest ranks the ``parallel`` preset runs on (one for
-    single, two where a degree is "the rest of the world", e.g. zero3; four for hsdp and hybrid)."""
-    num_nodes: int = 1
-    """Number of machines (needs torchrun or SLURM when > 1)."""
+    single, two where a degree is "the rest of the world", e.g. zero3; four for hsdp and hybrid); or ``MIN:MAX``:
+    start on MAX and, when a rank fails, restart on the largest count from MIN up that the devices left, the
+    layout and the global batch allow (``fault_tolerance.max_restarts`` restarts; the global batch is MAX's)."""
+    num_nodes: Any = 1
+    """Number of machines (needs torchrun or SLURM when > 1), or ``MIN:MAX`` under torchrun ``--nnodes=MIN:MAX``:
+    every rank checks that the launcher's nodes lie in the range, and the global batch is the one of MAX nodes."""
     max_steps: int = -1
     """Optimiser steps to train for; -1: bounded by max_epochs."""
     max_epochs: int | None = None

@@ -20,6 +20,7 @@ from disttrain import checks
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
 from disttrain.config.precision import resolve_precision
+from disttrain.config.ranks import RankRange, check_launched_world, elastic_batch, elastic_worlds, parse_range
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
 from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
@@ -57,6 +58,9 @@ class RunConfig:
     """How the run executes."""
     datamodule: Any = field(default=None, compare=False, repr=False)
     """The data module validation built (its datasets load on first use): a rank builds no other."""
+    world_sizes: tuple[int, ...] = ()
+    """With ``trainer.devices=MIN:MAX`` under disttrain's supervisor: the world sizes, largest first, that the
+    run may restart on after losing ranks (empty: only its own)."""
 
     @property
     def config_hash(self) -> str:
@@ -68,7 +72,7 @@ class RunConfig:
 
 def world_size_of(trainer: TrainerConfig) -> int:
     """Number of ranks: the launcher's WORLD_SIZE under torchrun/SLURM, else devices x num_nodes."""
-    if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+    if _launched():
         return int(os.environ["WORLD_SIZE"])
     return trainer.devices * trainer.num_nodes
 
@@ -107,10 +111,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
     top, model, data, optim, scheduler = _typed_groups(cfg)
+    devices_range, nodes_range = _rank_ranges(top.trainer)
     notices = _check_options(top, model, data, optim, scheduler)
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
     notices += [devices_notice] if devices_notice else []
     world = world_size if world_size is not None else world_size_of(top.trainer)
+    elastic = devices_range is not None or nodes_range is not None
     chose_layout = top.parallel.name == "auto"
     if chose_layout:
         notices.append(_choose_parallel(top, model, data, optim, world))
@@ -120,6 +126,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if top.trainer.compile and dims.pp_enabled:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
     top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every, p.servers)
+    if elastic:  # the global batch of the largest world, on every world of the range
+        largest = _largest_world(top.trainer, devices_range, nodes_range, world)
+        top.batch = elastic_batch(top.batch, dims.dp if largest == world else
+                                  ParallelDims.resolve(largest, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep).dp)
     batch = resolve_batch(top.batch, dims.dp)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
@@ -140,12 +150,78 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)
         notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
+    world_sizes: tuple[int, ...] = ()
+    if elastic:
+        world_sizes = _restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
+                                      lambda w: _runs_on(w, top, model.name, net, datamodule.spec))
+        if world_sizes and devices_range and not top.fault_tolerance.max_restarts:
+            notices.append(f"trainer.devices={devices_range.text} with fault_tolerance.max_restarts=0: no "
+                           f"restart, so the run trains on {world} ranks only")
     if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
         notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
                        f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
                        "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
-    return RunConfig(top, model, data, optim, scheduler, dims, batch, _resolved_yaml(cfg, top, chose_layout),
-                     tuple(notices), plan, datamodule)
+    yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
+    return RunConfig(top, model, data, optim, scheduler, dims, batch, yaml, tuple(notices), plan, datamodule,
+                     world_sizes)
+
+
+def _launched() -> bool:
+    """Whether a launcher started this process as one rank (torchrun, SLURM, disttrain's supervisor)."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _rank_ranges(t: TrainerConfig) -> tuple[RankRange | None, RankRange | None]:
+    """``trainer.devices`` and ``trainer.num_nodes`` as ranges where they are ``MIN:MAX``; each key then holds the
+    range's largest count, which the run starts on. Under an external launcher its world must lie in the
+    ranges; under disttrain's supervisor, which starts every rank on this machine, nodes are one number."""
+    devices = parse_range("trainer.devices", t.devices, "ranks per node")
+    nodes = parse_range("trainer.num_nodes", t.num_nodes, "nodes")
+    if devices is not None:
+        t.devices = devices.high
+    if nodes is not None:
+        t.num_nodes = nodes.high
+    if _launched():
+        world = int(os.environ["WORLD_SIZE"])
+        check_launched_world(devices, nodes, int(os.environ.get("LOCAL_WORLD_SIZE") or world), world)
+    elif nodes is not None:
+        raise ConfigError(nodes.key, nodes.text, "one number under disttrain's own supervisor, which starts every "
+                          "rank on this machine; a range of nodes needs a launcher that adds and removes nodes "
+                          "(torchrun --nnodes=MIN:MAX)")
+    elif devices is not None and t.num_nodes != 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, f"1 with trainer.devices={devices.text} under disttrain's "
+                          "own supervisor, which starts every rank on this machine (several nodes: torchrun "
+                          "--nnodes=MIN:MAX)")
+    return devices, nodes
+
+
+def _restart_worlds(top: TrainConfig, kind: str, given: RankRange, runs_on: Any) -> tuple[int, ...]:
+    """For a range of ranks: the world sizes disttrain's supervisor may restart on, largest first (none under a
+    launcher, which decides); ConfigError for a kind of run whose state does not move between world sizes."""
+    if kind not in ("synchronous", "pipelined"):
+        raise ConfigError(given.key, given.text, f"one number for a {kind.replace('_', ' ')} run (a range needs "
+                          "synchronous or pipelined training, whose state moves between world sizes)")
+    if given.key != "trainer.devices" or _launched():
+        return ()
+    return elastic_worlds(given, top.trainer.num_nodes, runs_on)
+
+
+def _largest_world(t: TrainerConfig, devices: RankRange | None, nodes: RankRange | None, world: int) -> int:
+    """The most ranks the ranges allow: this world's ranks per node and nodes where no range is given."""
+    if not _launched():
+        return t.devices * t.num_nodes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return (devices.high if devices else per_node) * (nodes.high if nodes else max(1, world // per_node))
+
+
+def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
+    """Raise the ConfigError that a run of this config on ``world`` ranks would meet (degrees, batch, the model's
+    plan); nothing if it runs."""
+    p = top.parallel
+    dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
+    p.check_dims(dims)
+    top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every, p.servers)
+    check_model_plan(model_name, net, p, dims, resolve_batch(top.batch, dims.dp).micro_size, spec)
 
 
 def _typed_groups(cfg: DictConfig) -> tuple[TrainConfig, Any, Any, Any, Any]:
@@ -199,18 +275,23 @@ def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) 
     return [notice] if notice else []
 
 
-def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool) -> str:
+def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, devices: RankRange | None = None,
+                   nodes: RankRange | None = None) -> str:
     """The resolved config with validation's decisions written in (what workers read, so they never decide
     again): ranks per node, the resume folder, precision, PowerSGD's rank, validation and length settings, the
-    FedProx weight and, for ``parallel=auto``, the chosen layout and batch."""
+    FedProx weight, for ``parallel=auto`` the chosen layout and batch, and for a range of ranks the range itself
+    (each rank checks its world against it) and the batch kept on every world of it."""
     t = top.trainer
-    for key, value in (("trainer.devices", t.devices), ("trainer.precision", t.precision),
+    for key, value in (("trainer.devices", devices.text if devices else t.devices),
+                       ("trainer.num_nodes", nodes.text if nodes else t.num_nodes),
+                       ("trainer.precision", t.precision),
                        ("trainer.max_steps", t.max_steps),
                        ("trainer.check_val_every_n_epoch", t.check_val_every_n_epoch), ("resume", top.resume),
                        ("comm.rank", top.comm.rank), ("federated.mu", top.federated.mu)):
         OmegaConf.update(cfg, key, value)
     if chose_layout:
         OmegaConf.update(cfg, "parallel", OmegaConf.structured(top.parallel), merge=False)
+    if chose_layout or devices or nodes:
         OmegaConf.update(cfg, "batch", OmegaConf.structured(top.batch), merge=False)
     return OmegaConf.to_yaml(cfg)
 
@@ -301,9 +382,11 @@ def _validate_trainer(t: TrainerConfig) -> None:
     if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
         raise ConfigError("trainer.accelerator", t.accelerator, "one of auto, cpu, gpu, cuda")
     if t.devices != "auto" and (not isinstance(t.devices, int) or isinstance(t.devices, bool) or t.devices < 1):
-        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node, or auto")
-    if t.num_nodes < 1:
-        raise ConfigError("trainer.num_nodes", t.num_nodes, "a positive number of nodes")
+        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node, or auto, or "
+                          "MIN:MAX (a range that disttrain's supervisor shrinks within when ranks fail)")
+    if not isinstance(t.num_nodes, int) or isinstance(t.num_nodes, bool) or t.num_nodes < 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, "a positive number of nodes, or MIN:MAX under a launcher "
+                          "that adds and removes nodes (torchrun --nnodes=MIN:MAX)")
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError("trainer.max_steps", t.max_steps, "a positive number of steps, or -1")
     if t.max_steps == -1 and not t.max_epochs:

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from disttrain.data.position import epoch_position, skip_per_rank
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 
@@ -167,15 +168,18 @@ class DataModule(pl.LightningDataModule):
         """Pad evaluation to whole batches on every rank (pipeline stages need one batch shape throughout)."""
 
     def state_dict(self) -> dict[str, int]:
-        """Where training stands within the epoch; saved with every checkpoint."""
+        """Where training stands within the epoch, in global samples (``disttrain.data.position``); saved with
+        every checkpoint."""
         trainer: Any = getattr(self, "trainer", None)
         if trainer is None:
             return {}
         batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": trainer.current_epoch, "batches": batches}
+        return epoch_position(trainer.current_epoch, batches, self.micro_batch_size, self.accumulation,
+                              self.replicas()[0])
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Remember the position so the next training loader continues after the batches already seen."""
+        """Remember the position so the next training loader continues after the samples already seen, on
+        however many data-parallel ranks it runs."""
         self._resume = dict(state)
 
     @property
@@ -220,8 +224,8 @@ class DataModule(pl.LightningDataModule):
             sampler_cls = EpochDistributedSampler if getattr(dataset, "epoch_indexed", False) else DistributedSampler
             inner = sampler_cls(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed,
                                 drop_last=True)
-            resume = (self._resume["epoch"], self._resume["batches"] * self.micro_batch_size) if self._resume \
-                else (-1, 0)
+            resume = (self._resume["epoch"], skip_per_rank(self._resume, self.micro_batch_size, num_replicas)) \
+                if self._resume else (-1, 0)
             sampler: Sampler[int] = StepSampler(inner, self.micro_batch_size * self.accumulation, *resume)
             if hasattr(dataset, "get_batch"):
                 return self._batched_loader(dataset, sampler)

@@ -68,7 +68,7 @@ def train(cfg: DictConfig) -> float | None:
             return run_rank(run)
     # the job hosts the rendezvous store, shows rank 0's output as its own and restarts failed ranks
     Supervisor(run.dims.world_size, config_path, run_dir / "logs", restarts,
-               forks_ranks(run.train.trainer.rank_start)).run()
+               forks_ranks(run.train.trainer.rank_start), run.world_sizes).run()
     return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
 
 

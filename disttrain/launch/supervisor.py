@@ -105,13 +105,21 @@ def threads_per_rank(ranks: int) -> dict[str, str]:
 
 
 class Supervisor:
-    """Runs ``world_size`` worker ranks of one run, restarting all of them up to ``max_restarts`` times."""
+    """Runs ``world_size`` worker ranks of one run, restarting all of them up to ``max_restarts`` times.
+
+    ``sizes`` (largest first, from ``trainer.devices=MIN:MAX``): the world sizes the run may restart on. Each
+    failure then costs the failed rank's device, presumed lost, and the next attempt starts on the largest of
+    ``sizes`` that the devices left can hold; with none left the run stops.
+    """
 
     def __init__(self, world_size: int, config_path: Path, log_dir: Path, max_restarts: int,
-                 fork_ranks: bool) -> None:
+                 fork_ranks: bool, sizes: tuple[int, ...] = ()) -> None:
         self.world_size, self.config_path, self.log_dir = world_size, config_path, log_dir
         self.fork_ranks = fork_ranks
         self.max_restarts = max_restarts
+        self.sizes = sizes
+        self.devices = list(range(world_size))
+        """The devices (local indices) not presumed lost; rank r of an attempt runs on ``devices[r]``."""
         self.failures: list[Failure] = []
         self._procs: list[RankProcess] = []
         self._signalled = False
@@ -132,7 +140,13 @@ class Supervisor:
                 (self.log_dir / RESTARTS_FILE).write_text(json.dumps([asdict(f) for f in self.failures], indent=2))
                 if attempt == self.max_restarts or failure.code == NON_FINITE_EXIT:
                     break  # non-finite numbers would come back: a restart cannot help
-                print(f"disttrain: {failure.describe()}\ndisttrain: restarting all {self.world_size} ranks "
+                ranks = f"all {self.world_size} ranks"
+                if self.sizes:
+                    before = self.world_size
+                    self._lose_device(failure)
+                    ranks = (f"on {self.world_size} ranks instead of {before} (rank {failure.rank}'s device presumed "
+                             "lost)")
+                print(f"disttrain: {failure.describe()}\ndisttrain: restarting {ranks} "
                       f"({attempt + 1} of {self.max_restarts}) from the newest complete checkpoint",
                       file=sys.stderr, flush=True)
             last = self.failures[-1]
@@ -145,6 +159,26 @@ class Supervisor:
             for sig, handler in forwarded.items():
                 signal.signal(sig, handler)
 
+    def _lose_device(self, failure: Failure) -> None:
+        """Drop ``failure``'s device and size the next attempt to the devices left; RanksStopped if too few."""
+        del self.devices[failure.rank]
+        fits = [size for size in self.sizes if size <= len(self.devices)]
+        if not fits:
+            lost = self.sizes[0] - len(self.devices)
+            raise RanksStopped(f"{failure.describe()}\nthe run stopped: {lost} of {self.sizes[0]} devices are presumed "
+                               f"lost and the {len(self.devices)} left are fewer than the {self.sizes[-1]} ranks it "
+                               "needs at least (the smallest count of trainer.devices that the layout and the global "
+                               "batch allow)", _exit_code(failure))
+        self.world_size = fits[0]
+
+    def _visible_devices(self) -> dict[str, str]:
+        """``CUDA_VISIBLE_DEVICES`` that leaves out the devices presumed lost (ranks take ``cuda:LOCAL_RANK``)."""
+        if len(self.devices) == (self.sizes[0] if self.sizes else self.world_size):
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names = visible.split(",") if visible else [str(index) for index in range(self.sizes[0])]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(names[index] for index in self.devices[:self.world_size])}
+
     def _attempt(self, attempt: int) -> Failure | None:
         from torch.distributed import TCPStore
 
@@ -152,7 +186,7 @@ class Supervisor:
         base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(self.world_size),
                 "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(self.world_size), "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
-                **threads_per_rank(self.world_size)}
+                **threads_per_rank(self.world_size), **self._visible_devices()}
         self._procs = [self._start(rank, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, attempt)
                        for rank in range(self.world_size)]
         try:

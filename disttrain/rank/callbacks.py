@@ -41,6 +41,7 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         self.blocking_s = 0.0
         """Seconds this process's saves held training up (gathering the state and writing or staging it)."""
         self._state_key = super().state_key
+        self._step_at_batch_end = 0
 
     @property
     def state_key(self) -> str:
@@ -63,11 +64,20 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         finally:
             self.save_last = saved
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Note the step training starts from (a resumed run's checkpoint holds it already)."""
+        super().on_train_start(trainer, pl_module)
+        self._step_at_batch_end = trainer.global_step
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        """A save point every ``every_n_train_steps`` optimiser steps (the runner sets no time interval); where a
-        validation follows this batch, the save point waits for it, so that ``last.ckpt`` holds its ranking."""
+        """A save point every ``every_n_train_steps`` optimiser steps (the runner sets no time interval), at the
+        batch that took the step; where a validation follows this batch, the save point waits for it, so that
+        ``last.ckpt`` holds its ranking."""
         every = self._every_n_train_steps
-        if every >= 1 and trainer.global_step % every == 0 and not _validation_follows(trainer):
+        # a batch that only accumulates keeps the step number: after a resume its step is the checkpoint's own,
+        # and a save there would hold half an accumulation window
+        stepped, self._step_at_batch_end = trainer.global_step != self._step_at_batch_end, trainer.global_step
+        if every >= 1 and stepped and trainer.global_step % every == 0 and not _validation_follows(trainer):
             self._save_point(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

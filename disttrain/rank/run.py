@@ -23,6 +23,7 @@ from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
 from disttrain.parallel.process_group import shutdown_process_group
 from disttrain.rank.callbacks import ThroughputMeter
+from disttrain.rank.elastic import ElasticResume
 from disttrain.rank.energy import EnergyMeter
 from disttrain.rank.experts import ExpertBalance
 from disttrain.rank.kinds import KINDS
@@ -53,7 +54,8 @@ def run_rank(run: RunConfig) -> float | None:
         balance = ExpertBalance.of(net, run.plan.loss_divisor)
         task, datamodule = kind.task(net, datamodule)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
-        trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement)])
+        elastic = ElasticResume()
+        trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement), elastic])
         energy = EnergyMeter(cfg.trainer.log_every_n_steps)
         trainer.callbacks += [*([energy] if cfg.energy else []), *([balance] if balance else []),
                               *kind.callbacks(trainer.strategy),
@@ -74,7 +76,8 @@ def run_rank(run: RunConfig) -> float | None:
         sections = kind.results(trainer)
         results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
-                                      "skipped_steps": agreement.skipped_steps, **sections.get("fault_tolerance", {})}
+                                      "skipped_steps": agreement.skipped_steps,
+                                      "world_size_changes": elastic.changes, **sections.get("fault_tolerance", {})}
         if kind.writes_results(trainer):
             write_results(run, results, agreement.skipped_steps, trainer.global_step)
         return results["objective"]

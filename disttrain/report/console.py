@@ -147,6 +147,9 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
     events = []
     if faults.get("restarts"):
         events.append(f"{faults['restarts']} restart(s) (causes in logs/restarts.json)")
+    for change in faults.get("world_size_changes") or []:
+        events.append(f"resumed at step {change['at_step']} on {change['to_ranks']} ranks instead of "
+                      f"{change['from_ranks']} (data-parallel {change['from_dp']} -> {change['to_dp']})")
     if faults.get("skipped_steps"):
         events.append(f"{faults['skipped_steps']} step(s) skipped for non-finite numbers")
     if events:
