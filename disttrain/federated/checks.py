@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from disttrain.errors import ConfigError
-from disttrain.federated.partition import empty_clients
+from disttrain.federated.partition import empty_clients, labels_of
 
 
 def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
@@ -39,6 +39,9 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
                               "0 unless Opacus is installed (pip install 'disttrain[federated]'): its accountant "
                               "reports the privacy spent") from None
     train_set = datamodule.datasets["train"]
+    if fed.attack.kind == "label_flip" and labels_of(train_set) is None:
+        raise ConfigError("federated.attack.kind", fed.attack.kind, "sign_flip, scale or random for data without "
+                          "one class label per sample (label_flip maps class labels)")
     if len(train_set) < fed.clients:
         raise ConfigError("federated.clients", fed.clients, f"at most the {len(train_set)} training samples")
     parts, _ = client_partitions(fed, train_set, top.seed)

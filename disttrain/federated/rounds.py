@@ -3,8 +3,10 @@
 Every rank holds the global model and simulates the drawn clients whose slot in the round falls to it
 (slot ``i`` on rank ``i mod world``). What crosses ranks is one model-sized vector per round (each rank's sum
 of its clients' weighted updates, plus the weight: masked residues under secure aggregation) and one small
-table of client metrics; no data. All ranks then hold the same aggregate and take the same server step, so
-the global model stays identical everywhere without a broadcast.
+table of client metrics; no data. Under a robust rule (``aggregation`` other than mean) the rule needs each
+update on its own, so the round's updates cross as one ``(clients, numel)`` matrix instead. All ranks then
+hold the same aggregate and take the same server step, so the global model stays identical everywhere
+without a broadcast.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from disttrain.federated import privacy, secure
+from disttrain.federated import attack, privacy, robust, secure
 from disttrain.federated.client import ClientData, copy_state, evaluate, generator, train_locally
 from disttrain.federated.config import FederatedConfig
+from disttrain.federated.partition import labels_of
 
 METRIC_COLUMNS = 5  # accuracy, evaluated loss, evaluated targets, training loss, samples trained on
 
@@ -76,6 +79,9 @@ class FederatedRounds:
         self.eligible = [client for client, part in enumerate(parts) if len(part)]
         self.mean_size = sum(len(part) for part in parts) / len(parts)
         self.worker = copy.deepcopy(net)  # the drawn clients train in turn on this copy
+        self.hostile = attack.attackers(cfg.attack.fraction, len(parts), seed) if cfg.attack.enabled else set()
+        labels = labels_of(dataset) if cfg.attack.kind == "label_flip" else None
+        self.classes = int(labels.max()) + 1 if labels is not None else 0
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
 
@@ -113,8 +119,13 @@ class FederatedRounds:
         torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator(self.seed, 4, round_index, client))))
         anchor = [p.detach() for p in global_params] if self.cfg.mu else None
         batches = self.batches(client, round_index)
+        hostile = client in self.hostile
+        if hostile and self.cfg.attack.kind == "label_flip":
+            batches = attack.flip_labels(batches, self.classes)
         train_loss = train_locally(self.worker, batches, self.optim_cfg, self.clip, self.cfg.mu, anchor, self.device)
         update = flat([*params, *buffers]) - start
+        if hostile:
+            update = attack.poison(update, self.cfg.attack.kind, self.cfg.attack.scale, self.seed, round_index, client)
         samples = float(sum(len(targets) for _, targets in batches))
         return update, [correct / max(count, 1), loss_sum / max(count, 1), float(count), train_loss, samples]
 
@@ -130,9 +141,11 @@ class FederatedRounds:
         clients = self.drawn(round_index)
         params, buffers = state_tensors(self.net)
         start = flat([*params, *buffers])
-        secure_sum = self.cfg.secure_aggregation
+        secure_sum, separate = self.cfg.secure_aggregation, self.cfg.robust
         total = torch.zeros(start.numel() + 1, dtype=torch.int64 if secure_sum else torch.float32,
                             device="cpu" if secure_sum else start.device)
+        # a robust rule compares the updates one by one: each slot's row is filled by the rank that trains it
+        rows = torch.zeros(len(clients) if separate else 0, start.numel(), device=start.device)
         metrics = torch.zeros(len(clients), METRIC_COLUMNS, dtype=torch.float64)
         norms = []
         dp = self.cfg.dp
@@ -145,17 +158,23 @@ class FederatedRounds:
                 norms.append(norm)
             weight = self.weight(client)
             contribution = torch.cat([update * weight, update.new_tensor([weight])])
-            if secure_sum:
+            if separate:
+                rows[slot] = update
+            elif secure_sum:
                 masked = secure.mask(secure.encode(contribution.cpu()), client, clients, self.seed, round_index)
                 total = torch.remainder(total + masked, secure.MODULUS)
             else:
                 total += contribution
             metrics[slot] = torch.tensor(row, dtype=torch.float64)
         if self.group is not None:
-            dist.all_reduce(total, group=self.group)
+            dist.all_reduce(rows if separate else total, group=self.group)
             dist.all_reduce(metrics, group=self.group)
-        summed = secure.decode(total).float().to(start.device) if secure_sum else total
-        mean_update = summed[:-1] / summed[-1]
+        if separate:
+            cfg = self.cfg
+            mean_update = robust.aggregate(rows, cfg.aggregation, cfg.trim_fraction, cfg.assumed_attackers)
+        else:
+            summed = secure.decode(total).float().to(start.device) if secure_sum else total
+            mean_update = summed[:-1] / summed[-1]
         if dp.noise_multiplier:
             std = dp.noise_multiplier * dp.clip / len(clients)
             mean_update += privacy.gaussian_noise(mean_update.numel(), std, self.seed, round_index).to(mean_update)
@@ -178,12 +197,13 @@ class FederatedRounds:
                norms: list[float]) -> RoundStats:
         accuracies = metrics[:, 0]
         element = 8 if self.cfg.secure_aggregation else 4
+        per_client = numel if self.cfg.robust else numel + 1  # robust rules take no weight
         return RoundStats(
             round=round_index, clients=clients, train_loss=float(metrics[:, 3].mean()),
             client_acc_mean=float(accuracies.mean()),
             client_acc_std=float(accuracies.std(unbiased=False)) if len(clients) > 1 else 0.0,
             client_loss_mean=float(metrics[:, 1].mean()), samples=int(metrics[:, 4].sum()),
-            bytes_up=len(clients) * (numel + 1) * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
+            bytes_up=len(clients) * per_client * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
         )
 
 
