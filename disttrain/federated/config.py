@@ -119,8 +119,13 @@ class FederatedConfig:
     dp: PrivacyConfig = field(default_factory=PrivacyConfig)
     """Client-level differential privacy."""
     secure_aggregation: bool = False
-    """Clients add pairwise masks that cancel in the sum (Bonawitz et al., 2017, without dropout recovery), so
-    no rank sees a client's update in the clear."""
+    """Clients add pairwise and self masks that cancel or are removed in the sum (Bonawitz et al., 2017, with
+    dropout recovery from Shamir shares: needs ``pip install 'disttrain[federated]'``), so no rank sees a
+    client's update in the clear."""
+    dropout: float = 0.0
+    """Share of each round's drawn clients that drop out mid-round (``round(dropout x drawn)``, chosen from the
+    seed and the round): they never report and the round completes with the rest. Under secure aggregation
+    at most a minority may drop (a majority's shares rebuild the dropped clients' masks)."""
     eval_batches: int = 4
     """Batches of its own data each sampled client evaluates the global model on (client accuracy)."""
     aggregation: str = "mean"
@@ -155,7 +160,7 @@ class FederatedConfig:
     @property
     def reporting(self) -> int:
         """Clients whose updates reach the server each round."""
-        return self.per_round
+        return self.per_round - round(self.dropout * self.per_round)
 
     @property
     def resolved_weighting(self) -> str:
@@ -215,6 +220,14 @@ class FederatedConfig:
 
     def _validate_robustness(self) -> None:
         """Robust rules and attacks: ranges, and the combinations that cannot work."""
+        checks.probability("federated.dropout", self.dropout)
+        if self.reporting < 1:
+            raise ConfigError("federated.dropout", self.dropout, f"a share that leaves at least one of the "
+                              f"{self.per_round} drawn clients reporting")
+        if self.secure_aggregation and self.reporting < self.per_round // 2 + 1:
+            raise ConfigError("federated.dropout", self.dropout, f"at most {(self.per_round - 1) // 2} dropped of "
+                              f"{self.per_round} drawn clients with secure aggregation (the shares of a majority "
+                              "rebuild the dropped clients' masks)")
         attack, n = self.attack, self.reporting
         checks.probability("federated.attack.fraction", attack.fraction)
         checks.positive("federated.attack.scale", attack.scale)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset
 from disttrain.federated import attack, privacy, robust, secure
 from disttrain.federated.client import ClientData, copy_state, evaluate, generator, train_locally
 from disttrain.federated.config import FederatedConfig
-from disttrain.federated.partition import labels_of
+from disttrain.federated.partition import Partition, labels_of
 
 METRIC_COLUMNS = 5  # accuracy, evaluated loss, evaluated targets, training loss, samples trained on
 
@@ -53,6 +54,21 @@ class RoundStats:
     """Bytes the server sent to them (the global model each)."""
     update_norms: list[float] = field(default_factory=list)
     """This rank's clients' update norms before privacy clipping."""
+    dropped: list[int] = field(default_factory=list)
+    """Drawn clients that dropped out before reporting (their metrics are left out)."""
+
+
+class Clients(Sequence):
+    """Client ``c``'s ``ClientData``, built when asked for from the partition (no per-client objects kept)."""
+
+    def __init__(self, dataset: Dataset, parts: Partition, batch_size: int, seed: int) -> None:
+        self.dataset, self.parts, self.batch_size, self.seed = dataset, parts, batch_size, seed
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, client: int) -> ClientData:  # type: ignore[override]
+        return ClientData(self.dataset, self.parts[client], client % len(self.parts), self.batch_size, self.seed)
 
 
 def state_tensors(net: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
@@ -70,14 +86,16 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 class FederatedRounds:
     """Runs the rounds of ``cfg`` on the global model ``net`` over ``group`` (None: this process alone)."""
 
-    def __init__(self, net: nn.Module, dataset: Dataset, parts: list[torch.Tensor], cfg: FederatedConfig,
+    def __init__(self, net: nn.Module, dataset: Dataset, parts: Partition | list[torch.Tensor], cfg: FederatedConfig,
                  optim_cfg: Any, clip: float | None, seed: int, group: dist.ProcessGroup | None,
                  device: torch.device) -> None:
         self.net, self.cfg, self.optim_cfg, self.clip, self.seed = net, cfg, optim_cfg, clip, seed
         self.group, self.device = group, device
-        self.data = [ClientData(dataset, part, client, cfg.batch_size, seed) for client, part in enumerate(parts)]
-        self.eligible = [client for client, part in enumerate(parts) if len(part)]
-        self.mean_size = sum(len(part) for part in parts) / len(parts)
+        parts = parts if isinstance(parts, Partition) else Partition.of(parts)
+        self.data = Clients(dataset, parts, cfg.batch_size, seed)
+        self.eligible = torch.nonzero(parts.sizes() > 0).flatten()
+        """The clients that hold samples (a tensor: a list of 10,000 ints would cost more than the indices)."""
+        self.mean_size = len(parts.indices) / len(parts)
         self.worker = copy.deepcopy(net)  # the drawn clients train in turn on this copy
         self.hostile = attack.attackers(cfg.attack.fraction, len(parts), seed) if cfg.attack.enabled else set()
         labels = labels_of(dataset) if cfg.attack.kind == "label_flip" else None
@@ -94,9 +112,9 @@ class FederatedRounds:
         """The clients of round ``round_index`` (ascending), drawn from the seed and the round alone."""
         count = self.cfg.per_round
         if count >= len(self.eligible):
-            return list(self.eligible)
+            return self.eligible.tolist()
         order = torch.randperm(len(self.eligible), generator=generator(self.seed, 3, round_index))
-        return sorted(self.eligible[int(i)] for i in order[:count])
+        return sorted(self.eligible[order[:count]].tolist())
 
     def batches(self, client: int, round_index: int) -> list[Any]:
         """Client ``client``'s local batches of the round."""
@@ -135,10 +153,22 @@ class FederatedRounds:
             return 1.0
         return len(self.data[client]) / self.mean_size
 
+    def dropped(self, round_index: int, clients: list[int]) -> list[int]:
+        """The drawn clients that drop out of round ``round_index`` mid-round (after the round's setup, before
+        reporting): ``round(dropout x drawn)`` of them, from the seed and the round alone."""
+        count = round(self.cfg.dropout * len(clients))
+        if not count:
+            return []
+        order = torch.randperm(len(clients), generator=generator(self.seed, 9, round_index))
+        return sorted(clients[int(i)] for i in order[:count])
+
     def run(self, round_index: int) -> tuple[torch.Tensor, RoundStats]:
         """Train this rank's share of the round's clients and aggregate over all ranks: the global model's
-        weighted mean update (params then float buffers, fp32, on the model's device) and the round's stats."""
+        weighted mean update of the clients that report (params then float buffers, fp32, on the model's
+        device) and the round's stats."""
         clients = self.drawn(round_index)
+        lost = set(self.dropped(round_index, clients))
+        survivors = [client for client in clients if client not in lost]
         params, buffers = state_tensors(self.net)
         start = flat([*params, *buffers])
         secure_sum, separate = self.cfg.secure_aggregation, self.cfg.robust
@@ -149,8 +179,11 @@ class FederatedRounds:
         metrics = torch.zeros(len(clients), METRIC_COLUMNS, dtype=torch.float64)
         norms = []
         dp = self.cfg.dp
+        if secure_sum:  # the round's setup: every drawn client's keys, before anyone drops
+            secrets = {client: secure.client_secrets(self.seed, round_index, client) for client in clients}
+            publics = {client: secure.public_key(secrets[client].key) for client in clients}
         for slot, client in enumerate(clients):
-            if slot % self.world != self.rank:
+            if slot % self.world != self.rank or client in lost:
                 continue
             update, row = self.client_update(client, round_index, start)
             if dp.enabled:
@@ -161,7 +194,7 @@ class FederatedRounds:
             if separate:
                 rows[slot] = update
             elif secure_sum:
-                masked = secure.mask(secure.encode(contribution.cpu()), client, clients, self.seed, round_index)
+                masked = secure.mask(secure.encode(contribution.cpu()), client, publics, secrets[client])
                 total = torch.remainder(total + masked, secure.MODULUS)
             else:
                 total += contribution
@@ -170,15 +203,18 @@ class FederatedRounds:
             dist.all_reduce(rows if separate else total, group=self.group)
             dist.all_reduce(metrics, group=self.group)
         if separate:
-            cfg = self.cfg
-            mean_update = robust.aggregate(rows, cfg.aggregation, cfg.trim_fraction, cfg.assumed_attackers)
+            cfg, kept = self.cfg, [slot for slot, client in enumerate(clients) if client not in lost]
+            mean_update = robust.aggregate(rows[kept], cfg.aggregation, cfg.trim_fraction, cfg.assumed_attackers)
         else:
+            if secure_sum:
+                total = secure.unmask(total, clients, survivors, self.seed, round_index)
             summed = secure.decode(total).float().to(start.device) if secure_sum else total
             mean_update = summed[:-1] / summed[-1]
         if dp.noise_multiplier:
-            std = dp.noise_multiplier * dp.clip / len(clients)
+            std = dp.noise_multiplier * dp.clip / len(survivors)
             mean_update += privacy.gaussian_noise(mean_update.numel(), std, self.seed, round_index).to(mean_update)
-        return mean_update, self._stats(round_index, clients, metrics, start.numel(), norms)
+        reported = [slot for slot, client in enumerate(clients) if client not in lost]
+        return mean_update, self._stats(round_index, clients, survivors, metrics[reported], start.numel(), norms)
 
     def apply(self, mean_update: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Hand the parameters' share of the update to the server optimiser (as a negated gradient) and set the
@@ -193,7 +229,7 @@ class FederatedRounds:
                 buffer.add_(mean_update[offset:offset + buffer.numel()].view_as(buffer).to(buffer.dtype))
                 offset += buffer.numel()
 
-    def _stats(self, round_index: int, clients: list[int], metrics: torch.Tensor, numel: int,
+    def _stats(self, round_index: int, clients: list[int], survivors: list[int], metrics: torch.Tensor, numel: int,
                norms: list[float]) -> RoundStats:
         accuracies = metrics[:, 0]
         element = 8 if self.cfg.secure_aggregation else 4
@@ -201,9 +237,10 @@ class FederatedRounds:
         return RoundStats(
             round=round_index, clients=clients, train_loss=float(metrics[:, 3].mean()),
             client_acc_mean=float(accuracies.mean()),
-            client_acc_std=float(accuracies.std(unbiased=False)) if len(clients) > 1 else 0.0,
+            client_acc_std=float(accuracies.std(unbiased=False)) if len(survivors) > 1 else 0.0,
             client_loss_mean=float(metrics[:, 1].mean()), samples=int(metrics[:, 4].sum()),
-            bytes_up=len(clients) * per_client * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
+            bytes_up=len(survivors) * per_client * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
+            dropped=sorted(set(clients) - set(survivors)),
         )
 
 

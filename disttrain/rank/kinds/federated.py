@@ -92,7 +92,7 @@ class FederatedTask(TrainTask):
         row = {"round": stats.round + 1, "train_loss": stats.train_loss, "client_acc_mean": stats.client_acc_mean,
                "client_acc_std": stats.client_acc_std, "client_loss_mean": stats.client_loss_mean,
                "samples": stats.samples, "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
-               "clients": stats.clients}
+               "clients": stats.clients, "dropped": len(stats.dropped)}
         if not math.isnan(epsilon):
             row["epsilon"] = epsilon
         self.history.append(row)
@@ -130,6 +130,7 @@ class FederatedTask(TrainTask):
             "clients": self.fed.clients, "clients_per_round": self.fed.per_round, "rounds": self.global_step,
             "strategy": self.fed.strategy, "partition": self.fed.partition,
             "weighting": self.fed.resolved_weighting, "secure_aggregation": self.fed.secure_aggregation,
+            "aggregation": self.fed.aggregation, "attack": asdict(self.fed.attack), "dropout": self.fed.dropout,
             "bytes_up_per_round": last.get("bytes_up"), "bytes_down_per_round": last.get("bytes_down"),
             "client_acc_mean": last.get("client_acc_mean"), "client_acc_std": last.get("client_acc_std"),
             "client_samples_per_sec": (sum(row["samples"] for row in self.history) / self.seconds
