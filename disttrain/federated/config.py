@@ -12,6 +12,7 @@ from disttrain.federated.robust import RULES, trimmed_count
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedyogi")
 PARTITIONS = ("iid", "dirichlet", "shards")
 WEIGHTINGS = ("auto", "samples", "uniform")
+MODES = ("sync", "async")
 DEFAULT_PROX_MU = 0.01
 """FedProx's proximal weight when none is given: the middle of the values its authors tried (0.001 to 1)."""
 
@@ -141,6 +142,21 @@ class FederatedConfig:
     than 2 f + 2 reporting clients per round."""
     attack: AttackConfig = field(default_factory=AttackConfig)
     """Simulated hostile clients."""
+    mode: str = "sync"
+    """sync: rounds wait for every drawn client; async: buffered asynchronous aggregation (FedBuff, Nguyen et
+    al. 2022): ``clients_per_round`` clients train concurrently, each from the model the server held when it
+    started, and the server steps whenever ``buffer_size`` updates have arrived, each weighted by
+    ``1 / sqrt(1 + staleness)`` (staleness: server steps since the client started). ``rounds`` counts server
+    steps."""
+    buffer_size: int = 0
+    """async: updates per server step (K); 0: half of ``clients_per_round``."""
+    slow_fraction: float = 0.0
+    """Share of the clients (drawn from the seed) whose local training is ``slowdown`` times slower."""
+    slowdown: float = 10.0
+    """How many times slower the slow clients are."""
+    latency_spread: float = 0.25
+    """Each local training takes ``exp(latency_spread x z)`` simulated time units (``z`` standard normal, seeded),
+    times ``slowdown`` for a slow client; a round of the synchronous mode lasts as long as its slowest client."""
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +167,11 @@ class FederatedConfig:
     def per_round(self) -> int:
         """Clients drawn each round."""
         return self.clients_per_round or self.clients
+
+    @property
+    def buffer(self) -> int:
+        """Updates per server step in async mode."""
+        return self.buffer_size or max(1, self.per_round // 2)
 
     @property
     def robust(self) -> bool:
@@ -218,6 +239,29 @@ class FederatedConfig:
                               "(the privacy noise is calibrated to one client's share of a uniform mean)")
         self._validate_robustness()
 
+    def _validate_speeds(self) -> None:
+        """Client speeds and the asynchronous mode."""
+        if self.mode not in MODES:
+            raise ConfigError("federated.mode", self.mode, f"one of {list(MODES)}")
+        checks.probability("federated.slow_fraction", self.slow_fraction)
+        if not self.slowdown >= 1:
+            raise ConfigError("federated.slowdown", self.slowdown, "a factor >= 1")
+        checks.non_negative("federated.latency_spread", self.latency_spread)
+        checks.non_negative("federated.buffer_size", self.buffer_size)
+        if self.mode == "sync":
+            return
+        if not 1 <= self.buffer <= self.per_round:
+            raise ConfigError("federated.buffer_size", self.buffer_size, f"between 1 and the {self.per_round} "
+                              "clients training at once (federated.clients_per_round) with federated.mode=async")
+        if self.per_round >= self.clients:
+            raise ConfigError("federated.clients_per_round", self.clients_per_round, f"fewer than the {self.clients} "
+                              "clients with federated.mode=async (a finished client's slot goes to an idle one)")
+        for key, value, off in (("secure_aggregation", self.secure_aggregation, False), ("dropout", self.dropout, 0),
+                                ("aggregation", self.aggregation, "mean"), ("dp.clip", self.dp.clip, None)):
+            if value != off:
+                raise ConfigError(f"federated.{key}", value, f"{off} with federated.mode=async (buffered "
+                                  "aggregation here takes plain, always-reporting clients)")
+
     def _validate_robustness(self) -> None:
         """Robust rules and attacks: ranges, and the combinations that cannot work."""
         checks.probability("federated.dropout", self.dropout)
@@ -228,6 +272,7 @@ class FederatedConfig:
             raise ConfigError("federated.dropout", self.dropout, f"at most {(self.per_round - 1) // 2} dropped of "
                               f"{self.per_round} drawn clients with secure aggregation (the shares of a majority "
                               "rebuild the dropped clients' masks)")
+        self._validate_speeds()
         attack, n = self.attack, self.reporting
         checks.probability("federated.attack.fraction", attack.fraction)
         checks.positive("federated.attack.scale", attack.scale)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from disttrain.federated import attack, privacy, robust, secure
+from disttrain.federated import attack, privacy, robust, secure, speeds
 from disttrain.federated.client import ClientData, copy_state, evaluate, generator, train_locally
 from disttrain.federated.config import FederatedConfig
 from disttrain.federated.partition import Partition, labels_of
@@ -56,6 +56,10 @@ class RoundStats:
     """This rank's clients' update norms before privacy clipping."""
     dropped: list[int] = field(default_factory=list)
     """Drawn clients that dropped out before reporting (their metrics are left out)."""
+    sim_time: float = 0.0
+    """Simulated time at the end of the round (``disttrain.federated.speeds``), from the start of the run."""
+    staleness: list[int] = field(default_factory=list)
+    """Asynchronous mode: how many server steps old each applied update was."""
 
 
 class Clients(Sequence):
@@ -98,6 +102,8 @@ class FederatedRounds:
         self.mean_size = len(parts.indices) / len(parts)
         self.worker = copy.deepcopy(net)  # the drawn clients train in turn on this copy
         self.hostile = attack.attackers(cfg.attack.fraction, len(parts), seed) if cfg.attack.enabled else set()
+        self.slow = speeds.slow_clients(cfg.slow_fraction, len(parts), seed)
+        self._clock = [0.0]  # simulated time at the end of each round so far (entry r + 1 for round r)
         labels = labels_of(dataset) if cfg.attack.kind == "label_flip" else None
         self.classes = int(labels.max()) + 1 if labels is not None else 0
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -152,6 +158,21 @@ class FederatedRounds:
         if self.cfg.resolved_weighting == "uniform":
             return 1.0
         return len(self.data[client]) / self.mean_size
+
+    def duration(self, client: int, *run: int) -> float:
+        """Simulated time of one local training of ``client`` (``run`` names it: see ``speeds.duration``)."""
+        cfg = self.cfg
+        return speeds.duration(self.seed, client, client in self.slow, cfg.latency_spread, cfg.slowdown, *run)
+
+    def elapsed(self, round_index: int) -> float:
+        """Simulated time at the end of round ``round_index``: each round lasts as long as its slowest reporting
+        client (recomputed from the seed, so a resumed run carries on the same clock)."""
+        while len(self._clock) <= round_index + 1:
+            r = len(self._clock) - 1
+            clients = self.drawn(r)
+            lost = set(self.dropped(r, clients))
+            self._clock.append(self._clock[-1] + max(self.duration(c, 0, r) for c in clients if c not in lost))
+        return self._clock[round_index + 1]
 
     def dropped(self, round_index: int, clients: list[int]) -> list[int]:
         """The drawn clients that drop out of round ``round_index`` mid-round (after the round's setup, before
@@ -240,7 +261,7 @@ class FederatedRounds:
             client_acc_std=float(accuracies.std(unbiased=False)) if len(survivors) > 1 else 0.0,
             client_loss_mean=float(metrics[:, 1].mean()), samples=int(metrics[:, 4].sum()),
             bytes_up=len(survivors) * per_client * element, bytes_down=len(clients) * numel * 4, update_norms=norms,
-            dropped=sorted(set(clients) - set(survivors)),
+            dropped=sorted(set(clients) - set(survivors)), sim_time=self.elapsed(round_index),
         )
 
 
