@@ -66,7 +66,7 @@ def test_iid_partition_is_the_first_epoch_of_a_distributed_sampler():
 def test_every_sample_belongs_to_exactly_one_client(scheme):
     dataset = _digits()
     parts = partition(len(dataset), 10, scheme, seed=1, labels=labels_of(dataset), alpha=0.5, classes_per_client=2)
-    assert sorted(torch.cat(parts).tolist()) == list(range(len(dataset)))
+    assert sorted(torch.cat(list(parts)).tolist()) == list(range(len(dataset)))
     if scheme == "shards":  # two shards of a label-sorted split: at most a few classes per client
         assert max(len(torch.unique(dataset.labels[p])) for p in parts) <= 4
 
@@ -242,13 +242,26 @@ def test_secure_aggregation_equals_the_plain_sum_and_hides_each_update(ranked):
     assert (alone - true).abs().median() > 1e3 * true.abs().max()
 
 
-def test_secure_masks_cancel_exactly_in_the_modular_sum():
-    values = [torch.randn(100, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-    participants = [2, 5, 7, 11, 12]
-    masked = [secure.mask(secure.encode(v), c, participants, seed=9, round_index=3)
-              for v, c in zip(values, participants, strict=True)]
-    total = torch.remainder(sum(masked), secure.MODULUS)
-    assert torch.allclose(secure.decode(total), sum(v.double() for v in values), atol=5 * 2.0 ** -24)
+def test_secure_masks_are_removed_exactly_with_and_without_dropouts():
+    values = {c: torch.randn(100, generator=torch.Generator().manual_seed(c)) for c in (2, 5, 7, 11, 12)}
+    participants = sorted(values)
+    secrets = {c: secure.client_secrets(9, 3, c) for c in participants}
+    publics = {c: secure.public_key(secrets[c].key) for c in participants}
+    masked = {c: secure.mask(secure.encode(v), c, publics, secrets[c]) for c, v in values.items()}
+    for survivors in (participants, [2, 7, 12]):  # everyone, then two dropped after the setup
+        total = torch.remainder(sum(masked[c] for c in survivors), secure.MODULUS)
+        assert not torch.allclose(secure.decode(total), sum(values[c].double() for c in survivors), atol=1.0)
+        plain = secure.decode(secure.unmask(total, participants, survivors, seed=9, round_index=3))
+        assert torch.allclose(plain, sum(values[c].double() for c in survivors), atol=5 * 2.0 ** -24)
+    with pytest.raises(RuntimeError, match="fewer than the 3"):  # a majority must report
+        secure.unmask(masked[2], participants, [2, 5], seed=9, round_index=3)
+
+
+def test_shamir_shares_rebuild_a_secret_from_a_threshold_and_not_from_fewer():
+    secret = secure.client_secrets(0, 0, 1).key
+    shares = secure.split(secret, 3, 5)
+    assert secure.combine([shares[4], shares[0], shares[2]]) == secret
+    assert secure.combine(shares[:2]) != secret
 
 
 def test_fedprox_with_mu_zero_is_fedavg_and_a_positive_mu_pulls_clients_back(ranked):

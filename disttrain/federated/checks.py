@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from disttrain.errors import ConfigError
-from disttrain.federated.partition import empty_clients
+from disttrain.federated.partition import empty_clients, labels_of
 
 
 def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
@@ -38,7 +38,18 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
             raise ConfigError("federated.dp.noise_multiplier", fed.dp.noise_multiplier,
                               "0 unless Opacus is installed (pip install 'disttrain[federated]'): its accountant "
                               "reports the privacy spent") from None
+    if fed.secure_aggregation:
+        try:
+            import Crypto.Protocol.SecretSharing  # noqa: F401
+            import cryptography.hazmat.primitives.asymmetric.x25519  # noqa: F401
+        except ImportError:
+            raise ConfigError("federated.secure_aggregation", True, "false unless cryptography and pycryptodome "
+                              "are installed (pip install 'disttrain[federated]'): key agreement and Shamir "
+                              "shares") from None
     train_set = datamodule.datasets["train"]
+    if fed.attack.kind == "label_flip" and labels_of(train_set) is None:
+        raise ConfigError("federated.attack.kind", fed.attack.kind, "sign_flip, scale or random for data without "
+                          "one class label per sample (label_flip maps class labels)")
     if len(train_set) < fed.clients:
         raise ConfigError("federated.clients", fed.clients, f"at most the {len(train_set)} training samples")
     parts, _ = client_partitions(fed, train_set, top.seed)
@@ -48,10 +59,13 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
         raise ConfigError("federated.clients_per_round", fed.clients_per_round,
                           f"at most the {eligible} clients that hold samples ({len(empty)} of {fed.clients} are empty "
                           f"under partition={fed.partition})")
-    sizes = [len(part) for part in parts if len(part)]
+    held = parts.sizes()
+    sizes = held[held > 0].tolist()
     local = f"{fed.local_epochs} local epochs" if fed.local_epochs else f"{fed.local_steps} local steps"
     notices = [f"federated: {fed.clients} clients ({fed.partition}, {min(sizes)}-{max(sizes)} samples each), "
-               f"{fed.per_round} per round, {fed.rounds} rounds of {local}, {fed.strategy}"]
+               f"{fed.per_round} per round, {fed.rounds} rounds of {local}, {fed.strategy}, "
+               f"aggregation={fed.aggregation}"]
     if empty:
-        notices.append(f"federated.partition={fed.partition}: clients {empty} hold no samples and are never drawn")
+        named = f"{empty}" if len(empty) <= 20 else f"{empty[:20]} and {len(empty) - 20} more"
+        notices.append(f"federated.partition={fed.partition}: clients {named} hold no samples and are never drawn")
     return notices

@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 
 from disttrain import checks
 from disttrain.errors import ConfigError
+from disttrain.federated.attack import ATTACKS
+from disttrain.federated.robust import RULES, trimmed_count
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedyogi")
 PARTITIONS = ("iid", "dirichlet", "shards")
 WEIGHTINGS = ("auto", "samples", "uniform")
+MODES = ("sync", "async")
 DEFAULT_PROX_MU = 0.01
 """FedProx's proximal weight when none is given: the middle of the values its authors tried (0.001 to 1)."""
 
@@ -60,6 +63,25 @@ class PrivacyConfig:
 
 
 @dataclass
+class AttackConfig:
+    """Simulated hostile clients (``disttrain.federated.attack``): a seeded share of the clients send poisoned
+    updates in every round they are drawn."""
+
+    kind: str = "none"
+    """none, sign_flip (send -scale x the honest update), scale (scale x it), random (Gaussian noise scale x
+    the honest update's RMS) or label_flip (train on labels y -> classes - 1 - y)."""
+    fraction: float = 0.0
+    """Share of the clients that attack (round(fraction x clients) of them, drawn from the run's seed)."""
+    scale: float = 10.0
+    """Magnitude of sign_flip, scale and random updates."""
+
+    @property
+    def enabled(self) -> bool:
+        """Some clients attack."""
+        return self.kind != "none"
+
+
+@dataclass
 class FederatedConfig:
     """A federated run (``parallel=federated``): ``clients`` simulated clients spread over the ranks, each
     holding one partition of the training split; every round ``clients_per_round`` of them, drawn with the
@@ -98,10 +120,43 @@ class FederatedConfig:
     dp: PrivacyConfig = field(default_factory=PrivacyConfig)
     """Client-level differential privacy."""
     secure_aggregation: bool = False
-    """Clients add pairwise masks that cancel in the sum (Bonawitz et al., 2017, without dropout recovery), so
-    no rank sees a client's update in the clear."""
+    """Clients add pairwise and self masks that cancel or are removed in the sum (Bonawitz et al., 2017, with
+    dropout recovery from Shamir shares: needs ``pip install 'disttrain[federated]'``), so no rank sees a
+    client's update in the clear."""
+    dropout: float = 0.0
+    """Share of each round's drawn clients that drop out mid-round (``round(dropout x drawn)``, chosen from the
+    seed and the round): they never report and the round completes with the rest. Under secure aggregation
+    at most a minority may drop (a majority's shares rebuild the dropped clients' masks)."""
     eval_batches: int = 4
     """Batches of its own data each sampled client evaluates the global model on (client accuracy)."""
+    aggregation: str = "mean"
+    """How the server combines the round's client updates before its optimiser steps: mean (weighted by
+    ``weighting``), or a Byzantine-robust rule over unweighted updates: median (coordinate-wise),
+    trimmed_mean (drops ``trim_fraction`` of the values at each end of every coordinate), krum (the single
+    update closest to its neighbours) or multi_krum (the mean of the ``n - assumed_attackers`` closest)."""
+    trim_fraction: float = 0.2
+    """trimmed_mean: share of the reporting clients dropped at each end of every coordinate (below 0.5; to
+    withstand f attackers among n it must be at least f / n)."""
+    assumed_attackers: int = 0
+    """krum and multi_krum: the number f of hostile clients per round the rule must withstand; needs more
+    than 2 f + 2 reporting clients per round."""
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    """Simulated hostile clients."""
+    mode: str = "sync"
+    """sync: rounds wait for every drawn client; async: buffered asynchronous aggregation (FedBuff, Nguyen et
+    al. 2022): ``clients_per_round`` clients train concurrently, each from the model the server held when it
+    started, and the server steps whenever ``buffer_size`` updates have arrived, each weighted by
+    ``1 / sqrt(1 + staleness)`` (staleness: server steps since the client started). ``rounds`` counts server
+    steps."""
+    buffer_size: int = 0
+    """async: updates per server step (K); 0: half of ``clients_per_round``."""
+    slow_fraction: float = 0.0
+    """Share of the clients (drawn from the seed) whose local training is ``slowdown`` times slower."""
+    slowdown: float = 10.0
+    """How many times slower the slow clients are."""
+    latency_spread: float = 0.25
+    """Each local training takes ``exp(latency_spread x z)`` simulated time units (``z`` standard normal, seeded),
+    times ``slowdown`` for a slow client; a round of the synchronous mode lasts as long as its slowest client."""
 
     @property
     def enabled(self) -> bool:
@@ -114,11 +169,26 @@ class FederatedConfig:
         return self.clients_per_round or self.clients
 
     @property
+    def buffer(self) -> int:
+        """Updates per server step in async mode."""
+        return self.buffer_size or max(1, self.per_round // 2)
+
+    @property
+    def robust(self) -> bool:
+        """A robust rule replaces the mean (the server needs every update on its own)."""
+        return self.aggregation != "mean"
+
+    @property
+    def reporting(self) -> int:
+        """Clients whose updates reach the server each round."""
+        return self.per_round - round(self.dropout * self.per_round)
+
+    @property
     def resolved_weighting(self) -> str:
         """samples or uniform."""
         if self.weighting != "auto":
             return self.weighting
-        return "uniform" if self.dp.enabled else "samples"
+        return "uniform" if self.dp.enabled or self.robust else "samples"
 
     def validate(self) -> None:
         """Checks that need no data."""
@@ -136,7 +206,8 @@ class FederatedConfig:
         if self.local_epochs == 0:
             checks.positive("federated.local_steps", self.local_steps)
         for key, value, allowed in (("strategy", self.strategy, STRATEGIES), ("partition", self.partition, PARTITIONS),
-                                    ("weighting", self.weighting, WEIGHTINGS)):
+                                    ("weighting", self.weighting, WEIGHTINGS), ("aggregation", self.aggregation, RULES),
+                                    ("attack.kind", self.attack.kind, ATTACKS)):
             if value not in allowed:
                 raise ConfigError(f"federated.{key}", value, f"one of {list(allowed)}")
         if self.mu is None:
@@ -166,3 +237,73 @@ class FederatedConfig:
         if dp.enabled and self.weighting == "samples":
             raise ConfigError("federated.weighting", self.weighting, "uniform or auto with federated.dp.clip set "
                               "(the privacy noise is calibrated to one client's share of a uniform mean)")
+        self._validate_robustness()
+
+    def _validate_speeds(self) -> None:
+        """Client speeds and the asynchronous mode."""
+        if self.mode not in MODES:
+            raise ConfigError("federated.mode", self.mode, f"one of {list(MODES)}")
+        checks.probability("federated.slow_fraction", self.slow_fraction)
+        if not self.slowdown >= 1:
+            raise ConfigError("federated.slowdown", self.slowdown, "a factor >= 1")
+        checks.non_negative("federated.latency_spread", self.latency_spread)
+        checks.non_negative("federated.buffer_size", self.buffer_size)
+        if self.mode == "sync":
+            return
+        if not 1 <= self.buffer <= self.per_round:
+            raise ConfigError("federated.buffer_size", self.buffer_size, f"between 1 and the {self.per_round} "
+                              "clients training at once (federated.clients_per_round) with federated.mode=async")
+        if self.per_round >= self.clients:
+            raise ConfigError("federated.clients_per_round", self.clients_per_round, f"fewer than the {self.clients} "
+                              "clients with federated.mode=async (a finished client's slot goes to an idle one)")
+        for key, value, off in (("secure_aggregation", self.secure_aggregation, False), ("dropout", self.dropout, 0),
+                                ("aggregation", self.aggregation, "mean"), ("dp.clip", self.dp.clip, None)):
+            if value != off:
+                raise ConfigError(f"federated.{key}", value, f"{off} with federated.mode=async (buffered "
+                                  "aggregation here takes plain, always-reporting clients)")
+
+    def _validate_robustness(self) -> None:
+        """Robust rules and attacks: ranges, and the combinations that cannot work."""
+        checks.probability("federated.dropout", self.dropout)
+        if self.reporting < 1:
+            raise ConfigError("federated.dropout", self.dropout, f"a share that leaves at least one of the "
+                              f"{self.per_round} drawn clients reporting")
+        if self.secure_aggregation and self.reporting < self.per_round // 2 + 1:
+            raise ConfigError("federated.dropout", self.dropout, f"at most {(self.per_round - 1) // 2} dropped of "
+                              f"{self.per_round} drawn clients with secure aggregation (the shares of a majority "
+                              "rebuild the dropped clients' masks)")
+        self._validate_speeds()
+        attack, n = self.attack, self.reporting
+        checks.probability("federated.attack.fraction", attack.fraction)
+        checks.positive("federated.attack.scale", attack.scale)
+        if attack.enabled and round(attack.fraction * self.clients) == 0:
+            raise ConfigError("federated.attack.fraction", attack.fraction, f"a share that makes at least one of "
+                              f"the {self.clients} clients hostile with federated.attack.kind={attack.kind}")
+        if not attack.enabled and attack.fraction:
+            raise ConfigError("federated.attack.fraction", attack.fraction,
+                              "0 with federated.attack.kind=none (name the attack: one of "
+                              f"{[a for a in ATTACKS if a != 'none']})")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError("federated.trim_fraction", self.trim_fraction, "a share in [0, 0.5)")
+        checks.non_negative("federated.assumed_attackers", self.assumed_attackers)
+        if not self.robust:
+            return
+        if self.secure_aggregation:
+            raise ConfigError("federated.aggregation", self.aggregation, "mean with federated.secure_aggregation="
+                              "true (the server sees only the masked sum, never the single updates a robust rule "
+                              "compares)")
+        if self.dp.noise_multiplier:
+            raise ConfigError("federated.aggregation", self.aggregation, "mean with federated.dp.noise_multiplier "
+                              "set (the noise is calibrated to the sensitivity of a mean)")
+        if self.weighting == "samples":
+            raise ConfigError("federated.weighting", self.weighting, f"uniform or auto with federated.aggregation="
+                              f"{self.aggregation} (robust rules weigh clients alike: a reported sample count is "
+                              "as forgeable as an update)")
+        if self.aggregation == "trimmed_mean" and 2 * trimmed_count(n, self.trim_fraction) >= n:
+            raise ConfigError("federated.trim_fraction", self.trim_fraction,
+                              f"a share that leaves values after trimming {n} reporting clients at both ends")
+        if self.aggregation in ("krum", "multi_krum") and not n > 2 * self.assumed_attackers + 2:
+            raise ConfigError("federated.assumed_attackers", self.assumed_attackers,
+                              f"at most {(n - 3) // 2} with federated.aggregation={self.aggregation} and {n} "
+                              f"reporting clients per round (Krum needs n > 2f + 2)" if n >= 3 else
+                              f"0, and at least 3 reporting clients per round (there are {n}) for Krum")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from disttrain.federated.buffered import BufferedRounds
 from disttrain.federated.config import FederatedConfig
 from disttrain.federated.partition import client_partitions
 from disttrain.federated.plot import write_round_plot
@@ -62,7 +63,8 @@ class FederatedTask(TrainTask):
         super().__init__(net, spec, optim_cfg, scheduler_cfg, total_steps=fed.rounds, **kwargs)
         self.automatic_optimization = False
         self.fed, self.train_set, self.parts, self.clip, self.seed = fed, train_set, parts, clip, seed
-        self.rounds: FederatedRounds | None = None
+        self.rounds: FederatedRounds | BufferedRounds | None = None
+        self._buffered_state: dict[str, Any] | None = None
         self.seconds = 0.0
         """Wall time of this process's rounds (local training and aggregation, not validation)."""
         self.history: list[dict[str, Any]] = []
@@ -74,10 +76,26 @@ class FederatedTask(TrainTask):
             group = self.trainer.strategy.device_mesh["dp_replicate"].get_group()
             self.rounds = FederatedRounds(self.net, self.train_set, self.parts, self.fed, self.optim_cfg, self.clip,
                                           self.seed, group, self.device)
+            if self.fed.mode == "async":
+                self.rounds = BufferedRounds(self.rounds)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Asynchronous mode: the clients in flight and the simulated clock go with the checkpoint."""
+        super().on_save_checkpoint(checkpoint)
+        if isinstance(self.rounds, BufferedRounds):
+            checkpoint["federated_buffer"] = self.rounds.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the clients in flight (the runner is built in ``setup``, after this hook: held until then)."""
+        super().on_load_checkpoint(checkpoint)
+        self._buffered_state = checkpoint.get("federated_buffer")
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One round: local training of the drawn clients, aggregation, the server's step."""
         started = time.perf_counter()
+        if self._buffered_state is not None:
+            self.rounds.load_state_dict(self._buffered_state)
+            self._buffered_state = None
         mean_update, stats = self.rounds.run(self.global_step)
         optimizer = self.optimizers()
         self.rounds.apply(mean_update, optimizer.optimizer)
@@ -92,12 +110,15 @@ class FederatedTask(TrainTask):
         row = {"round": stats.round + 1, "train_loss": stats.train_loss, "client_acc_mean": stats.client_acc_mean,
                "client_acc_std": stats.client_acc_std, "client_loss_mean": stats.client_loss_mean,
                "samples": stats.samples, "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
-               "clients": stats.clients}
+               "clients": stats.clients, "dropped": len(stats.dropped), "sim_time": stats.sim_time}
+        if stats.staleness:
+            row["staleness_mean"] = sum(stats.staleness) / len(stats.staleness)
         if not math.isnan(epsilon):
             row["epsilon"] = epsilon
         self.history.append(row)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
-        for key in ("client_acc_mean", "client_acc_std", "client_loss_mean", "bytes_up", "bytes_down", "epsilon"):
+        for key in ("client_acc_mean", "client_acc_std", "client_loss_mean", "bytes_up", "bytes_down", "epsilon",
+                    "sim_time", "staleness_mean"):
             if key in row:
                 self.log(f"fed/{key}", float(row[key]), on_step=True, on_epoch=False)
         self._log_position(self.global_step + 1, on_step=True)
@@ -130,6 +151,8 @@ class FederatedTask(TrainTask):
             "clients": self.fed.clients, "clients_per_round": self.fed.per_round, "rounds": self.global_step,
             "strategy": self.fed.strategy, "partition": self.fed.partition,
             "weighting": self.fed.resolved_weighting, "secure_aggregation": self.fed.secure_aggregation,
+            "aggregation": self.fed.aggregation, "attack": asdict(self.fed.attack), "dropout": self.fed.dropout,
+            "mode": self.fed.mode, "sim_time": last.get("sim_time"),
             "bytes_up_per_round": last.get("bytes_up"), "bytes_down_per_round": last.get("bytes_down"),
             "client_acc_mean": last.get("client_acc_mean"), "client_acc_std": last.get("client_acc_std"),
             "client_samples_per_sec": (sum(row["samples"] for row in self.history) / self.seconds
