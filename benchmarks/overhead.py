@@ -6,8 +6,9 @@
 Runs, in one process tree and one after the other: disttrain single-process, a plain loop
 single-process, disttrain DDP on 2 ranks and a plain DDP loop on 2 ranks. The plain loops read each step's
 batch out of tensors holding the training set (and, in a second column, through a DataLoader); on 2 ranks
-they run torch DDP as it comes (buffers broadcast before every forward) and without that broadcast (``forward_sync_buffers=False``, which disttrain
-chooses for models whose only buffers are normalisation statistics). Each reports optimiser steps per second
+they run torch DDP as it comes (buffers broadcast before every forward) and without that broadcast
+(``forward_sync_buffers=False``, which disttrain chooses for models whose only buffers are normalisation
+statistics). Each reports optimiser steps per second
 measured after the first (warm-up) step, excluding validation. Prints a markdown table and, last, the
 headline ratio.
 """
