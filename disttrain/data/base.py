@@ -175,7 +175,7 @@ class DataModule(pl.LightningDataModule):
             return {}
         batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return epoch_position(trainer.current_epoch, batches, self.micro_batch_size, self.accumulation,
-                              self.replicas()[0])
+                              self.replicas(train=True)[0])
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Remember the position so the next training loader continues after the samples already seen, on

@@ -36,7 +36,7 @@ class ElasticResume(pl.Callback):
         """Note this run's world and data-parallel size (the mesh exists by now)."""
         self.world = trainer.world_size
         datamodule = trainer.datamodule
-        self.dp = datamodule.replicas()[0] if isinstance(datamodule, DataModule) else trainer.world_size
+        self.dp = datamodule.replicas(train=True)[0] if isinstance(datamodule, DataModule) else trainer.world_size
 
     def state_dict(self) -> dict[str, Any]:
         """The ranks this checkpoint was written by and the changes before it."""
