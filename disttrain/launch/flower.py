@@ -104,8 +104,13 @@ def flower_strategy(fed: FederatedConfig) -> Any:
     return getattr(strategies, {"fedadam": "FedAdam", "fedyogi": "FedYogi"}[fed.strategy])(**common, **adaptive)
 
 
+MODEL_FILE = "flower_model.pt"
+"""Where the ``ServerApp`` leaves the final global model: this file in the run's ``run_dir``."""
+
+
 def server_app(config_path: str | Path) -> Any:
-    """A Flower ``ServerApp`` that runs the run's strategy for its rounds from its initial model."""
+    """A Flower ``ServerApp`` that runs the run's strategy for its rounds from its initial model and writes the
+    final global model's state dict to ``<run_dir>/flower_model.pt`` (``torch.load(..., weights_only=True)``)."""
     from flwr.app import ArrayRecord
     from flwr.serverapp import ServerApp
 
@@ -115,7 +120,10 @@ def server_app(config_path: str | Path) -> Any:
     def main(grid: Any, context: Any) -> None:
         run = load_run(config_path)
         initial = ArrayRecord(FlowerClient(run).rounds.net.state_dict())
-        flower_strategy(run.train.federated).start(grid=grid, initial_arrays=initial,
-                                                   num_rounds=run.train.federated.rounds)
+        result = flower_strategy(run.train.federated).start(grid=grid, initial_arrays=initial,
+                                                            num_rounds=run.train.federated.rounds)
+        path = Path(run.train.run_dir) / MODEL_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result.arrays.to_torch_state_dict(), path)
 
     return app
