@@ -150,6 +150,7 @@ def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(r
     assert back[0]["step"] == first and 0 < back[0]["rejoin_s"] < REJOIN_S
     assert_final_loss_bounded(run_dir, reference, section)
     assert "torchft: 3 replica groups; 1 group restart(s) (group 1:" in done.stdout
+    assert "40 steps on 3 rank(s)" in done.stdout
     assert_no_orphans(run_dir)
 
 
