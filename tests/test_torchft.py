@@ -173,6 +173,25 @@ def test_a_stopped_group_is_left_behind_then_replaced(reference, tmp_path):
     assert_no_orphans(run_dir)
 
 
+def test_a_group_that_did_not_commit_a_step_heals_in_place(tmp_path):
+    run_dir = tmp_path / "refused"
+    done = run([*DDP3, "+callbacks.digests.group=1", f"+callbacks.digests.step={KILL_AT}",
+                "+callbacks.digests.refuse=true"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = digests(run_dir)
+    assert_survivors_never_stopped(rows, (0, 2))
+    own = [row for row in rows if row["group"] == 1]
+    assert len({row["pid"] for row in own}) == 1  # no restart: the running group took its peers' state
+    # it did not commit step KILL_AT + 1 (no record of it), then trained every later step bitwise with the others
+    assert [row["step"] for row in own] == [s for s in range(1, STEPS + 1) if s != KILL_AT + 1]
+    for row in own:
+        assert {other["digest"] for other in rows if other["step"] == row["step"]} == {row["digest"]}, row["step"]
+    membership = [json.loads(line) for line in (run_dir / "logs" / "membership.jsonl").read_text().splitlines()]
+    healed = [row for row in membership if row.get("healed")]
+    assert [(row["group"], row["attempt"], row["step"]) for row in healed] == [(1, 0, KILL_AT + 1)]
+    assert_no_orphans(run_dir)
+
+
 @pytest.mark.slow
 def test_hsdp_groups_of_two_ranks_survive_a_killed_group(tmp_path):
     run_dir = tmp_path / "hsdp"

@@ -139,7 +139,7 @@ class ReplicaSteps:
         self.manager.start_quorum()
         self.quorum_s.append(time.perf_counter() - started)
         quorum_id = self.manager._quorum_id  # torchft exposes no public accessor for it
-        if quorum_id != self._quorum_id:
+        if quorum_id != self._quorum_id or self.healed:
             self._quorum_id = quorum_id
             self._record({"event": "quorum", "quorum_id": quorum_id, "participants": self.participants,
                           "healed": self.healed})
