@@ -189,6 +189,8 @@ def test_a_group_that_did_not_commit_a_step_heals_in_place(tmp_path):
     membership = [json.loads(line) for line in (run_dir / "logs" / "membership.jsonl").read_text().splitlines()]
     healed = [row for row in membership if row.get("healed")]
     assert [(row["group"], row["attempt"], row["step"]) for row in healed] == [(1, 0, KILL_AT + 1)]
+    section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    assert (section["steps_not_committed"], section["group_steps_not_committed"]) == (1, 1)
     assert_no_orphans(run_dir)
 
 

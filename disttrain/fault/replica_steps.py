@@ -172,6 +172,8 @@ class ReplicaSteps:
         committed = bool(self.manager.should_commit())
         if not committed:
             self.counts["steps_not_committed"] += 1
+            # a line per group: a group that later heals from a peer takes over the peer's counts
+            self._record({"event": "not_committed", "attempted": self.step() + 1})
             return False
         self.counts["steps_committed"] += 1
         if self.participants < self.groups:
