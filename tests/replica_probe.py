@@ -39,11 +39,32 @@ def state_digest(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer
 
 class StepDigests(pl.Callback):
     """Records every committed step; group ``group`` sends itself ``signum`` after ``step`` committed steps in its
-    first start (0: never); each step also sleeps ``sleep_s``, standing for a longer step's compute."""
+    first start (0: never), or with ``refuse`` reports an error to its Manager in that step instead, so that it
+    alone does not commit it (as a transient error local to one group would); each step also sleeps ``sleep_s``,
+    standing for a longer step's compute."""
 
-    def __init__(self, group: int = -1, step: int = 0, signum: int = 0, sleep_s: float = 0.0) -> None:
-        self.group, self.step, self.signum, self.sleep_s = group, step, signum, sleep_s
+    def __init__(self, group: int = -1, step: int = 0, signum: int = 0, sleep_s: float = 0.0,
+                 refuse: bool = False) -> None:
+        self.group, self.step, self.signum, self.sleep_s, self.refuse = group, step, signum, sleep_s, refuse
         self._last = -1
+        self._refused = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With ``refuse``: the group's vote on step ``step + 1`` carries an error, after the step's all-reduce (an
+        error before it would fail the exchange, and so the step, in every group)."""
+        group = int(os.environ.get("DISTTRAIN_REPLICA_GROUP", "0"))
+        if not self.refuse or group != self.group:
+            return
+        steps = pl_module.steps
+        commit = steps.commit
+
+        def refusing(finite: bool) -> bool:
+            if not self._refused and trainer.global_step == self.step:
+                self._refused = True
+                steps.manager.report_error(RuntimeError("an error of this group alone"))
+            return commit(finite)
+
+        steps.commit = refusing
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         step = trainer.global_step

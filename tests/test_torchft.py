@@ -150,6 +150,7 @@ def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(r
     assert back[0]["step"] == first and 0 < back[0]["rejoin_s"] < REJOIN_S
     assert_final_loss_bounded(run_dir, reference, section)
     assert "torchft: 3 replica groups; 1 group restart(s) (group 1:" in done.stdout
+    assert "40 steps on 3 rank(s)" in done.stdout
     assert_no_orphans(run_dir)
 
 
@@ -169,6 +170,27 @@ def test_a_stopped_group_is_left_behind_then_replaced(reference, tmp_path):
     assert restart["group"] == 1 and restart["cause"].startswith("hung")
     assert section["steps_with_fewer_groups"] >= 1  # the others trained on while the job waited HANG_S
     assert_final_loss_bounded(run_dir, reference, section)
+    assert_no_orphans(run_dir)
+
+
+def test_a_group_that_did_not_commit_a_step_heals_in_place(tmp_path):
+    run_dir = tmp_path / "refused"
+    done = run([*DDP3, "+callbacks.digests.group=1", f"+callbacks.digests.step={KILL_AT}",
+                "+callbacks.digests.refuse=true"], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = digests(run_dir)
+    assert_survivors_never_stopped(rows, (0, 2))
+    own = [row for row in rows if row["group"] == 1]
+    assert len({row["pid"] for row in own}) == 1  # no restart: the running group took its peers' state
+    # it did not commit step KILL_AT + 1 (no record of it), then trained every later step bitwise with the others
+    assert [row["step"] for row in own] == [s for s in range(1, STEPS + 1) if s != KILL_AT + 1]
+    for row in own:
+        assert {other["digest"] for other in rows if other["step"] == row["step"]} == {row["digest"]}, row["step"]
+    membership = [json.loads(line) for line in (run_dir / "logs" / "membership.jsonl").read_text().splitlines()]
+    healed = [row for row in membership if row.get("healed")]
+    assert [(row["group"], row["attempt"], row["step"]) for row in healed] == [(1, 0, KILL_AT + 1)]
+    section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    assert (section["steps_not_committed"], section["group_steps_not_committed"]) == (1, 1)
     assert_no_orphans(run_dir)
 
 

@@ -48,13 +48,18 @@ def group_restarts(log_dir: Path) -> list[dict[str, Any]]:
 def fault_tolerance_section(steps: Any, ft: FaultToleranceConfig, log_dir: Path) -> dict[str, Any]:
     """The ``fault_tolerance`` section of ``results.json`` for ``engine=torchft`` (``steps``: this rank's
     ``ReplicaSteps``)."""
-    quorums = {row["quorum_id"] for row in read_lines(log_dir / MEMBERSHIP_FILE) if row.get("event") == "quorum"}
+    membership = read_lines(log_dir / MEMBERSHIP_FILE)
+    quorums = {row["quorum_id"] for row in membership if row.get("event") == "quorum"}
+    dropped = [row for row in membership if row.get("event") == "not_committed"]
     restarts = group_restarts(log_dir)
     return {
         "engine": "torchft", "groups": steps.groups, "min_groups": ft.min_groups,
         "restarts": len(restarts),  # of every group (a rank's own restart count is its group's)
         "group_restarts": restarts, "membership_changes": max(0, len(quorums) - 1),
         **steps.counts,
+        # every group's, from the log (this group's own count was replaced by its source's if it healed)
+        "steps_not_committed": len({row["attempted"] for row in dropped}),
+        "group_steps_not_committed": len(dropped),
         "quorum_ms_median": round(1e3 * statistics.median(steps.quorum_s), 2) if steps.quorum_s else None,
     }
 

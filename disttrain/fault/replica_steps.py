@@ -139,7 +139,7 @@ class ReplicaSteps:
         self.manager.start_quorum()
         self.quorum_s.append(time.perf_counter() - started)
         quorum_id = self.manager._quorum_id  # torchft exposes no public accessor for it
-        if quorum_id != self._quorum_id:
+        if quorum_id != self._quorum_id or self.healed:
             self._quorum_id = quorum_id
             self._record({"event": "quorum", "quorum_id": quorum_id, "participants": self.participants,
                           "healed": self.healed})
@@ -172,6 +172,8 @@ class ReplicaSteps:
         committed = bool(self.manager.should_commit())
         if not committed:
             self.counts["steps_not_committed"] += 1
+            # a line per group: a group that later heals from a peer takes over the peer's counts
+            self._record({"event": "not_committed", "attempted": self.step() + 1})
             return False
         self.counts["steps_committed"] += 1
         if self.participants < self.groups:

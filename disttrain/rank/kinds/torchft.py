@@ -186,7 +186,9 @@ class TorchFT(RunKind):
         section = fault_tolerance_section(self.steps, self.run.train.fault_tolerance, self.log_dir)
         if self.writes_results(trainer):
             print(summary_line(section), flush=True)
-        return {**super().results(trainer), "fault_tolerance": section}
+        # this rank's degrees are its group's; the job's ranks are every group's
+        return {**super().results(trainer), "fault_tolerance": section,
+                "world_size": self.groups * self.run.dims.world_size}
 
     def close(self) -> None:
         """Leave the groups (the Manager's servers and the heartbeat)."""
