@@ -126,3 +126,11 @@ def test_a_killed_asynchronous_run_resumes_bitwise(tmp_path):
                                         "federated.local_steps=2", "federated.batch_size=4",
                                         f"federated.rounds={STEPS}", "trainer.max_steps=-1", "federated.mode=async",
                                         "federated.buffer_size=2", "federated.slow_fraction=0.34"], 1, tmp_path)
+
+
+def test_a_run_reports_the_simulated_time_it_first_reached_each_accuracy():
+    from disttrain.rank.kinds.federated import time_to_accuracy
+
+    history = [{"sim_time": 1.5, "val/acc": 0.42}, {"sim_time": 2.5}, {"sim_time": 3.0, "val/acc": 0.85},
+               {"sim_time": 4.0, "val/acc": 0.81}, {"sim_time": 6.0, "val/acc": 0.93}]
+    assert time_to_accuracy(history) == {"0.5": 3.0, "0.8": 3.0, "0.9": 6.0}

@@ -65,6 +65,18 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
     notices = [f"federated: {fed.clients} clients ({fed.partition}, {min(sizes)}-{max(sizes)} samples each), "
                f"{fed.per_round} per round, {fed.rounds} rounds of {local}, {fed.strategy}, "
                f"aggregation={fed.aggregation}"]
+    extras = []
+    if fed.mode == "async":
+        extras.append(f"asynchronous (FedBuff): {fed.per_round} training at once, a server step per {fed.buffer} "
+                      "updates")
+    if fed.slow_fraction:
+        extras.append(f"{round(fed.slow_fraction * fed.clients)} clients {fed.slowdown:g}x slower")
+    if fed.dropout:
+        extras.append(f"{round(fed.dropout * fed.per_round)} of {fed.per_round} drop out each round")
+    if fed.attack.enabled:
+        extras.append(f"{round(fed.attack.fraction * fed.clients)} clients attack ({fed.attack.kind})")
+    if extras:
+        notices[0] += "; " + "; ".join(extras)
     if empty:
         named = f"{empty}" if len(empty) <= 20 else f"{empty[:20]} and {len(empty) - 20} more"
         notices.append(f"federated.partition={fed.partition}: clients {named} hold no samples and are never drawn")

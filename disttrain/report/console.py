@@ -86,6 +86,15 @@ def _federated_line(fed: dict[str, Any]) -> str:
     privacy = fed.get("privacy")
     if privacy:
         parts.append(f"epsilon {privacy['epsilon']:.3g} at delta {privacy['delta']:g}")
+    if fed.get("aggregation", "mean") != "mean":
+        parts.append(f"aggregation {fed['aggregation']}")
+    attack = fed.get("attack") or {}
+    if attack.get("kind", "none") != "none":
+        parts.append(f"{attack['fraction']:.0%} of clients attacking ({attack['kind']})")
+    if fed.get("dropout"):
+        parts.append(f"{fed['dropout']:.0%} of drawn clients dropping each round")
+    if fed.get("sim_time") is not None:
+        parts.append(f"{fed.get('mode', 'sync')} aggregation, simulated time {fed['sim_time']:.1f}")
     return "  federated: " + "; ".join(parts)
 
 

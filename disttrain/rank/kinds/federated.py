@@ -153,6 +153,7 @@ class FederatedTask(TrainTask):
             "weighting": self.fed.resolved_weighting, "secure_aggregation": self.fed.secure_aggregation,
             "aggregation": self.fed.aggregation, "attack": asdict(self.fed.attack), "dropout": self.fed.dropout,
             "mode": self.fed.mode, "sim_time": last.get("sim_time"),
+            "sim_time_to_val_acc": time_to_accuracy(self.history),
             "bytes_up_per_round": last.get("bytes_up"), "bytes_down_per_round": last.get("bytes_down"),
             "client_acc_mean": last.get("client_acc_mean"), "client_acc_std": last.get("client_acc_std"),
             "client_samples_per_sec": (sum(row["samples"] for row in self.history) / self.seconds
@@ -164,6 +165,21 @@ class FederatedTask(TrainTask):
                                  "epsilon": rounds_epsilon(self.fed, self.rounds.sample_rate, self.global_step),
                                  "accountant": "opacus.accountants.RDPAccountant"}
         return result
+
+
+ACCURACY_LEVELS = (0.5, 0.8, 0.9, 0.95, 0.98)
+"""Validation accuracies at which a run reports the simulated time it first reached them."""
+
+
+def time_to_accuracy(history: list[dict[str, Any]]) -> dict[str, float]:
+    """The simulated time at which the global model's validation accuracy first reached each of
+    ``ACCURACY_LEVELS`` (levels never reached are left out): what compares synchronous and asynchronous runs."""
+    reached: dict[str, float] = {}
+    for level in ACCURACY_LEVELS:
+        hit = next((row["sim_time"] for row in history if row.get("val/acc", -1.0) >= level), None)
+        if hit is not None:
+            reached[f"{level:g}"] = hit
+    return reached
 
 
 class Federated(RunKind):
