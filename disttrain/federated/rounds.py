@@ -6,7 +6,8 @@ of its clients' weighted updates, plus the weight: masked residues under secure 
 table of client metrics; no data. Under a robust rule (``aggregation`` other than mean) the rule needs each
 update on its own, so the round's updates cross as one ``(clients, numel)`` matrix instead. All ranks then
 hold the same aggregate and take the same server step, so the global model stays identical everywhere
-without a broadcast.
+without a broadcast. Clients that drop out of a round (``dropout``) are chosen from the seed and the round
+and never report; the aggregate is over the rest.
 """
 
 from __future__ import annotations
