@@ -131,14 +131,17 @@ def test_torchrun_with_a_range_of_nodes_goes_on_without_a_lost_node(straight, tm
     """Two torchrun agents (``--nnodes=1:2``, c10d rendezvous), one rank each; the second node loses power after
     step 5 (its agent and rank SIGKILLed). The first agent restarts its rank on the one node left: it validates
     again on its own world, resumes from step 3 with accumulation 4 and trains the same curve on the same samples.
-    About a minute: two interpreters start, then the survivor's restart starts a third after the rendezvous."""
+    About 45 s: two interpreters start, then the survivor's restart starts a third after the rendezvous, which
+    waits ``last_call_timeout`` for more nodes (10 s: a second agent that joins later than that, as a loaded
+    machine made one do, finds the first node's round closed, and torch's agents then time out in the round that
+    admits it)."""
     port, run_dir = free_port(), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
     def agent(node: int, extra: list[str]) -> subprocess.Popen:
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
-                   "--rdzv-conf=last_call_timeout=2", "--max-restarts=1", "--monitor-interval=0.2",
+                   "--rdzv-conf=last_call_timeout=10", "--max-restarts=1", "--monitor-interval=0.2",
                    str(ROOT / "train.py"), *RUN, "trainer.num_nodes=1:2", *extra, f"hydra.run.dir={run_dir}"]
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
@@ -146,9 +149,9 @@ def test_torchrun_with_a_range_of_nodes_goes_on_without_a_lost_node(straight, tm
     first = agent(0, [])
     wait_for_listener(port)  # the first agent hosts the rendezvous store, which must outlive the lost node
     second = agent(1, ["+callbacks.lose._target_=tests.crash.LoseNodeAtStep", f"+callbacks.lose.step={KILL_AT}"])
-    second.communicate(timeout=300)
+    lost = second.communicate(timeout=300)[0]
     out = first.communicate(timeout=300)[0]
-    assert (first.returncode, second.returncode) == (0, -signal.SIGKILL), out[-3000:]
+    assert (first.returncode, second.returncode) == (0, -signal.SIGKILL), out[-3000:] + lost[-2000:]
     assert "resumed on 1 data-parallel ranks instead of 2: accumulation 2 -> 4, global batch 8 kept" in out
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 1 and results["fault_tolerance"]["world_size_changes"] == [
