@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,8 +36,14 @@ from disttrain.fault.replica_groups import (
     MEMBERSHIP_FILE,
 )
 from disttrain.fault.steps import Preempted
-from disttrain.launch.fork_server import ForkedRank
-from disttrain.launch.supervisor import POLL_S, Failure, RankProcess, RanksStopped, threads_per_rank
+from disttrain.launch.supervisor import (
+    POLL_S,
+    Failure,
+    RankProcess,
+    RanksStopped,
+    launch_rank,
+    threads_per_rank,
+)
 
 
 @dataclass
@@ -156,23 +161,14 @@ class GroupSupervisor:
         """Rank 0 of group 0 writes to the job's terminal; every other rank to ``logs/group<g>/rank<r>.log``."""
         env = {**os.environ, **env}
         if group.index == 0 and rank == 0:
-            return self._spawn(env, None)
+            return launch_rank(self.config_path, self.fork_ranks, env, None)
         path = self._log_path(group.index, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as log:
             if group.attempt:
                 log.write(f"--- restart {group.attempt} ---\n")
                 log.flush()
-            return self._spawn(env, log.fileno())
-
-    def _spawn(self, env: dict[str, str], log_fd: int | None) -> RankProcess:
-        if self.fork_ranks:
-            out, err = (1, 2) if log_fd is None else (log_fd, log_fd)
-            return ForkedRank(self.config_path, env, out, err)
-        command = [sys.executable, "-m", "disttrain.rank.run", str(self.config_path)]
-        if log_fd is None:
-            return subprocess.Popen(command, env=env)
-        return subprocess.Popen(command, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
+            return launch_rank(self.config_path, self.fork_ranks, env, log.fileno())
 
     def _watch(self, lighthouse: str) -> None:
         while any(group.running for group in self.groups):

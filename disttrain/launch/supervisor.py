@@ -40,6 +40,18 @@ PREEMPTION_GRACE_S = 120.0
 """How long the other ranks may take to finish their checkpoint once one rank exited as preempted."""
 
 
+def launch_rank(config_path: Path, fork_ranks: bool, env: dict[str, str], log_fd: int | None) -> RankProcess:
+    """Start one worker rank on ``config_path`` with ``env``: forked from the fork server (``fork_ranks``) or as a
+    new interpreter, writing to the job's own output (``log_fd`` None) or both its streams to ``log_fd``."""
+    if fork_ranks:
+        out, err = (1, 2) if log_fd is None else (log_fd, log_fd)
+        return ForkedRank(config_path, env, out, err)
+    command = [sys.executable, "-m", "disttrain.rank.run", str(config_path)]
+    if log_fd is None:
+        return subprocess.Popen(command, env=env)
+    return subprocess.Popen(command, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
+
+
 class RanksStopped(RuntimeError):
     """The job's ranks stopped before finishing; ``exit_code`` says why (see ``disttrain.fault.config``)."""
 
@@ -207,13 +219,7 @@ class Supervisor:
 
     def _launch(self, env: dict[str, str], log_fd: int | None) -> RankProcess:
         """A worker rank writing to the job's own output, or both its streams to ``log_fd``."""
-        if self.fork_ranks:
-            out, err = (1, 2) if log_fd is None else (log_fd, log_fd)
-            return ForkedRank(self.config_path, env, out, err)
-        command = [sys.executable, "-m", "disttrain.rank.run", str(self.config_path)]
-        if log_fd is None:
-            return subprocess.Popen(command, env=env)
-        return subprocess.Popen(command, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
+        return launch_rank(self.config_path, self.fork_ranks, env, log_fd)
 
     def _log_path(self, rank: int) -> Path:
         return self.log_dir / f"rank{rank}.log"
