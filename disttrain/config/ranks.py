@@ -11,12 +11,13 @@ the micro-batch) and never the optimisation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from disttrain.config.batch import resolve_batch
-from disttrain.config.schema import BatchConfig
+from disttrain.config.schema import BatchConfig, TrainConfig, TrainerConfig
 from disttrain.errors import ConfigError
 
 
@@ -96,3 +97,51 @@ def check_launched_world(devices: RankRange | None, nodes: RankRange | None, per
     if nodes is not None and node_count not in nodes:
         raise ConfigError(nodes.key, nodes.text, f"a range that holds the launcher's {node_count} nodes "
                           f"(WORLD_SIZE {world} / {per_node} ranks per node)")
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as one rank (torchrun, SLURM, disttrain's supervisor)."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def rank_ranges(t: TrainerConfig) -> tuple[RankRange | None, RankRange | None]:
+    """``trainer.devices`` and ``trainer.num_nodes`` as ranges where they are ``MIN:MAX``; each key then holds the
+    range's largest count, which the run starts on. Under an external launcher its world must lie in the
+    ranges; under disttrain's supervisor, which starts every rank on this machine, nodes are one number."""
+    devices = parse_range("trainer.devices", t.devices, "ranks per node")
+    nodes = parse_range("trainer.num_nodes", t.num_nodes, "nodes")
+    if devices is not None:
+        t.devices = devices.high
+    if nodes is not None:
+        t.num_nodes = nodes.high
+    if launched():
+        world = int(os.environ["WORLD_SIZE"])
+        check_launched_world(devices, nodes, int(os.environ.get("LOCAL_WORLD_SIZE") or world), world)
+    elif nodes is not None:
+        raise ConfigError(nodes.key, nodes.text, "one number under disttrain's own supervisor, which starts every "
+                          "rank on this machine; a range of nodes needs a launcher that adds and removes nodes "
+                          "(torchrun --nnodes=MIN:MAX)")
+    elif devices is not None and t.num_nodes != 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, f"1 with trainer.devices={devices.text} under disttrain's "
+                          "own supervisor, which starts every rank on this machine (several nodes: torchrun "
+                          "--nnodes=MIN:MAX)")
+    return devices, nodes
+
+
+def restart_worlds(top: TrainConfig, kind: str, given: RankRange, runs_on: Any) -> tuple[int, ...]:
+    """For a range of ranks: the world sizes disttrain's supervisor may restart on, largest first (none under a
+    launcher, which decides); ConfigError for a kind of run whose state does not move between world sizes."""
+    if kind not in ("synchronous", "pipelined"):
+        raise ConfigError(given.key, given.text, f"one number for a {kind.replace('_', ' ')} run (a range needs "
+                          "synchronous or pipelined training, whose state moves between world sizes)")
+    if given.key != "trainer.devices" or launched():
+        return ()
+    return elastic_worlds(given, top.trainer.num_nodes, runs_on)
+
+
+def largest_world(t: TrainerConfig, devices: RankRange | None, nodes: RankRange | None, world: int) -> int:
+    """The most ranks the ranges allow: this world's ranks per node and nodes where no range is given."""
+    if not launched():
+        return t.devices * t.num_nodes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return (devices.high if devices else per_node) * (nodes.high if nodes else max(1, world // per_node))

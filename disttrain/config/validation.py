@@ -20,7 +20,7 @@ from disttrain import checks
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
 from disttrain.config.precision import resolve_precision
-from disttrain.config.ranks import RankRange, check_launched_world, elastic_batch, elastic_worlds, parse_range
+from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
 from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
@@ -72,7 +72,7 @@ class RunConfig:
 
 def world_size_of(trainer: TrainerConfig) -> int:
     """Number of ranks: the launcher's WORLD_SIZE under torchrun/SLURM, else devices x num_nodes."""
-    if _launched():
+    if launched():
         return int(os.environ["WORLD_SIZE"])
     return trainer.devices * trainer.num_nodes
 
@@ -111,7 +111,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
     top, model, data, optim, scheduler = _typed_groups(cfg)
-    devices_range, nodes_range = _rank_ranges(top.trainer)
+    devices_range, nodes_range = rank_ranges(top.trainer)
     notices = _check_options(top, model, data, optim, scheduler)
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
     notices += [devices_notice] if devices_notice else []
@@ -127,7 +127,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
     top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every, p.servers)
     if elastic:  # the global batch of the largest world, on every world of the range
-        largest = _largest_world(top.trainer, devices_range, nodes_range, world)
+        largest = largest_world(top.trainer, devices_range, nodes_range, world)
         top.batch = elastic_batch(top.batch, dims.dp if largest == world else
                                   ParallelDims.resolve(largest, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep).dp)
     batch = resolve_batch(top.batch, dims.dp)
@@ -152,7 +152,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
     world_sizes: tuple[int, ...] = ()
     if elastic:
-        world_sizes = _restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
+        world_sizes = restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
                                       lambda w: _runs_on(w, top, model.name, net, datamodule.spec))
         if world_sizes and devices_range and not top.fault_tolerance.max_restarts:
             notices.append(f"trainer.devices={devices_range.text} with fault_tolerance.max_restarts=0: no "
@@ -164,54 +164,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
     return RunConfig(top, model, data, optim, scheduler, dims, batch, yaml, tuple(notices), plan, datamodule,
                      world_sizes)
-
-
-def _launched() -> bool:
-    """Whether a launcher started this process as one rank (torchrun, SLURM, disttrain's supervisor)."""
-    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def _rank_ranges(t: TrainerConfig) -> tuple[RankRange | None, RankRange | None]:
-    """``trainer.devices`` and ``trainer.num_nodes`` as ranges where they are ``MIN:MAX``; each key then holds the
-    range's largest count, which the run starts on. Under an external launcher its world must lie in the
-    ranges; under disttrain's supervisor, which starts every rank on this machine, nodes are one number."""
-    devices = parse_range("trainer.devices", t.devices, "ranks per node")
-    nodes = parse_range("trainer.num_nodes", t.num_nodes, "nodes")
-    if devices is not None:
-        t.devices = devices.high
-    if nodes is not None:
-        t.num_nodes = nodes.high
-    if _launched():
-        world = int(os.environ["WORLD_SIZE"])
-        check_launched_world(devices, nodes, int(os.environ.get("LOCAL_WORLD_SIZE") or world), world)
-    elif nodes is not None:
-        raise ConfigError(nodes.key, nodes.text, "one number under disttrain's own supervisor, which starts every "
-                          "rank on this machine; a range of nodes needs a launcher that adds and removes nodes "
-                          "(torchrun --nnodes=MIN:MAX)")
-    elif devices is not None and t.num_nodes != 1:
-        raise ConfigError("trainer.num_nodes", t.num_nodes, f"1 with trainer.devices={devices.text} under disttrain's "
-                          "own supervisor, which starts every rank on this machine (several nodes: torchrun "
-                          "--nnodes=MIN:MAX)")
-    return devices, nodes
-
-
-def _restart_worlds(top: TrainConfig, kind: str, given: RankRange, runs_on: Any) -> tuple[int, ...]:
-    """For a range of ranks: the world sizes disttrain's supervisor may restart on, largest first (none under a
-    launcher, which decides); ConfigError for a kind of run whose state does not move between world sizes."""
-    if kind not in ("synchronous", "pipelined"):
-        raise ConfigError(given.key, given.text, f"one number for a {kind.replace('_', ' ')} run (a range needs "
-                          "synchronous or pipelined training, whose state moves between world sizes)")
-    if given.key != "trainer.devices" or _launched():
-        return ()
-    return elastic_worlds(given, top.trainer.num_nodes, runs_on)
-
-
-def _largest_world(t: TrainerConfig, devices: RankRange | None, nodes: RankRange | None, world: int) -> int:
-    """The most ranks the ranges allow: this world's ranks per node and nodes where no range is given."""
-    if not _launched():
-        return t.devices * t.num_nodes
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
-    return (devices.high if devices else per_node) * (nodes.high if nodes else max(1, world // per_node))
 
 
 def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
