@@ -99,9 +99,9 @@ class ImageDataset(Dataset):
         """The samples of ``indices`` stacked, as a DataLoader would collate them (unshifted: one index op)."""
         if self.shift:
             return default_collate([self[i] for i in indices])
-        rows = torch.as_tensor(indices)
-        if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < len(self.labels):
+        if indices and not 0 <= min(indices) <= max(indices) < len(self.labels):  # on the list: no tensor ops
             raise IndexError(indices)
+        rows = torch.as_tensor(indices)
         return self.images[rows], self.labels[rows]
 
 
