@@ -64,7 +64,8 @@ def test_iid_fedavg_reaches_centralised_accuracy_within_two_points_in_30_rounds(
     common = ["trainer.devices=1", "logger=csv", "callbacks=none"]
     # centralised: the default digits run for as many samples as 30 rounds of 5 clients x 10 steps x 32
     train(compose_config([*common, "trainer.max_steps=750"], tmp_path / "central"))
-    train(compose_config([*common, "parallel=federated", "trainer.val_check_interval=10"], tmp_path / "fed"))
+    train(compose_config([*common, "parallel=federated", "trainer.val_check_interval=10", "plots=true"],
+                          tmp_path / "fed"))
     central, fed = (json.loads((tmp_path / run / "results.json").read_text()) for run in ("central", "fed"))
     assert fed["federated"]["rounds"] == 30 and fed["federated"]["clients_per_round"] == 5
     # measured: 0.9916 federated, 0.9944 centralised

@@ -29,7 +29,7 @@ def rgb(colour: str) -> tuple[int, int, int]:
 
 def test_a_pipelined_run_writes_the_measured_timeline_of_one_step(make_config, tmp_path):
     run_dir = tmp_path / "on"
-    train(make_config([*PIPE_RUN, "parallel.pipeline.timeline=true"], run_dir))
+    train(make_config([*PIPE_RUN, "parallel.pipeline.timeline=true", "plots=true"], run_dir))
     timeline = json.loads((run_dir / "plots" / JSON_FILE).read_text())
     assert timeline["schedule"] == "1f1b" and timeline["microbatches"] == MICROBATCHES and timeline["step"] == 2
     first, last = timeline["ranks"]

@@ -30,7 +30,7 @@ def test_a_run_draws_its_loss_curves_and_wall_time(make_config, tmp_path):
     from disttrain.launch.job import train
 
     run_dir = tmp_path / "run"
-    train(make_config(RUN, run_dir))
+    train(make_config([*RUN, "plots=true"], run_dir))
     loss, wall = run_dir / "plots" / LOSS_FILE, run_dir / "plots" / TIME_FILE
     assert drawn_pixels(loss) > 0.02 and drawn_pixels(wall) > 0.02
 
@@ -64,6 +64,6 @@ def test_without_matplotlib_or_when_off_nothing_is_drawn(make_config, tmp_path, 
     assert not (off / "plots").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed: import fails
     missing = tmp_path / "missing"
-    train(make_config(RUN, missing))
+    train(make_config([*RUN, "plots=true"], missing))
     assert not (missing / "plots").exists()
     assert json.loads((missing / "results.json").read_text())["global_steps"] == 20

@@ -62,6 +62,7 @@ def moe_load_balance(make_config, run_dir, extra: list[str]) -> tuple[list[float
     return ratios, json.loads((run_dir / "results.json").read_text())
 
 
+@pytest.mark.slow  # 100 s; the mechanism, with and without the bias: test_moe_model.py's skewed-router test
 def test_moe_pydocs_balances_its_experts_by_bias_and_not_without(make_config, tmp_path):
     # the random router sends up to 4x the mean load to one expert; with the routing bias (the recipe's rate) the
     # worst layer's max/mean is below 1.6 from step 180 on (1.22-1.49 measured over steps 181-300); without it,
