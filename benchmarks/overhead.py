@@ -67,13 +67,14 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 
 def plain_loop(
     rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict, wrap: str = "ddp",
-    source: str = "memory",
+    source: str = "memory", phases: bool = False,
 ) -> None:
     """A hand-written loop: model, AdamW, clipping, cosine schedule; ``wrap``: ddp, ddp_no_buffer_broadcast, fsdp
     (FSDP2 resharding after forward, ZeRO-3) or fsdp_keep (parameters kept gathered after forward, ZeRO-2).
     ``source`` memory: each step indexes this rank's rows of the epoch's permutation out of tensors that hold the
     whole training set (what a loop written by hand does when the data fits in memory); loader: a DataLoader over
-    a DistributedSampler."""
+    a DistributedSampler. ``phases``: also time each step's phases (``out["phases"]``, rank 0), at the boundaries
+    where ``step_phases.py`` times disttrain's step."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -118,9 +119,12 @@ def plain_loop(
         loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
         batches = iter(())
     epoch, start = 0, 0.0
+    clock = PhaseClock() if phases else None
+    mark = clock.mark if clock else (lambda _name: None)
     for step in range(steps):
         if step == 1:
             start = time.perf_counter()
+        mark("step")
         if source == "memory":
             within = step % steps_per_epoch
             if within == 0:  # a new epoch: one permutation, the same on every rank (the digits hold 19 steps of 64)
@@ -135,22 +139,59 @@ def plain_loop(
                 epoch += 1
                 batches = iter(loader)
                 inputs, targets = next(batches)
+        mark("data")
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
+        mark("forward")
         loss.backward()
+        mark("backward")
+        mark("after backward")  # nothing runs here in a plain loop; Lightning's hooks and the loss logging do
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
+        mark("optimiser")
     elapsed = time.perf_counter() - start
     if rank == 0:
         out["steps_per_sec"] = (steps - 1) / elapsed
+        if clock:
+            out["phases"] = clock.medians()
     if world > 1:
         # drain gloo's queue and drop DDP's reducer while the group lives: freeing both at once at exit
         # deadlocked here (the group's destructor waited on its worker thread, which waited for the GIL)
         dist.barrier()
         del model, optimizer, scheduler
         dist.destroy_process_group()
+
+
+class PhaseClock:
+    """Times between named marks in each step ("step" opens one): per phase, the median milliseconds from the
+    previous mark to the named one, over the steps after the first five (warm-up)."""
+
+    WARMUP = 5
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._last = 0.0
+
+    def mark(self, name: str) -> None:
+        """Close the phase ``name`` (the time since the previous mark); ``step`` closes the time between steps."""
+        now = time.perf_counter()
+        if name == "step":
+            self.steps.append({})
+            if len(self.steps) > 1:
+                self.steps[-2]["between steps"] = now - self._last
+        elif self.steps:
+            self.steps[-1][name] = self.steps[-1].get(name, 0.0) + now - self._last
+        self._last = now
+
+    def medians(self) -> dict[str, float]:
+        """Median milliseconds of each phase over the measured steps."""
+        import statistics
+
+        measured = [step for step in self.steps[self.WARMUP:-1] if step]
+        names = list(dict.fromkeys(name for step in measured for name in step))
+        return {name: 1e3 * statistics.median(step.get(name, 0.0) for step in measured) for name in names}
 
 
 def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, wrap: str = "ddp",
