@@ -161,6 +161,24 @@ def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message, ru
     assert set(tmp_path.iterdir()) == before  # no outputs/ left behind
 
 
+def test_a_command_run_here_leaves_this_process_as_it_found_it(tmp_path, run_here):
+    import logging
+    import os
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    root, hydra_config = logging.getLogger(), HydraConfig.initialized()
+    before = (os.getcwd(), list(sys.argv), list(sys.path), dict(os.environ), list(root.handlers), root.level)
+    for args in (["trainer.max_stepz=3"], [*SHORT, "logger=none", "trainer.run_test=false"]):
+        proc = run_here(args, tmp_path)
+        assert proc.returncode == (2 if "trainer.max_stepz=3" in args else 0), proc.stderr[-2000:]
+        assert (os.getcwd(), sys.argv, sys.path, dict(os.environ), root.handlers, root.level) == before
+        assert not GlobalHydra.instance().is_initialized() and HydraConfig.initialized() == hydra_config
+    assert "Run complete:" in proc.stdout and (tmp_path / "outputs").is_dir()
+
+
 def test_hydra_full_error_keeps_the_traceback(tmp_path):
     import os
     import subprocess
