@@ -29,6 +29,83 @@ def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[
                           text=True, timeout=timeout)
 
 
+def train_cli_in_process(args: list[str], cwd: Path, capfd: pytest.CaptureFixture[str],
+                         monkeypatch: pytest.MonkeyPatch, pythonpath: tuple[Path, ...] = ()):
+    """``python train.py *args`` in ``cwd`` run in this process: ``train.py`` itself executed as ``__main__`` (its
+    Hydra entry point, config search path and one-line errors, as the interpreter runs it), with the
+    environment, import path and argv that :func:`train_cli` gives the subprocess. Ranks it starts are forked
+    from this process's fork server, already warm. Returns ``returncode`` (0, or the ``SystemExit`` code),
+    ``stdout`` and ``stderr`` as captured at the file-descriptor level (the job prints rank 0's output as its
+    own); everything the run changes in this process (cwd, argv, sys.path, environment, Hydra's global state,
+    logging, signal handlers) is put back."""
+    import sys
+    from types import SimpleNamespace
+
+    capfd.readouterr()  # what the test printed before is not the command's
+    with monkeypatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", ["train.py", *args])
+        patch.setattr(sys, "path", [*map(str, (ROOT, *pythonpath)), *sys.path])
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.delenv("HYDRA_FULL_ERROR", raising=False)
+        returncode = _run_train_py(pythonpath)
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=returncode, stdout=out, stderr=err)
+
+
+def _run_train_py(pythonpath: tuple[Path, ...]) -> int:
+    """Execute ``train.py`` as ``__main__`` in the prepared directory and environment; its exit status. Puts back
+    the process state the run leaves changed that ``monkeypatch`` does not cover."""
+    import logging
+    import os
+    import runpy
+    import signal
+    import sys
+    import traceback
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from disttrain.fault.config import PREEMPTION_SIGNALS
+
+    environ, modules = dict(os.environ), set(sys.modules)
+    handlers = {sig: signal.getsignal(sig) for sig in (*PREEMPTION_SIGNALS, signal.SIGINT)}
+    loggers = {name: (logger.level, logger.disabled, logger.propagate, list(logger.handlers))
+               for name, logger in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]
+               if isinstance(logger, logging.Logger)}
+    hydra_config = HydraConfig.instance().cfg
+    returncode = 0
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as stop:
+        returncode = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    except Exception:  # as the interpreter ends on an uncaught error: its traceback and status 1
+        traceback.print_exc()
+        returncode = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = hydra_config
+        for name, (level, disabled, propagate, kept) in loggers.items():
+            logger = logging.getLogger(name or None)
+            for handler in [h for h in logger.handlers if h not in kept]:  # Hydra's console and train.log
+                logger.removeHandler(handler)
+                handler.close()
+            logger.setLevel(level)
+            logger.disabled, logger.propagate, logger.handlers[:] = disabled, propagate, kept
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+        for name in set(sys.modules) - modules:  # a user's module from ``pythonpath``, imported by name
+            module_file = getattr(sys.modules[name], "__file__", None) or ""
+            if any(module_file.startswith(str(path)) for path in pythonpath):
+                del sys.modules[name]
+    return returncode
+
+
 def attach(datamodule, num_replicas: int, rank: int):
     """Pretend a trainer with ``num_replicas`` data-parallel ranks is attached, as this ``rank``."""
     from types import SimpleNamespace

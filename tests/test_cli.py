@@ -1,6 +1,14 @@
 """The command line as a user sees it: the README's commands run as typed (shortened by step counts only),
 every mistake is one ``Error:`` line with a non-zero exit and no run directory, and a run ends with a
-summary whose figures are those of ``results.json``."""
+summary whose figures are those of ``results.json``.
+
+The README's commands, the own-model example, the mistakes and the notices run ``train.py`` in this process
+(``train_cli_in_process``): the same script executed as ``__main__``, so the same Hydra entry point, config
+search path, composition and one-line errors, with the argv, working directory, environment and import path
+the subprocess gets, and output captured at the descriptor level. A fresh interpreter would only add its
+start-up (importing torch and Lightning, several seconds a case), and multi-rank runs fork their ranks from
+this process's warm fork server instead of a new one. ``HYDRA_FULL_ERROR`` and the headline command keep the
+real subprocess (``train_cli``): they check the command as a shell runs it, interpreter start and all."""
 
 from __future__ import annotations
 
@@ -14,12 +22,22 @@ import numpy as np
 import pytest
 
 from disttrain.launch.job import train
-from tests.conftest import ROOT, compose_config, logged_metric, train_cli
+from tests.conftest import ROOT, compose_config, logged_metric, train_cli, train_cli_in_process
 
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
 
 
 run_cli = train_cli
+
+
+@pytest.fixture
+def run_here(capfd, monkeypatch):
+    """``run_here(args, cwd, pythonpath=())``: ``python train.py *args`` in this process, as ``run_cli`` runs it."""
+
+    def run(args: list[str], cwd: Path, pythonpath: tuple[Path, ...] = ()):
+        return train_cli_in_process(args, cwd, capfd, monkeypatch, pythonpath=pythonpath)
+
+    return run
 
 
 def readme_commands() -> list[list[str]]:
@@ -66,8 +84,8 @@ def with_own_files(args: list[str], folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("args", readme_commands(), ids=lambda a: " ".join(a) or "(none)")
-def test_readme_command_runs_as_typed(tmp_path, args):
-    proc = run_cli(shortened(with_own_files(args, tmp_path)), tmp_path)
+def test_readme_command_runs_as_typed(tmp_path, args, run_here):
+    proc = run_here(shortened(with_own_files(args, tmp_path)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if "--help" in args:  # our groups and options, not the schemas they start from
@@ -79,7 +97,7 @@ def test_readme_command_runs_as_typed(tmp_path, args):
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_readme_own_model_example_trains_as_typed(tmp_path):
+def test_readme_own_model_example_trains_as_typed(tmp_path, run_here):
     section = (ROOT / "README.md").read_text().split("## Your own model", 1)[1]
     module = section.split("```python", 1)[1].split("```", 1)[0]
     name = re.search(r"# (\w+)\.py", module)[1]
@@ -87,7 +105,7 @@ def test_readme_own_model_example_trains_as_typed(tmp_path):
     lines = section.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("PYTHONPATH=. python train.py") for line in lines)
     for line in lines:
-        proc = run_cli(shortened(shlex.split(line)[3:]), tmp_path, pythonpath=(tmp_path,))
+        proc = run_here(shortened(shlex.split(line)[3:]), tmp_path, pythonpath=(tmp_path,))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Run complete: 2 steps on 2 rank(s)" in proc.stdout, proc.stdout[-2000:]
 
@@ -133,14 +151,32 @@ def token_files(directory: Path, stray: int | None = None) -> Path:
     ids=["unknown-key", "typo-key", "wrong-type", "no-such-option", "unparsable", "negative-lr",
          "devices-0", "fp16", "fp64", "no-path", "resume-dir", "stray-id", "gpt-images"],
 )
-def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message):
+def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message, run_here):
     token_files(tmp_path / "tokens", stray=60000)
     before = set(tmp_path.iterdir())
-    proc = run_cli(args, tmp_path)
+    proc = run_here(args, tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"Error: {proc.stderr.strip().removeprefix('Error: ')}"
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
     assert set(tmp_path.iterdir()) == before  # no outputs/ left behind
+
+
+def test_a_command_run_here_leaves_this_process_as_it_found_it(tmp_path, run_here):
+    import logging
+    import os
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    root, hydra_config = logging.getLogger(), HydraConfig.initialized()
+    before = (os.getcwd(), list(sys.argv), list(sys.path), dict(os.environ), list(root.handlers), root.level)
+    for args in (["trainer.max_stepz=3"], [*SHORT, "logger=none", "trainer.run_test=false"]):
+        proc = run_here(args, tmp_path)
+        assert proc.returncode == (2 if "trainer.max_stepz=3" in args else 0), proc.stderr[-2000:]
+        assert (os.getcwd(), sys.argv, sys.path, dict(os.environ), root.handlers, root.level) == before
+        assert not GlobalHydra.instance().is_initialized() and HydraConfig.initialized() == hydra_config
+    assert "Run complete:" in proc.stdout and (tmp_path / "outputs").is_dir()
 
 
 def test_hydra_full_error_keeps_the_traceback(tmp_path):
@@ -154,9 +190,9 @@ def test_hydra_full_error_keeps_the_traceback(tmp_path):
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
 
 
-def test_notices_say_what_may_surprise(tmp_path):
+def test_notices_say_what_may_surprise(tmp_path, run_here):
     token_files(tmp_path / "tokens", stray=5000)
-    proc = run_cli(["model=gpt", "model.flavour=micro", "data=tokens", "data.path=tokens", "trainer.max_steps=40",
+    proc = run_here(["model=gpt", "model.flavour=micro", "data=tokens", "data.path=tokens", "trainer.max_steps=40",
                     "trainer.max_epochs=1", "data.samples_per_epoch=320", "batch.global_size=32",
                     "trainer.run_test=false", "logger=none", "trainer.val_check_interval=50",
                     "trainer.check_val_every_n_epoch=null"], tmp_path)
