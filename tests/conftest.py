@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -29,28 +32,78 @@ def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[
                           text=True, timeout=timeout)
 
 
-def train_cli_in_process(args: list[str], cwd: Path, capfd: pytest.CaptureFixture[str],
-                         monkeypatch: pytest.MonkeyPatch, pythonpath: tuple[Path, ...] = ()):
+def train_cli_in_process(args: list[str], cwd: Path, pythonpath: tuple[Path, ...] = (), timeout: int = 600):
     """``python train.py *args`` in ``cwd`` run in this process: ``train.py`` itself executed as ``__main__`` (its
     Hydra entry point, config search path and one-line errors, as the interpreter runs it), with the
     environment, import path and argv that :func:`train_cli` gives the subprocess. Ranks it starts are forked
-    from this process's fork server, already warm. Returns ``returncode`` (0, or the ``SystemExit`` code),
-    ``stdout`` and ``stderr`` as captured at the file-descriptor level (the job prints rank 0's output as its
-    own); everything the run changes in this process (cwd, argv, sys.path, environment, Hydra's global state,
-    logging, signal handlers) is put back."""
+    from this process's fork server, already warm (a new interpreter spends 7-9 s importing torch and Lightning
+    before it reads its arguments). Returns ``returncode`` (0, or the ``SystemExit`` code), ``stdout`` and
+    ``stderr`` as written at the file-descriptor level (the job prints rank 0's output as its own); everything
+    the run changes in this process (cwd, argv, sys.path, environment, Hydra's global state, logging, signal
+    handlers) is put back. Needs no fixture, so module-scoped fixtures can run commands too. A run past
+    ``timeout`` seconds is interrupted (``TimeoutError``, status 1), as ``train_cli`` kills its subprocess."""
+    import os
+    import signal
     import sys
-    from types import SimpleNamespace
 
-    capfd.readouterr()  # what the test printed before is not the command's
-    with monkeypatch.context() as patch:
-        patch.chdir(cwd)
-        patch.setattr(sys, "argv", ["train.py", *args])
-        patch.setattr(sys, "path", [*map(str, (ROOT, *pythonpath)), *sys.path])
-        patch.setenv("OMP_NUM_THREADS", "1")
-        patch.delenv("HYDRA_FULL_ERROR", raising=False)
-        returncode = _run_train_py(pythonpath)
-    out, err = capfd.readouterr()
-    return SimpleNamespace(returncode=returncode, stdout=out, stderr=err)
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise TimeoutError(f"train.py {' '.join(args)} ran past {timeout} s")
+
+    saved = os.getcwd(), list(sys.argv), list(sys.path), dict(os.environ)
+    with _captured_output() as output:
+        try:
+            os.chdir(cwd)
+            sys.argv[:] = ["train.py", *args]
+            sys.path[:0] = map(str, (ROOT, *pythonpath))
+            os.environ["OMP_NUM_THREADS"] = "1"
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+            previous = signal.signal(signal.SIGALRM, interrupt)
+            signal.alarm(timeout)
+            try:
+                output.returncode = _run_train_py(pythonpath)
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+        finally:
+            os.chdir(saved[0])
+            sys.argv[:], sys.path[:] = saved[1], saved[2]
+            os.environ.clear()
+            os.environ.update(saved[3])
+    return output
+
+
+@contextmanager
+def _captured_output() -> Iterator[SimpleNamespace]:
+    """What this process writes to its standard output and error meanwhile, through Python or straight to file
+    descriptors 1 and 2 (forked ranks write there): ``.stdout`` and ``.stderr`` once the block has ended."""
+    import io
+    import os
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    fds, streams = [os.dup(1), os.dup(2)], (sys.stdout, sys.stderr)
+    output = SimpleNamespace(returncode=None, stdout="", stderr="")
+    os.dup2(files[0].fileno(), 1)
+    os.dup2(files[1].fileno(), 2)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(os.fdopen(os.dup(fd), "wb"), encoding="utf-8", write_through=True)
+                              for fd in (1, 2))
+    try:
+        yield output
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+            stream.close()
+        sys.stdout, sys.stderr = streams
+        for target, fd in zip((1, 2), fds, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        for name, handle in zip(("stdout", "stderr"), files, strict=True):
+            handle.seek(0)
+            setattr(output, name, handle.read().decode("utf-8", errors="replace"))
+            handle.close()
 
 
 def _run_train_py(pythonpath: tuple[Path, ...]) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from disttrain.checkpoint.export import consolidated_weights
-from tests.conftest import ROOT, train_cli
+from tests.conftest import ROOT, train_cli, train_cli_in_process
 
 STEPS, EVERY = 12, 4
 # dropout on, so the generator states in the checkpoint matter; validation is the save point
@@ -31,9 +31,13 @@ def signal_at(step: int, rank: int, signum: int) -> list[str]:
             f"+callbacks.signal.rank={rank}", f"+callbacks.signal.signum={int(signum)}"]
 
 
-def run(args: list[str], run_dir: Path):
-    """``train.py`` with ``RUN`` and ``args`` into ``run_dir``; the completed process."""
-    return train_cli([*RUN, *args, f"hydra.run.dir={run_dir}"], ROOT)
+def run(args: list[str], run_dir: Path, in_process: bool = True):
+    """``train.py`` with ``RUN`` and ``args`` into ``run_dir``: its exit status and output. The command runs in
+    this process, its ranks forked from the warm fork server, unless ``in_process`` is False: a run whose one
+    rank is the job process itself (``trainer.devices=1``) cannot be signalled or crash without ending the
+    tests, so it gets an interpreter of its own."""
+    command = [*RUN, *args, f"hydra.run.dir={run_dir}"]
+    return train_cli_in_process(command, ROOT) if in_process else train_cli(command, ROOT)
 
 
 def assert_same_weights(run_dir: Path, reference: Path) -> None:

@@ -30,14 +30,8 @@ SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_te
 run_cli = train_cli
 
 
-@pytest.fixture
-def run_here(capfd, monkeypatch):
-    """``run_here(args, cwd, pythonpath=())``: ``python train.py *args`` in this process, as ``run_cli`` runs it."""
-
-    def run(args: list[str], cwd: Path, pythonpath: tuple[Path, ...] = ()):
-        return train_cli_in_process(args, cwd, capfd, monkeypatch, pythonpath=pythonpath)
-
-    return run
+run_here = train_cli_in_process
+"""``python train.py ...`` in this process (see ``train_cli_in_process``)."""
 
 
 def readme_commands() -> list[list[str]]:
@@ -84,7 +78,7 @@ def with_own_files(args: list[str], folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("args", readme_commands(), ids=lambda a: " ".join(a) or "(none)")
-def test_readme_command_runs_as_typed(tmp_path, args, run_here):
+def test_readme_command_runs_as_typed(tmp_path, args):
     proc = run_here(shortened(with_own_files(args, tmp_path)), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -97,7 +91,7 @@ def test_readme_command_runs_as_typed(tmp_path, args, run_here):
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_readme_own_model_example_trains_as_typed(tmp_path, run_here):
+def test_readme_own_model_example_trains_as_typed(tmp_path):
     section = (ROOT / "README.md").read_text().split("## Your own model", 1)[1]
     module = section.split("```python", 1)[1].split("```", 1)[0]
     name = re.search(r"# (\w+)\.py", module)[1]
@@ -151,7 +145,7 @@ def token_files(directory: Path, stray: int | None = None) -> Path:
     ids=["unknown-key", "typo-key", "wrong-type", "no-such-option", "unparsable", "negative-lr",
          "devices-0", "fp16", "fp64", "no-path", "resume-dir", "stray-id", "gpt-images"],
 )
-def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message, run_here):
+def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message):
     token_files(tmp_path / "tokens", stray=60000)
     before = set(tmp_path.iterdir())
     proc = run_here(args, tmp_path)
@@ -161,7 +155,7 @@ def test_a_mistake_is_one_line_with_no_run_directory(tmp_path, args, message, ru
     assert set(tmp_path.iterdir()) == before  # no outputs/ left behind
 
 
-def test_a_command_run_here_leaves_this_process_as_it_found_it(tmp_path, run_here):
+def test_a_command_run_here_leaves_this_process_as_it_found_it(tmp_path):
     import logging
     import os
     import sys
@@ -190,7 +184,7 @@ def test_hydra_full_error_keeps_the_traceback(tmp_path):
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
 
 
-def test_notices_say_what_may_surprise(tmp_path, run_here):
+def test_notices_say_what_may_surprise(tmp_path):
     token_files(tmp_path / "tokens", stray=5000)
     proc = run_here(["model=gpt", "model.flavour=micro", "data=tokens", "data.path=tokens", "trainer.max_steps=40",
                     "trainer.max_epochs=1", "data.samples_per_epoch=320", "batch.global_size=32",

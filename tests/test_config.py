@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from disttrain.config import BatchConfig, resolve_batch, validate
 from disttrain.errors import ConfigError
 from disttrain.launch.job import train
 from disttrain.parallel.dims import ParallelDims
+from tests.conftest import train_cli_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_TEXT = ["model=gpt", "data=pydocs"]
@@ -123,9 +122,7 @@ def test_bad_input_fails_before_any_worker_starts(make_config, tmp_path):
     ],
 )
 def test_command_line_errors_name_key_and_options(override, expected):
-    proc = subprocess.run(
-        [sys.executable, "train.py", override], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    proc = train_cli_in_process([override], ROOT)  # train.py as the interpreter runs it, in this process
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     for word in expected:
         assert word in proc.stderr, proc.stderr

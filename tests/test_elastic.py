@@ -33,7 +33,7 @@ from disttrain.errors import ConfigError
 from disttrain.launch.supervisor import Failure, RanksStopped, Supervisor
 from disttrain.parallel.process_group import free_port
 from disttrain.rank.elastic import changed_layout
-from tests.conftest import ROOT, attach, compose_config, train_cli
+from tests.conftest import ROOT, attach, compose_config, train_cli_in_process
 from tests.fault_runs import signal_at
 from tests.sample_log import samples_by_step
 from tests.test_run import step_losses
@@ -50,8 +50,9 @@ LOSS_RTOL = 1e-6
 
 
 def run(args: list[str], run_dir: Path):
-    """``train.py`` with ``RUN`` and ``args`` into ``run_dir``; the completed process."""
-    return train_cli([*RUN, *args, f"hydra.run.dir={run_dir}"], ROOT)
+    """``train.py`` with ``RUN`` and ``args`` into ``run_dir``, in this process (ranks are forked); its exit status
+    and output."""
+    return train_cli_in_process([*RUN, *args, f"hydra.run.dir={run_dir}"], ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -286,7 +286,7 @@ def test_plan_mode_and_auto_as_a_user_runs_them(tmp_path) -> None:
     """``mode=plan`` prints the plan and trains nothing; ``parallel=auto`` trains with what it chose."""
     import json
 
-    from tests.conftest import train_cli
+    from tests.conftest import train_cli_in_process as train_cli
 
     plan = train_cli(["mode=plan", "model=gpt", "data=pydocs", "parallel=zero3", "trainer.devices=4",
                       "plan.profile=h100_sxm", f"hydra.run.dir={tmp_path / 'plan'}"], tmp_path)

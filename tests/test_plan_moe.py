@@ -239,7 +239,7 @@ def test_expert_parallelism_adds_the_receive_buffer_to_the_peak_and_leaves_tp_th
 def test_plan_mode_shows_the_experts_and_each_ep(tmp_path) -> None:
     """``mode=plan model=moe`` on 4 ranks at ep=2: the parameters a token uses, a row per ep with the state per
     rank and the all-to-all bytes, and the collectives over ep."""
-    from tests.conftest import train_cli
+    from tests.conftest import train_cli_in_process as train_cli
 
     plan = train_cli(["mode=plan", "model=moe", "data=pydocs", "parallel=zero3", "parallel.ep=2",
                       "trainer.devices=4", "plan.profile=h100_sxm", "trainer.precision=32-true",

@@ -125,7 +125,7 @@ def test_sigterm_to_one_rank_saves_the_current_step_and_resume_is_bitwise(refere
 
 def test_one_rank_preempted_says_the_same_line(tmp_path):
     run_dir = tmp_path / "preempted"
-    done = run(["trainer.devices=1", *signal_at(5, 0, signal.SIGTERM)], run_dir)
+    done = run(["trainer.devices=1", *signal_at(5, 0, signal.SIGTERM)], run_dir, in_process=False)
     assert done.returncode == PREEMPTED_EXIT, done.stderr[-3000:]
     assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 6
     assert_preempted_line(done.stderr, 6)

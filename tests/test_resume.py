@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from disttrain.checkpoint.io import load_metadata
 from disttrain.launch.job import train
-from tests.conftest import ROOT, compose_config, train_cli
+from tests.conftest import ROOT, compose_config, train_cli_in_process
 from tests.test_run import GPT_FAST, step_losses
 
 EVERY, STEPS = 4, 16
@@ -22,8 +21,9 @@ RUN = [*GPT_FAST, f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={EV
 CRASH_AT = random.Random(11).choice([s for s in range(EVERY + 1, STEPS) if s % EVERY])
 
 
-def run_cli(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
-    return train_cli([*args, f"hydra.run.dir={run_dir}"], ROOT)
+def run_cli(args: list[str], run_dir: Path):
+    """``train.py *args`` into ``run_dir``, in this process (its ranks, never this process, crash)."""
+    return train_cli_in_process([*args, f"hydra.run.dir={run_dir}"], ROOT)
 
 
 @pytest.fixture(scope="module")
