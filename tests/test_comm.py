@@ -354,8 +354,14 @@ def test_powersgd_is_the_simulated_algorithm_and_sends_its_factors_only():
         assert [by_rank[r][step][1] for r in range(world)] == [ring_allreduce_bytes(values, 4, world)] * world
 
 
+LOOPBACK_TRIALS = 5
+"""Repeats of the measured exchanges: traffic of other processes on lo (tests running beside this one) only adds
+to the interface's count, so the quietest repeat is the one that carried the exchanges alone."""
+
+
 def _counted_and_loopback_bytes() -> tuple[int, int | None]:
-    """Bytes this rank counted for int8 exchanges of 2 M values, and (rank 0) the loopback's bytes meanwhile."""
+    """Bytes this rank counted for int8 exchanges of 2 M values, and the fewest bytes the loopback carried while
+    every rank made them, over ``LOOPBACK_TRIALS`` repeats."""
     values = torch.randn(2_000_000, generator=torch.Generator().manual_seed(dist.get_rank()))
     counter = ByteCounter()
 
@@ -363,8 +369,8 @@ def _counted_and_loopback_bytes() -> tuple[int, int | None]:
         for _ in range(3):
             compressed_mean(values, Int8Codec(), counter=counter)
 
-    loopback = loopback_bytes_during(exchanges)
-    return counter.bytes_sent, loopback
+    loopbacks = [loopback_bytes_during(exchanges) for _ in range(LOOPBACK_TRIALS)]
+    return counter.bytes_sent // LOOPBACK_TRIALS, None if None in loopbacks else min(loopbacks)
 
 
 def test_the_counted_bytes_are_the_bytes_on_the_loopback_interface():
