@@ -108,9 +108,8 @@ def _captured_output() -> Iterator[SimpleNamespace]:
 
 def _run_train_py(pythonpath: tuple[Path, ...]) -> int:
     """Execute ``train.py`` as ``__main__`` in the prepared directory and environment; its exit status. Puts back
-    the process state the run leaves changed that ``monkeypatch`` does not cover."""
+    what the run changes beyond the directory, argv, path and environment (the caller restores those)."""
     import logging
-    import os
     import runpy
     import signal
     import sys
@@ -121,7 +120,7 @@ def _run_train_py(pythonpath: tuple[Path, ...]) -> int:
 
     from disttrain.fault.config import PREEMPTION_SIGNALS
 
-    environ, modules = dict(os.environ), set(sys.modules)
+    modules = set(sys.modules)
     handlers = {sig: signal.getsignal(sig) for sig in (*PREEMPTION_SIGNALS, signal.SIGINT)}
     loggers = {name: (logger.level, logger.disabled, logger.propagate, list(logger.handlers))
                for name, logger in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]
@@ -149,9 +148,6 @@ def _run_train_py(pythonpath: tuple[Path, ...]) -> int:
             logger.disabled, logger.propagate, logger.handlers[:] = disabled, propagate, kept
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        for key in set(os.environ) - set(environ):
-            del os.environ[key]
-        os.environ.update(environ)
         for name in set(sys.modules) - modules:  # a user's module from ``pythonpath``, imported by name
             module_file = getattr(sys.modules[name], "__file__", None) or ""
             if any(module_file.startswith(str(path)) for path in pythonpath):
