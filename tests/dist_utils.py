@@ -91,24 +91,29 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     return [values[r] for r in range(world_size)]
 
 
-def loopback_tx_bytes() -> int | None:
-    """Bytes sent through the loopback interface so far (Linux), or None where it cannot be read."""
+def written_bytes() -> int | None:
+    """Bytes this process has handed to the kernel's write calls so far, sockets included (Linux ``/proc/self/io``
+    wchar), or None where it cannot be read. Per process: tests running beside this one do not add to it, as
+    they add to an interface's counters."""
     try:
-        for line in open("/proc/net/dev").read().splitlines():
-            name, _, fields = line.partition(":")
-            if name.strip() == "lo":
-                return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
+        for line in open("/proc/self/io").read().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
     except OSError:
         return None
     return None
 
 
-def loopback_bytes_during(action: Callable[[], Any]) -> int | None:
-    """Bytes the loopback interface carried while every rank ran ``action`` (between two barriers), or None where
-    the counters cannot be read."""
+def sent_bytes_during(action: Callable[[], Any]) -> int | None:
+    """Bytes all ranks' processes wrote while every rank ran ``action`` (between two barriers; gloo's sends over
+    TCP are writes), or None where the counters cannot be read."""
     dist.barrier()
-    before = loopback_tx_bytes()
+    before = written_bytes()
     action()
     dist.barrier()
-    after = loopback_tx_bytes()
-    return None if before is None or after is None else after - before
+    after = written_bytes()
+    if before is None or after is None:
+        return None
+    total = torch.tensor(after - before)
+    dist.all_reduce(total)
+    return int(total)
