@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from disttrain.config.validation import RunConfig
 from disttrain.parallel.process_group import rank_layout
@@ -94,6 +97,23 @@ def skip_lightning_sigterm_broadcast(trainer: pl.Trainer) -> None:
     epoch_loop = trainer.fit_loop.epoch_loop
     if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # a private method of Lightning >= 2.5's loop
         epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def pass_step_arguments_decided_once(trainer: pl.Trainer, task: pl.LightningModule) -> None:
+    """Decide once whether ``task.training_step`` takes the batch index. Lightning inspects its signature before
+    every training batch (``inspect.getfullargspec``: 1.7% of a one-stage CNN's 2.4 ms step in a sampled profile)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_build_kwargs"):  # a private method of Lightning's loop (2.x)
+        return
+    takes_index = is_param_in_hook_signature(task.training_step, "batch_idx", min_args=2)
+
+    def step_arguments(kwargs: OrderedDict, batch: Any, batch_idx: int) -> OrderedDict:
+        kwargs["batch"] = batch
+        if takes_index:
+            kwargs["batch_idx"] = batch_idx
+        return kwargs
+
+    epoch_loop._build_kwargs = step_arguments
 
 
 def mode_of(metric: str) -> str:
