@@ -254,10 +254,13 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel", True, "false unless parallel.tp > 1")
         if dims.dp_shard > 1 and self.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")
-        if self.zero_stage and dims.shard_degree == 1:
+        # one rank under ZeRO-2/3 is FSDP2 with nothing to shard: still its mixed-precision policy and CPU offload
+        single_device_fsdp = self.zero_stage in (2, 3) and dims.world_size == 1
+        if self.zero_stage and dims.shard_degree == 1 and not single_device_fsdp:
             raise ConfigError("parallel.dp_shard", dims.dp_shard,
                               f"> 1 (or parallel.cp > 1) for zero_stage={self.zero_stage} (the ranks that share the "
-                              f"model state); world size {dims.world_size} gives nothing to shard")
+                              f"model state), or zero_stage 2 or 3 on one rank; world size {dims.world_size} gives "
+                              "nothing to shard")
         if dims.cp_enabled and self.zero_stage == 1:
             raise ConfigError("parallel.zero_stage", 1, "0, 2 or 3 with parallel.cp > 1 (ZeRO-1 shards optimiser "
                               "state over the data-parallel ranks only)")

@@ -81,6 +81,7 @@ def run_results(run: RunConfig, trainer: pl.Trainer, fitted: Fitted, meter: Thro
         "batch": {"global": run.batch.global_size, "micro": run.batch.micro_size,
                   "accumulation": run.batch.accumulation},
         "device": str(trainer.strategy.root_device),
+        "memory": device_memory(trainer.strategy.root_device),
         "precision": cfg.trainer.precision,
         "compiled": cfg.trainer.compile,
         "torch": torch.__version__,
@@ -122,6 +123,15 @@ def _check_expectation(expect: Any, metrics: dict[str, float]) -> dict[str, Any]
     bound = expect.value - expect.tolerance if expect.mode == "max" else expect.value + expect.tolerance
     met = value is not None and (value >= bound if expect.mode == "max" else value <= bound)
     return {"metric": expect.metric, "value": value, "bound": bound, "mode": expect.mode, "met": met}
+
+
+def device_memory(device: torch.device) -> dict[str, float] | None:
+    """This rank's peak GPU memory over the run, in GB: what tensors held (``max_allocated_gb``) and what the
+    caching allocator took from the device (``max_reserved_gb``); None on a CPU, where torch counts neither."""
+    if device.type != "cuda":
+        return None
+    return {"max_allocated_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 3),
+            "max_reserved_gb": round(torch.cuda.max_memory_reserved(device) / 1e9, 3)}
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
