@@ -8,7 +8,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -20,6 +19,7 @@ from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.rank.hook_dispatch import FastHookName
+from disttrain.rank.loss import loss_function
 
 FOLD_EVERY = 256
 """Applied batch losses kept before they are added to the epoch's sums (bounds what an epoch holds)."""
@@ -37,7 +37,9 @@ class TrainTask(FastHookName, pl.LightningModule):
     """
 
     def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int,
-                 agreement: StepAgreement | None = None, gradients_agree: bool = False):
+                 agreement: StepAgreement | None = None, gradients_agree: bool = False,
+                 compile_loss: bool = False):
+        """``compile_loss``: compile the cross-entropy as the model is (``disttrain.rank.loss``)."""
         super().__init__()
         self.agreement = agreement or StepAgreement()
         """Agreement of all ranks on preemption requests and non-finite numbers."""
@@ -47,6 +49,8 @@ class TrainTask(FastHookName, pl.LightningModule):
         loss and the preemption flag are then reduced on logged steps only. False: every step reduces them."""
         self.net = net
         self.spec = spec
+        self.loss_fn = loss_function(compile_loss)
+        """The cross-entropy of logits against targets, compiled with the model or eager."""
         self.optim_cfg = optim_cfg
         self.scheduler_cfg = scheduler_cfg
         self.total_steps = total_steps
@@ -80,8 +84,7 @@ class TrainTask(FastHookName, pl.LightningModule):
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = batch
         logits = logits_of(self.net(inputs))
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return loss, logits
+        return self.loss_fn(logits, targets, "mean"), logits
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean cross-entropy of this rank's micro-batch (Lightning scales it for accumulation)."""
@@ -175,8 +178,7 @@ class TrainTask(FastHookName, pl.LightningModule):
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         inputs, targets = batch
         logits = logits_of(self.net(inputs))
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+        loss_sum = self.loss_fn(logits, targets, "sum")
         self._update_eval_metrics(stage, loss_sum.detach(), logits.detach(), targets)
 
     def _update_eval_metrics(self, stage: str, loss_sum: torch.Tensor, logits: torch.Tensor,

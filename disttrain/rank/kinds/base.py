@@ -56,7 +56,8 @@ class RunKind:
         """The task whose training step this kind runs, and the data module the Trainer reads."""
         run = self.run
         return TrainTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
-                         agreement=self.agreement, gradients_agree=self.gradients_agree), datamodule
+                         agreement=self.agreement, gradients_agree=self.gradients_agree,
+                         compile_loss=run.train.trainer.compile), datamodule
 
     def pipeline_slot(self) -> PipelineSlot | None:
         """Where pipeline stages and their schedule go (None: the model is not cut into stages)."""
