@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from disttrain.checkpoint.export import export
 from disttrain.config import validate
 from disttrain.data import build_datamodule
+from disttrain.errors import ConfigError
 from disttrain.launch.job import train
 from disttrain.models import build_model
 from tests.conftest import single_process_curve
@@ -32,11 +33,18 @@ def single_curve(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("preset", "ranks"),
-    [("zero1", 2), ("zero3", 4)],  # AdamW and a tied head; SGD families of every stage: test_parity.py
+    # AdamW and a tied head; SGD families of every stage: test_parity.py. One rank under ZeRO-3 is FSDP2 with
+    # nothing to shard (its mixed-precision policy and CPU offload on one GPU)
+    [("zero1", 2), ("zero3", 4), ("zero3", 1)],
 )
 def test_zero_matches_single_process(make_config, tmp_path, single_curve, preset, ranks):
     train(make_config([*GPT_FAST, f"parallel={preset}", f"trainer.devices={ranks}"], tmp_path / "run"))
     assert_same_curve(single_curve, step_losses(tmp_path / "run"))
+
+
+def test_zero1_on_one_rank_is_refused_before_it_starts(make_config, tmp_path):
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard.*zero_stage 2 or 3 on one rank"):
+        validate(make_config([*GPT_FAST, "parallel=zero1", "trainer.devices=1"], tmp_path / "run"))
 
 
 @pytest.mark.parametrize(("accumulate_grads", "policy"), [("sharded", "selective"), ("unsharded", "full")])
