@@ -134,14 +134,15 @@ def write_tokens(data_dir: Path) -> None:
 
 
 def disttrain_overrides(w: Workload, data_dir: Path, steps: int, parallel: str, compiled: bool,
-                        checkpointing: str, device: str) -> list[str]:
-    """The measured disttrain run: training only (no validation, test, checkpoints or logger)."""
+                        checkpointing: str, device: str, log_every: int = 10) -> list[str]:
+    """The measured disttrain run: training only (no validation, test or checkpoints), a CSV row every
+    ``log_every`` steps (a logged step reads its metrics back to the host: a GPU synchronisation each)."""
     return [*w.model, "data=tokens", f"data.path={data_dir}", f"data.vocab_size={VOCAB}",
             f"data.block_size={w.block}", f"model.vocab_size={VOCAB}", f"batch.global_size={w.batch}",
             f"parallel={parallel}", "trainer.devices=1", f"trainer.accelerator={device}",
             "trainer.precision=bf16-mixed", f"trainer.compile={str(compiled).lower()}",
             f"parallel.activation_checkpoint={checkpointing}", f"trainer.max_steps={steps}",
-            "trainer.limit_val_batches=0", "trainer.run_test=false", "trainer.log_every_n_steps=1",
+            "trainer.limit_val_batches=0", "trainer.run_test=false", f"trainer.log_every_n_steps={log_every}",
             "logger=csv", "checkpoint.save_last=false", "checkpoint.save_top_k=0", "plots=false",
             "optim=adamw", "optim.lr=6e-4", "optim.betas=[0.9,0.95]", "optim.weight_decay=0.1",
             "scheduler.warmup_fraction=null", "scheduler.warmup_steps=2", "scheduler.min_lr_ratio=0.1",
@@ -164,13 +165,13 @@ def run_train_py(args: list[str], run_dir: Path, timeout: float) -> subprocess.C
 
 
 def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compiled: bool, checkpointing: str,
-                  device: str, scratch: Path, timeout: float) -> Row:
+                  device: str, scratch: Path, timeout: float, log_every: int = 10) -> Row:
     """One disttrain run: its tokens/s, last loss and peak memory, and ``mode=plan``'s prediction for the same
     config (on a GPU, for eager runs)."""
     label = f"disttrain {parallel}" + (" compile" if compiled else "") + (
         f" ac={checkpointing}" if checkpointing != "none" else "")
     run_dir = scratch / re.sub(r"\W+", "-", f"{w.name}-{label}")
-    args = disttrain_overrides(w, data_dir, steps, parallel, compiled, checkpointing, device)
+    args = disttrain_overrides(w, data_dir, steps, parallel, compiled, checkpointing, device, log_every)
     run_train_py(args, run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
     row = Row(w.name, label, tokens_per_s=results["tokens_per_sec"], loss=results["metrics"].get("train/loss"),
@@ -351,7 +352,7 @@ def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) ->
         return run_nanogpt(args.nanogpt, w, tokens, args.steps, args.device, scratch, args.run_timeout_s)
     parallel, compiled, checkpointing = DISTTRAIN_SIDES[side]
     return run_disttrain(w, tokens, args.steps, parallel, compiled, checkpointing, args.device, scratch,
-                         args.run_timeout_s)
+                         args.run_timeout_s, args.log_every_n_steps)
 
 
 def main() -> None:
@@ -367,6 +368,8 @@ def main() -> None:
                              "ac (single, full activation checkpointing), plain (plain FSDP2 loop, "
                              "compiled on a GPU), nanogpt (GPT-2 only)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no run after this many seconds")
+    parser.add_argument("--log-every-n-steps", type=int, default=10,
+                        help="disttrain's trainer.log_every_n_steps (its default; nanoGPT reads its loss every step)")
     parser.add_argument("--run-timeout-s", type=float, default=600, help="stop any one run after this long")
     parser.add_argument("--jsonl", type=Path, help="append each row here as it lands")
     args = parser.parse_args()
