@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# The suite's tests are written for CPU ranks (gloo, several ranks on one machine, CPU numerics), and
+# trainer.accelerator=auto would send them to a GPU wherever torch sees one: hiding GPUs at import, before anything
+# initialises CUDA, hides them from this session and every process it starts (train.py subprocesses, ranks), so
+# the suite behaves the same on any machine. DISTTRAIN_TEST_DEVICE=cuda keeps them, for the tests marked cuda.
+if os.environ.get("DISTTRAIN_TEST_DEVICE") != "cuda":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +25,27 @@ from disttrain.config import register
 register()
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
+
+
+def cuda_skip_reason() -> str | None:
+    """Why tests marked ``cuda`` cannot run in this session, or None when they can (DISTTRAIN_TEST_DEVICE=cuda
+    and torch sees a GPU)."""
+    if os.environ.get("DISTTRAIN_TEST_DEVICE") != "cuda":
+        return ("a GPU test: run it on a GPU machine with DISTTRAIN_TEST_DEVICE=cuda (the suite hides GPUs "
+                "otherwise)")
+    import torch
+
+    if not torch.cuda.is_available():
+        return "DISTTRAIN_TEST_DEVICE=cuda, but torch sees no GPU on this machine"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip, with the reason, where they cannot run (see ``cuda_skip_reason``)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    reason = cuda_skip_reason() if marked else None
+    for item in marked if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[Path, ...] = ()):

@@ -36,7 +36,7 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["optim=sgd", "optim.momentum=0", "optim.nesterov=true"], "optim.nesterov", "momentum"),
         (["parallel=zero3", "trainer.devices=4", "parallel.dp_replicate=3"], "parallel", "does not divide"),
         (["parallel=zero3", "parallel.zero_stage=4", "trainer.devices=2"], "parallel.zero_stage", "one of 0, 1, 2, 3"),
-        (["parallel=zero2", "trainer.devices=1"], "parallel.dp_shard", "> 1 (or parallel.cp > 1) for zero_stage=2"),
+        (["parallel=zero1", "trainer.devices=1"], "parallel.dp_shard", "> 1 (or parallel.cp > 1) for zero_stage=1"),
         (["parallel=ddp", "trainer.devices=2", "model.sync_batchnorm=true"], "model.sync_batchnorm", "GPU"),
         (["parallel=pipeline", "trainer.devices=8"], "parallel.pp", "8 stages for a model of 4 pipeline units"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_TEXT], "parallel.pp", "untie it (e.g. model.tie_weights"),

@@ -93,6 +93,29 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
                     "on (trainer.devices=N for another number)")
 
 
+def check_gpu_count(trainer: TrainerConfig, devices_range: RankRange | None = None) -> None:
+    """A GPU run that disttrain's supervisor starts needs a GPU per rank on this machine (rank r takes
+    ``cuda:r``; ``trainer.num_nodes`` > 1 without a launcher starts them all here): ConfigError naming
+    ``trainer.devices`` (or the range it came from) otherwise, before Lightning refuses it in every rank.
+    Under torchrun or SLURM the launcher placed the ranks and nothing is checked."""
+    if launched() or not _uses_gpu(trainer.accelerator):
+        return
+    import torch
+
+    count, ranks = torch.cuda.device_count(), trainer.devices * trainer.num_nodes
+    if count == 0:
+        raise ConfigError("trainer.accelerator", trainer.accelerator, "cpu or auto: this machine shows no GPU")
+    if ranks <= count:
+        return
+    limit = f"MIN:MAX with MAX at most {count}" if devices_range else f"at most {count}"
+    if trainer.num_nodes > 1:
+        limit = (f"at most {count} ranks in all with trainer.num_nodes={trainer.num_nodes} (without a launcher "
+                 "every rank starts on this machine)")
+    raise ConfigError("trainer.devices", devices_range.text if devices_range else trainer.devices,
+                      f"{limit}, as this machine shows {count} GPU{'s' * (count > 1)} (one per rank); "
+                      f"trainer.accelerator=cpu runs {ranks} CPU ranks")
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input.
 
@@ -115,6 +138,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices = _check_options(top, model, data, optim, scheduler)
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
     notices += [devices_notice] if devices_notice else []
+    if world_size is None and top.mode == "train":  # a caller naming the world starts no ranks from this config
+        check_gpu_count(top.trainer, devices_range)
     world = world_size if world_size is not None else world_size_of(top.trainer)
     elastic = devices_range is not None or nodes_range is not None
     chose_layout = top.parallel.name == "auto"

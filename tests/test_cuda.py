@@ -1,0 +1,165 @@
+"""Runs on a GPU: what the CPU suite cannot check. Every test is marked ``cuda`` and skips unless
+``DISTTRAIN_TEST_DEVICE=cuda`` and torch sees a GPU (the suite hides GPUs otherwise, see ``conftest``):
+
+    DISTTRAIN_TEST_DEVICE=cuda pytest -m cuda tests/test_cuda.py -p no:xdist -o addopts=
+
+Each run is small (the digits CNN or a micro GPT, a few to 20 steps) and trains in this process, as one rank.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from disttrain.launch.job import train
+from tests.conftest import compose_config, train_cli, train_cli_in_process
+from tests.test_run import GPT_FAST, step_losses
+
+pytestmark = pytest.mark.cuda
+
+SHORT = ["trainer.max_steps=5", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
+BF16_GPT = [*GPT_FAST, "trainer.accelerator=gpu", "trainer.devices=1", "trainer.precision=bf16-mixed"]
+"""The micro GPT on pydocs, 20 steps in bf16 autocast on one GPU (the layout and ``trainer.compile`` added)."""
+BF16_RTOL = 1e-2
+"""How far two bf16 curves of ``BF16_GPT`` may lie apart, per step, relative to the loss. bf16 keeps 8 significant
+bits (a rounding moves a value by up to 2^-9, 0.2%), and the runs compared round in different places: ZeRO-3's
+FSDP2 policy holds parameters, embeddings, the residual stream and parameter gradients in bf16 where single's
+autocast keeps them fp32, and a compiled step fuses ops that eager rounds one by one. The master weights and
+AdamW's state stay fp32 in all of them, so the rounding does not pile up: with FSDP2's bf16 policy applied on a
+CPU these 20 steps stay within 0.05% of single's curve, compiled ones within 0.03%, while bf16-true (weights
+and optimiser state in bf16 too) drifts 1.8% from fp32 and another seed (other weights, other batches) lies 5%
+off. 1% leaves twenty times the expected gap and still catches a layout that trains differently."""
+IDLE_S = 2.0
+"""Seconds the energy run waits before fit ends, so that fit lasts long enough for NVML's energy counter to move
+however fast the GPU trains (an idle GPU still draws tens of watts)."""
+
+
+class IdleAtTrainEnd(pl.Callback):
+    """Waits ``seconds`` when training ends, inside fit: a short run still lasts long enough to meter."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_end(self, *_: Any) -> None:
+        """Wait."""
+        time.sleep(self.seconds)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
+    """``python train.py trainer.devices=auto`` (the default run: the CNN on digits, shortened) on this machine:
+    its captured output and ``results.json``."""
+    if torch.cuda.device_count() != 1:
+        pytest.skip("on several GPUs trainer.devices=auto starts a rank on each, which parallel=single refuses")
+    cwd = tmp_path_factory.mktemp("default")
+    proc = train_cli_in_process(["trainer.devices=auto", *SHORT, "hydra.run.dir=run",
+                                 "+callbacks.idle._target_=tests.test_cuda.IdleAtTrainEnd",
+                                 f"+callbacks.idle.seconds={IDLE_S}"], cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((cwd / "run" / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory: pytest.TempPathFactory):
+    """``bf16_run(parallel, compiled)``: the per-step losses and ``results.json`` of ``BF16_GPT`` under that
+    layout, trained once per module."""
+    runs: dict[tuple[str, bool], tuple[list[float], dict[str, Any]]] = {}
+
+    def run(parallel: str, compiled: bool = False) -> tuple[list[float], dict[str, Any]]:
+        if (parallel, compiled) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"{parallel}-{'compiled' if compiled else 'eager'}")
+            train(compose_config([*BF16_GPT, f"parallel={parallel}", f"trainer.compile={str(compiled).lower()}"],
+                                 run_dir))
+            runs[parallel, compiled] = step_losses(run_dir), json.loads((run_dir / "results.json").read_text())
+        return runs[parallel, compiled]
+
+    return run
+
+
+def assert_learned(curve: list[float]) -> None:
+    """20 steps, and the loss fell from ln 256 = 5.5 by over half a nat (some 1.3 in these steps on a CPU; a run
+    that does not learn stays within a tenth of where it started)."""
+    assert len(curve) == 20, curve
+    assert curve[-1] < curve[0] - 0.5, curve
+
+
+def assert_same_curve(a: list[float], b: list[float], what: str) -> None:
+    """Step by step within ``BF16_RTOL``."""
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert abs(x - y) <= BF16_RTOL * abs(x), f"{what}, step {step}: {x} vs {y}\n{a}\n{b}"
+
+
+def test_devices_auto_takes_the_gpu_and_results_say_so(default_run):
+    proc, results = default_run
+    assert "trainer.devices=auto: 1 GPU rank(s) per node" in proc.stdout
+    assert results["world_size"] == 1 and results["device"] == "cuda:0"
+    # the CNN's tensors are small, but cuBLAS's and cuDNN's workspaces come from the same allocator: megabytes
+    assert results["memory"]["max_allocated_gb"] > 0
+    assert results["memory"]["max_reserved_gb"] >= results["memory"]["max_allocated_gb"]
+
+
+def test_the_energy_of_a_gpu_rank_is_measured_by_nvml(default_run):
+    pytest.importorskip("pynvml", reason="NVML's energy counter is read through pynvml (pip install nvidia-ml-py)")
+    energy = default_run[1]["energy"]
+    assert energy["source"] == "nvml" and energy["estimated"] is False, energy
+    assert energy["joules"] > 0 and energy["per_step"] > 0, energy
+
+
+def test_bf16_single_and_zero3_on_one_rank_train_the_same_curve(bf16_run):
+    (single, single_results), (zero3, zero3_results) = bf16_run("single"), bf16_run("zero3")
+    assert_learned(single)
+    assert_learned(zero3)
+    assert_same_curve(single, zero3, "single vs zero3")
+    for results in (single_results, zero3_results):
+        assert results["device"] == "cuda:0" and results["precision"] == "bf16-mixed" and not results["compiled"]
+    assert zero3_results["world_size"] == 1 and zero3_results["parallel"]["dp_shard"] == 1
+
+
+def test_compiled_runs_train_the_eager_curve(bf16_run):
+    eager = bf16_run("single")[0]
+    for parallel in ("single", "zero3"):
+        curve, results = bf16_run(parallel, compiled=True)
+        assert results["compiled"] is True and results["device"] == "cuda:0"
+        assert_learned(curve)
+        assert_same_curve(eager, curve, f"single eager vs {parallel} compiled")
+
+
+def csv_steps(run_dir: Path) -> list[int]:
+    """The optimiser steps whose training loss the CSV log holds."""
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return sorted({int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")})
+
+
+def test_a_run_resumed_from_its_directory_continues_at_the_next_step(tmp_path):
+    # the default CNN, whole epochs at a constant learning rate: a 1-epoch run and a 2-epoch run share the first
+    gpu = ["scheduler=constant", "logger=csv", "callbacks=none", "trainer.log_every_n_steps=1",
+           "trainer.run_test=false", "trainer.accelerator=gpu", "trainer.devices=1"]
+    train(compose_config([*gpu, "trainer.max_epochs=2"], tmp_path / "straight"))
+    train(compose_config([*gpu, "trainer.max_epochs=1"], tmp_path / "first"))
+    assert (tmp_path / "first" / "checkpoints" / "last.ckpt").is_dir()
+    train(compose_config([*gpu, "trainer.max_epochs=2", f"resume={tmp_path / 'first'}"], tmp_path / "resumed"))
+    first, resumed = csv_steps(tmp_path / "first"), csv_steps(tmp_path / "resumed")
+    assert len(first) == len(resumed) > 1 and resumed[0] == first[-1] + 1, (first, resumed)
+    results = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert results["global_steps"] == 2 * len(first) and results["device"] == "cuda:0"
+    # fp32 with the same weights, optimiser state and batches: equal but for the order of a GPU's atomic adds
+    # (cuDNN's backward kernels), where a lost optimiser state or another batch order is off by percents
+    straight = step_losses(tmp_path / "straight")
+    assert step_losses(tmp_path / "resumed") == pytest.approx(straight[len(first):], rel=1e-3)
+
+
+def test_more_ranks_than_gpus_is_one_line_before_any_rank_starts(tmp_path):
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs a machine with exactly one GPU (two ranks fit on more)")
+    proc = train_cli(["parallel=ddp", "trainer.devices=2"], tmp_path)  # a fresh interpreter, as a shell runs it
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("Error: trainer.devices=2 is invalid: at most 1, as this machine shows 1 GPU "
+                                   "(one per rank); trainer.accelerator=cpu runs 2 CPU ranks")
+    assert not list(tmp_path.iterdir())  # no run directory, no outputs/
