@@ -264,6 +264,10 @@ def test_each_failure_costs_a_device_and_the_run_goes_on_on_the_largest_world_le
     ranks._lose_device(Failure(0, 0, 1))
     assert ranks._visible_devices() == {"CUDA_VISIBLE_DEVICES": "5,6,7"}
     assert supervisor(tmp_path, (4,))._visible_devices() == {}  # nothing lost: the machine's own setting
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden: CPU ranks, no GPU named to the restarted ones
+    ranks = supervisor(tmp_path, (4, 3))
+    ranks._lose_device(Failure(0, 0, 1))
+    assert ranks._visible_devices() == {}
 
 
 def elastic_config(tmp_path: Path, *overrides: str):

@@ -55,6 +55,12 @@ def test_as_many_ranks_as_gpus_pass_and_auto_takes_them_all(make_config, gpus):
     assert validate(make_config(["parallel=ddp", "trainer.devices=auto"])).dims.world_size == 2
 
 
+def test_auto_on_a_preset_of_fixed_degrees_takes_that_many_gpus(make_config, gpus):
+    gpus(4)
+    assert validate(make_config(["trainer.devices=auto"])).dims.world_size == 1  # parallel=single
+    assert validate(make_config(["parallel=zero3", "trainer.devices=auto"])).dims.world_size == 4
+
+
 def test_a_range_is_named_as_written_and_its_largest_count_counts(make_config, gpus):
     gpus(2)
     elastic = ["parallel=ddp", "batch.global_size=8", "batch.micro_size=2"]

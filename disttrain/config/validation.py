@@ -84,7 +84,8 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
     if _uses_gpu(trainer.accelerator):
         import torch
 
-        count = max(1, torch.cuda.device_count())
+        # a preset of fixed degrees (single: 1) takes that many GPUs, one of -1 (ddp, zero3) every GPU here
+        count = parallel.fixed_ranks() or max(1, torch.cuda.device_count())
         return count, f"trainer.devices=auto: {count} GPU rank(s) per node"
     fewest = parallel.fewest_ranks()
     if fewest == 1:

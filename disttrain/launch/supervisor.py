@@ -188,6 +188,8 @@ class Supervisor:
         if len(self.devices) == (self.sizes[0] if self.sizes else self.world_size):
             return {}
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible == "":  # GPUs hidden: the ranks run on the CPU and the lost devices are CPU ranks
+            return {}
         names = visible.split(",") if visible else [str(index) for index in range(self.sizes[0])]
         return {"CUDA_VISIBLE_DEVICES": ",".join(names[index] for index in self.devices[:self.world_size])}
 

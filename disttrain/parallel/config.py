@@ -174,6 +174,11 @@ class ParallelConfig:
         """Accumulation micro-batches reduce-scatter their gradients (see ``accumulate_grads``)."""
         return accumulates_sharded(self.zero_stage, self.accumulate_grads)
 
+    def fixed_ranks(self) -> int | None:
+        """The one world size this preset runs on when none of its degrees is -1 (``single``: 1), else None."""
+        degrees = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        return None if -1 in degrees else self.fewest_ranks()
+
     def fewest_ranks(self) -> int:
         """The smallest world size this preset runs on: its fixed degrees, and 2 for a degree of -1."""
         fewest = 1

@@ -125,6 +125,14 @@ def _check_expectation(expect: Any, metrics: dict[str, float]) -> dict[str, Any]
     return {"metric": expect.metric, "value": value, "bound": bound, "mode": expect.mode, "met": met}
 
 
+def reset_device_memory_peak() -> None:
+    """Start this run's GPU memory peak from what is held now: a process that ran an earlier fit (a sweep's
+    jobs, tests) would report that fit's peak. Nothing where CUDA is not initialised (a fresh rank's peak starts
+    at zero, and initialising it here would put a context on GPU 0 before the rank picks its device)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def device_memory(device: torch.device) -> dict[str, float] | None:
     """This rank's peak GPU memory over the run, in GB: what tensors held (``max_allocated_gb``) and what the
     caching allocator took from the device (``max_reserved_gb``); None on a CPU, where torch counts neither."""

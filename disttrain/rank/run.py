@@ -27,7 +27,15 @@ from disttrain.rank.elastic import ElasticResume
 from disttrain.rank.energy import EnergyMeter
 from disttrain.rank.experts import ExpertBalance
 from disttrain.rank.kinds import KINDS
-from disttrain.rank.results import Fitted, close_loggers, restart_causes, run_results, test_best, write_results
+from disttrain.rank.results import (
+    Fitted,
+    close_loggers,
+    reset_device_memory_peak,
+    restart_causes,
+    run_results,
+    test_best,
+    write_results,
+)
 from disttrain.rank.trainer import build_trainer
 from disttrain.report.console import quiet_noise
 
@@ -43,6 +51,7 @@ def run_rank(run: RunConfig) -> float | None:
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
     watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
     kind = None
+    reset_device_memory_peak()
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = run.datamodule
