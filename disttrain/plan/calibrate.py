@@ -80,7 +80,7 @@ def _matmul_rate(dtype: torch.dtype, seconds: float, n: int = 1024) -> float:
 def _conv_rate(dtype: torch.dtype | None, seconds: float) -> float:
     """FLOP/s of forward and backward of a 3x3 convolution, 32 to 32 channels on 16 x 16 images, batch 32 (a
     small CNN's layer), FLOPs as the plan counts them."""
-    from disttrain.plan.model_stats import count_ops
+    from disttrain.plan.ops import count_ops
 
     conv, x = nn.Conv2d(32, 32, 3, padding=1), torch.randn(32, 32, 16, 16, requires_grad=True)
 
@@ -97,7 +97,7 @@ def measure_memory_bandwidth(seconds: float = 0.5, threads: int = 1) -> float:
     """Bytes per second that element-wise work moves: forward and backward of GELU, LayerNorm and a residual
     add on a 1024 x 512 activation, bytes counted operator by operator as a plan counts them (on a CPU these
     operators are bound by their arithmetic as much as by DRAM, so a plain copy would overstate them)."""
-    from disttrain.plan.model_stats import count_ops
+    from disttrain.plan.ops import count_ops
 
     norm, x = nn.LayerNorm(512), torch.randn(1024, 512, requires_grad=True)
 
@@ -141,7 +141,7 @@ def measure_op_overhead(seconds: float = 0.5, rate: float = 1e11, bandwidth: flo
     """Seconds per operator beyond its work, from forward and backward of two tiny transformer blocks
     (``_TinyBlock``: width 32, 2 heads, 16 tokens: almost all overhead: dispatch, Python, autograd nodes, the
     backward engine), with the little work there is (at ``rate`` FLOP/s and ``bandwidth`` bytes/s) taken out."""
-    from disttrain.plan.model_stats import count_ops
+    from disttrain.plan.ops import count_ops
 
     blocks = nn.Sequential(_TinyBlock(32, 2), _TinyBlock(32, 2))
     x = torch.randn(1, 16, 32, requires_grad=True)

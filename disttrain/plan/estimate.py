@@ -3,7 +3,8 @@
 Memory follows the ZeRO paper (Rajbhandari et al., 2020, Section 5.1) with the bytes per parameter of the
 run (``StateBytes``) and what FSDP2 does on top: under ZeRO-2 it keeps the parameter shards beside the whole
 parameters it gathered for forward. Activations are what autograd saved in a meta-device pass of the model
-(``ModelStats``), scaled to the micro-batch, divided by tensor parallelism as Megatron's activation analysis
+(``ModelStats``; under bf16-mixed, a pass under autocast's lists: ``disttrain.plan.autocast``), scaled to the
+micro-batch, divided by tensor parallelism as Megatron's activation analysis
 has it (Korthikanti et al., 2022: 24 of 34 bytes per token and width are split without sequence parallelism,
 all of them with it), divided by context parallelism (each rank holds 1/cp of every sequence, plus one
 layer's gathered keys and values), and under activation checkpointing what each policy keeps: full the
@@ -130,22 +131,34 @@ def busiest_params(stats: ModelStats, layout: Layout, ranks: list[list[str] | No
                key=lambda pair: local_params(layout, *pair))
 
 
+def activation_dtype(stats: ModelStats, bf16: bool) -> float:
+    """Bytes of the run's activations per byte the pass measured: 1 for a pass in the run's own dtypes (fp32, or
+    bf16-mixed measured under autocast), a half for a bf16 run of an fp32 pass (bf16-true: every tensor bf16)."""
+    return 0.5 if bf16 and not stats.autocast else 1.0
+
+
+def weight_copies(layout: Layout, gather_bf16: bool) -> bool:
+    """Whether autocast makes bf16 copies of the weights: not where FSDP2 (ZeRO-2/3) gathers them in bf16."""
+    return not (gather_bf16 and layout.zero_stage >= 2)
+
+
 def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state: StateBytes,
              bf16: bool = False) -> Estimate:
     """Predict ``layout`` for the model measured in ``stats`` on ``profile``."""
     scale = layout.micro_size / stats.micro_size
-    act_dtype = 0.5 if bf16 else 1.0  # autocast keeps matmul outputs in bf16 (norms and softmax stay fp32)
+    act_dtype = activation_dtype(stats, bf16)
     ranks = rank_units(stats, layout)
     params, experts = busiest_params(stats, layout, ranks)
     alternative = None
     if layout.zero_stage >= 2 and layout.pp == 1 and layout.accumulation > 1:
         other = replace(layout, accumulate_grads="unsharded" if layout.sharded_accumulation else "sharded")
         alternative = model_state(params, other, state, experts)["grads"]
-    policies = {policy: activations(stats, ranks[0], replace(layout, activation_checkpoint=policy), scale * act_dtype)
-                for policy in CHECKPOINT_POLICIES}
+    gather_bf16 = bf16 and not profile.cpu
+    copies = weight_copies(layout, gather_bf16)
+    policies = {policy: activations(stats, ranks[0], replace(layout, activation_checkpoint=policy), scale * act_dtype,
+                                    copies) for policy in CHECKPOINT_POLICIES}
     mine = policies[layout.activation_checkpoint]
     memory, phases = _memory(stats, layout, state, params, experts, mine.peak)
-    gather_bf16 = bf16 and not profile.cpu
     # the rows experts exchange are the normalised residual stream, which autocast leaves in fp32 (and on a CPU the
     # grouped product returns fp32 too): the pass's bytes under bf16-mixed as well
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
@@ -171,7 +184,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
             by_ep[ep] = _at_ep(stats, replace(layout, ep=ep), state, ranks, scale, act_dtype, profile,
                                gather_bf16) if ep in fitting else None
     return Estimate(layout, memory, phases, mine.held, {p: a.peak for p, a in policies.items()},
-                    activations_by_length(stats, ranks[0], layout, scale * act_dtype), capacity, traffic,
+                    activations_by_length(stats, ranks[0], layout, scale * act_dtype, copies), capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
                     compute, recompute, exposed, tokens, by_ep, alternative, power(profile, layout.world_size))
 
@@ -192,8 +205,8 @@ def _at_ep(stats: ModelStats, layout: Layout, state: StateBytes, ranks: list[lis
            act_dtype: float, profile: HardwareProfile, gather_bf16: bool) -> dict[str, float]:
     """``Estimate.by_ep``'s figures of ``layout`` (as ``estimate`` reckons them)."""
     params, experts = busiest_params(stats, layout, ranks)
-    memory, phases = _memory(stats, layout, state, params, experts,
-                             activations(stats, ranks[0], layout, scale * act_dtype).peak)
+    memory, phases = _memory(stats, layout, state, params, experts, activations(
+        stats, ranks[0], layout, scale * act_dtype, weight_copies(layout, gather_bf16)).peak)
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
                           scale)
     return {**{term: memory[term] for term in ("params", "grads", "optimizer", "transient")},

@@ -15,6 +15,8 @@ all-to-all bytes are those of any routing that drops nothing; only which rank wo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
@@ -23,6 +25,24 @@ from torch.utils._pytree import tree_leaves
 
 EXPERT_MARK = "expert_parallel"
 """Attribute of a module holding grouped experts (``disttrain.models.experts.GroupedExperts``)."""
+
+
+@dataclass
+class ExpertCall:
+    """One forward of a module of grouped experts."""
+
+    module: str
+    """The expert module's name."""
+    unit: str
+    """The innermost tracked unit it ran in (``ROOT`` if none)."""
+    n_experts: int
+    """Experts it holds."""
+    rows: int
+    """Rows it computed (tokens x experts per token, less any dropped)."""
+    in_bytes: int
+    """Bytes of the rows it received (expert parallelism's dispatch all-to-all moves them)."""
+    out_bytes: int
+    """Bytes of the rows it returned (the combining all-to-all moves them back)."""
 
 
 def expert_modules(net: nn.Module) -> dict[str, nn.Module]:

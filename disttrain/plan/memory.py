@@ -74,10 +74,21 @@ class ActivationBytes:
     experts' backward, the buffer its all-to-all receives."""
 
 
-def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float) -> ActivationBytes:
+def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
+                weight_copies: bool = True) -> ActivationBytes:
     """Activation bytes of the first pipeline rank (it keeps the most microbatches in flight) under the
     layout's checkpointing policy, tensor- and context-parallel split; ``scale``: bytes per measured byte
-    (micro-batch over the pass's, and the activation dtype).
+    (micro-batch over the pass's, and the activation dtype); ``weight_copies``: whether autocast's bf16 copies
+    of the weights, which a pass under autocast saved, are made (not where FSDP2 gathers bf16 parameters).
+    Those copies are one set per rank whatever its tokens (not scaled, not split by cp, by tp as the weights),
+    kept where a unit keeps what it saved and freed with the head's once backward is past it; a checkpointed
+    unit makes them again in its own backward, as short-lived as its recomputed activations but not counted.
+
+    Under autocast, backward starts with what the loss's backward adds to everything held
+    (``ModelStats.loss_grad_bytes``: its gradients less what it frees; per logit, 8 bytes of fp32 gradients on
+    a CPU and 4 on a GPU, ``disttrain.plan.autocast``). An fp32 plan keeps its earlier term there, the logits'
+    gradient alone, though its loss's backward holds the log-probabilities' gradient beside it too (at a
+    vocabulary of 50304 on GPT micro the fp32 plan is 0.67 of the measured peak for that reason).
 
     Mixtures of experts are not split by tp (every tp rank runs them on the same tokens). Under expert
     parallelism a rank keeps, of a mixture, the rows its all-to-all received (the grouped products save them)
@@ -96,6 +107,7 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         return (total - whole) * split + whole
 
     held = outside = recompute = gradient = 0.0
+    copies_held = copies_outside = 0.0  # in bytes of the run, not of the pass
     # what runs after the last block (the head, the loss) is freed before backward reaches the blocks; what
     # runs before them (a CNN's stem) stays until the end
     order = stats.pipeline_units
@@ -105,29 +117,32 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     for unit, saved in stats.saved_bytes.items():
         if not unit_on_rank(stats, unit, units):
             continue
+        measured_copies = stats.weight_copy_bytes.get(unit, 0)
+        saved -= measured_copies  # what stays is proportional to the tokens
+        copies = measured_copies if weight_copies else 0
         if unit not in blocks:
             held += saved
             outside += saved if unit in after_blocks else 0
+            copies_held += copies
+            copies_outside += copies if unit in after_blocks else 0
             continue
         policy, unit_input = policies[unit], stats.unit_input_bytes.get(unit, 0)
         if policy == "full":  # the input stays; backward recomputes everything the unit saved
             kept, again = unit_input, tp_share(unit, saved, "saved")
         elif policy == "selective":  # the input and every matmul and attention output stay; the rest is redone
             kept = unit_input + tp_share(unit, stats.selective_bytes.get(unit, 0), "selective")
-            again = tp_share(unit, stats.saved_by_kind.get(unit, {}).get("other", 0), "other")
+            # weight copies are made by casts, "other" operators: selective checkpointing does not keep them
+            again = tp_share(unit, stats.saved_by_kind.get(unit, {}).get("other", 0) - measured_copies, "other")
         else:
             kept, again = tp_share(unit, saved, "saved"), 0.0
+            copies_held += copies / layout.tp
         held += kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
-    output_grad = stats.output_bytes if last_stage else 0
+    output_grad = (stats.loss_grad_bytes if stats.autocast else stats.output_bytes) if last_stage else 0
     # what expert parallelism's all-to-all receives in backward, beside the gradient it sends
     exchange = max((max(c.in_bytes, c.out_bytes) for c in stats.expert_calls if unit_on_rank(stats, c.unit, units)),
                    default=0) if layout.ep > 1 else 0
-    # two moments: backward's start (everything held and the output's gradient), and the last block's backward,
-    # when the head's activations and the output's gradient are gone, the block's recomputed activations are
-    # back and the gradient of its widest activation lives beside them
-    peak = max(held + output_grad, held - outside + recompute + gradient + exchange)
     in_flight = 1
     if layout.pp > 1:  # the first stage holds this many microbatches' activations (GPipe: all of them)
         in_flight = layout.microbatches if layout.schedule == "gpipe" else min(layout.microbatches, layout.pp)
@@ -136,7 +151,13 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     # under cp a third moment, a layer's attention backward: its feed-forward half is through backward, and
     # the whole sequence's keys and values are alive with their gradient and the parts' gradients being added
     in_attention = (held - outside + recompute / 2) * share + 3 * kv_transient(stats, units, layout) * scale
-    return ActivationBytes(held * share, max(peak * share, in_attention))
+    # two moments: backward's start (everything held and the output's gradient), and the last block's backward,
+    # when the head's activations and the output's gradient are gone, the block's recomputed activations are
+    # back and the gradient of its widest activation lives beside them
+    start = (held + output_grad) * share + copies_held
+    in_blocks = (held - outside + recompute + gradient + exchange) * share + copies_held - copies_outside
+    return ActivationBytes(held * share + copies_held,
+                           max(start, in_blocks, in_attention + copies_held - copies_outside))
 
 
 def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:
@@ -150,12 +171,13 @@ def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> 
     return max(calls, default=0) / layout.tp
 
 
-def activations_by_length(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float
-                          ) -> dict[int, dict[int, float | None]]:
+def activations_by_length(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
+                          weight_copies: bool = True) -> dict[int, dict[int, float | None]]:
     """Peak activation bytes per rank of ``layout`` at other sequence lengths (``LENGTH_FACTORS`` of the
     pass's) and cp degrees (``CP_DEGREES``); None where cp does not divide the sequence into 2 cp chunks.
     Every term is linear in the tokens (fused attention saves no tokens x tokens matrix), so the pass at one
-    length gives all of them. Empty for a model without sequences."""
+    length gives all of them (autocast's weight copies do not depend on it: ``activations``). Empty for a model
+    without sequences."""
     tokens = stats.tokens_per_sample
     if tokens < 2:
         return {}
@@ -164,7 +186,8 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
         length = int(tokens * factor)
         if length < 1:
             continue
-        table[length] = {cp: activations(stats, units, replace(layout, cp=cp), scale * length / tokens).peak
+        table[length] = {cp: activations(stats, units, replace(layout, cp=cp), scale * length / tokens,
+                                         weight_copies).peak
                          if cp == 1 or length % (2 * cp) == 0 else None for cp in CP_DEGREES}
     return table
 

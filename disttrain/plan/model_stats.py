@@ -8,7 +8,7 @@ What it records, for one micro-batch:
   once, at the unit that first saved it; parameters and the input batch are not activations;
 - which kind of operator produced each saved storage (a matrix product, attention, or anything else), and
   the bytes of every output of the matrix products and attention of forward: what selective activation
-  checkpointing keeps (``SELECTIVE_SAVE_OPS``) and what it recomputes;
+  checkpointing keeps (``ops.SELECTIVE_SAVE_OPS``) and what it recomputes;
 - every operator's FLOPs (``torch.utils.flop_counter``'s formulas) and the bytes of its inputs and outputs
   (views move none), forward ops per unit and backward ops in one list, for a roofline step time;
 - the bytes of the keys and values of each attention call (what context parallelism gathers);
@@ -21,7 +21,11 @@ What it records, for one micro-batch:
   computed and their bytes in and out (what expert parallelism's all-to-alls move), and what a mixture (the
   module around the experts: router, experts, combination) saved and ran, which tensor parallelism does not
   split. Routing runs balanced (the meta device has no values to route by); the grouped products count
-  2 x M x K x N FLOPs, which torch's counter leaves out.
+  2 x M x K x N FLOPs, which torch's counter leaves out;
+- for a ``bf16-mixed`` run, all of it as autocast makes it (``disttrain.plan.autocast``): every tensor in the dtype
+  autocast gives it, the bf16 copies of the weights among the saved tensors, and what the loss's backward
+  adds to what is saved before the logits' gradient is complete (its gradients, fp32 ones among them, less what
+  it frees by then).
 """
 
 from __future__ import annotations
@@ -35,64 +39,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from disttrain.data.spec import DataSpec, example_batch
-from disttrain.parallel import activation_checkpoint
-from disttrain.plan.experts import BalancedRouting, expert_modules, expert_parameters, grouped_mm_flops
+from disttrain.plan.autocast import MetaAutocast
+from disttrain.plan.experts import BalancedRouting, ExpertCall, expert_modules, expert_parameters
+from disttrain.plan.measure import LiveStorages
+from disttrain.plan.ops import FLOP_REGISTRY, KINDS, FusedAttention, Op, OpCounter
 
 ROOT = ""
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
-Op = tuple[int, int, bool, str]
-"""One operator: FLOPs, bytes read and written, whether it is a convolution (CPUs run those well below
-their matrix-multiply rate, so a profile times them at a rate of their own), and its kind (``op_kind``)."""
-CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward}
-"""Convolution operators (timed at a profile's convolution rate)."""
-# the operator sets of the runtime's selective policy, so the plan prices exactly what it keeps
-MATMUL_OPS, ATTENTION_OPS = activation_checkpoint.MATMUL_OPS, activation_checkpoint.ATTENTION_OPS
-SELECTIVE_SAVE_OPS = MATMUL_OPS | ATTENTION_OPS
-"""Operators whose outputs selective activation checkpointing keeps (``parallel.activation_checkpoint``'s
-collectives run only under tensor parallelism, which a measured pass leaves out); it recomputes the others."""
-KINDS = ("matmul", "attention", "other")
-"""Kinds of operator a pass tells apart (``op_kind``)."""
-_aten = torch.ops.aten
-FLOP_REGISTRY = {
-    **flop_registry,
-    # the CPU kernel's FLOPs are those of the CUDA one (same arguments first)
-    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_registry[_aten._scaled_dot_product_flash_attention_backward],
-    _aten._grouped_mm: grouped_mm_flops,
-}
-"""torch's FLOP formulas, with the CPU attention kernels and the grouped matrix product of experts."""
-
-
-def op_kind(packet: Any) -> str:
-    """``matmul``, ``attention`` or ``other`` (element-wise work, norms, copies, views, convolutions) for an
-    operator overload packet (``func._overloadpacket`` of an ``OpOverload``)."""
-    if packet in MATMUL_OPS:
-        return "matmul"
-    return "attention" if packet in ATTENTION_OPS else "other"
-
-
-@dataclass
-class ExpertCall:
-    """One forward of a module of grouped experts."""
-
-    module: str
-    """The expert module's name."""
-    unit: str
-    """The innermost tracked unit it ran in (``ROOT`` if none)."""
-    n_experts: int
-    """Experts it holds."""
-    rows: int
-    """Rows it computed (tokens x experts per token, less any dropped)."""
-    in_bytes: int
-    """Bytes of the rows it received (expert parallelism's dispatch all-to-all moves them)."""
-    out_bytes: int
-    """Bytes of the rows it returned (the combining all-to-all moves them back)."""
 
 
 @dataclass
@@ -134,7 +90,7 @@ class ModelStats:
     saved_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     """Unit name -> ``saved_bytes`` split by the kind of operator that produced each saved storage (``KINDS``)."""
     selective_bytes: dict[str, int] = field(default_factory=dict)
-    """Unit name -> bytes of every output of the forward operators in ``SELECTIVE_SAVE_OPS`` run inside it,
+    """Unit name -> bytes of every output of the forward operators in ``ops.SELECTIVE_SAVE_OPS`` run inside it,
     saved for backward or not: what selective checkpointing keeps of a checkpointed unit besides its input."""
     attention_kv_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Unit name -> bytes of the keys plus the values of each attention call inside it (whole sequence)."""
@@ -150,11 +106,20 @@ class ModelStats:
     saved bytes made by ``other`` operators (tensor parallelism leaves mixtures whole)."""
     mixture_ops: dict[str, list[Op]] = field(default_factory=dict)
     """Unit name -> the forward operators that ran inside a mixture of experts (also in ``forward_ops``)."""
+    autocast: str | None = None
+    """The device whose bf16 autocast the pass ran under (``cuda`` or ``cpu``); None: fp32. Under it every byte
+    above is in the dtype autocast keeps it in."""
+    weight_copy_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit name -> the part of ``saved_bytes`` that is autocast's bf16 copies of weights (none where the
+    parameters are bf16 already, as FSDP2 gathers them under bf16-mixed on a GPU)."""
+    loss_grad_bytes: int = 0
+    """The most bytes the loss's backward added to what was saved, before the logits' gradient was complete: the
+    gradients of the loss's own tensors and the logits' gradient, less what it saved and has freed by then."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
         """Unit name -> the forward operators selective checkpointing runs again in backward (all but
-        ``SELECTIVE_SAVE_OPS``)."""
+        ``ops.SELECTIVE_SAVE_OPS``)."""
         return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.forward_ops.items()}
 
     @functools.cached_property
@@ -217,9 +182,12 @@ class ModelStats:
 
 
 def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_units: list[str] | None = None,
-                  shard_units: list[str] | None = None, tp_plan: dict[str, str] | None = None) -> ModelStats:
+                  shard_units: list[str] | None = None, tp_plan: dict[str, str] | None = None,
+                  autocast: str | None = None) -> ModelStats:
     """One forward and backward of ``net`` (on the meta device; a model on the CPU is moved there first, and
-    is left unchanged) on a micro-batch of ``micro_size``, recorded as ``ModelStats``."""
+    is left unchanged) on a micro-batch of ``micro_size``, recorded as ``ModelStats``; ``autocast``: the device
+    (``cuda`` or ``cpu``) whose bf16 autocast forward and the loss run under, as a ``bf16-mixed`` step runs them
+    (None: fp32)."""
     if any(p.device.type != "meta" for p in net.parameters()):
         net = _meta_copy(net)
     pipeline_units, shard_units = list(pipeline_units or []), list(shard_units or [])
@@ -233,15 +201,28 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     # on the same net would add an accumulating operator per parameter to this pass's backward
     kept = {p: p.grad for p in net.parameters()}
     net.zero_grad(set_to_none=True)
+    casting = MetaAutocast(autocast) if autocast else None
+    recorder.copies = casting.copies if casting else {}
+    # what is saved stays counted until backward frees it, so the loss's backward is measured net of what it frees
+    live, loss_grad = LiveStorages(meta=True), [0]
+    recorder.on_saved = live.count
     try:
         # the counter sees each operator before routing's stand-ins for the meta device answer it
         routing = BalancedRouting() if expert_parameters(net) else contextlib.nullcontext()
-        with recorder, _FusedAttention(), routing, _OpCounter(FLOP_REGISTRY, recorder.on_op, recorder.on_call), \
+        with recorder, FusedAttention(), routing, OpCounter(FLOP_REGISTRY, recorder.on_op, recorder.on_call), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
-            logits = net(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            # autocast's mode comes last, so it casts attention's inputs before the fused kernel stands in; it
+            # ends with forward, as a step's autocast context does (its cache of weight copies goes then)
+            with casting or contextlib.nullcontext():
+                logits = net(inputs)
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
             recorder.done_forward()
-            loss.backward()
+            # the loss's backward makes its gradients beside everything saved, and frees what it saved itself,
+            # before the head's backward starts
+            live.peak = start = live.live
+            logits.register_hook(lambda grad: loss_grad.__setitem__(0, live.peak - start))
+            with live:
+                loss.backward()
     finally:
         for p, grad in kept.items():
             p.grad = grad
@@ -254,7 +235,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
                       recorder.backward_ops, _nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded,
                       recorder.saved_by_kind, recorder.selective, recorder.attention_kv, recorder.largest,
-                      expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops)
+                      expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops,
+                      autocast, recorder.weight_copies, loss_grad[0])
 
 
 def _meta_copy(net: nn.Module) -> nn.Module:
@@ -305,6 +287,9 @@ class _Recorder:
                                                    for unit in [ROOT, *units]}
         self.mixture_ops: dict[str, list[Op]] = {unit: [] for unit in [ROOT, *units]}
         self._mixture_depth = 0
+        self.copies: dict[int, torch.Tensor] = {}
+        self.on_saved = None
+        self.weight_copies: dict[str, int] = dict.fromkeys([ROOT, *units], 0)
         self._seen: set[int] = set()
         self._in_forward, self._handles = True, []
 
@@ -317,6 +302,10 @@ class _Recorder:
                 self.saved[self.stack[-1]] += nbytes
                 self.largest[self.stack[-1]] = max(self.largest[self.stack[-1]], nbytes)
                 self.saved_by_kind[self.stack[-1]][self._producer.get(key, "other")] += nbytes
+                if key in self.copies:
+                    self.weight_copies[self.stack[-1]] += nbytes
+                if self.on_saved is not None:
+                    self.on_saved(tensor.untyped_storage())
                 if self._mixture_depth:
                     self.mixture[self.stack[-1]]["saved"] += nbytes
                     if self._producer.get(key, "other") == "other":
@@ -421,49 +410,3 @@ class _Recorder:
             # all-reduce (q, k and v separately: they are separate layers here)
             self.tp_backward += _nbytes(args[0])
         return hook
-
-
-class _FusedAttention(torch.overrides.TorchFunctionMode):
-    """Runs ``scaled_dot_product_attention`` as the fused CPU kernel, whose meta implementation saves what
-    fused kernels save (on the meta device the dispatcher would pick the reference path)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or kwargs.get("enable_gqa"):
-            return func(*args, **kwargs)
-        names = ("attn_mask", "dropout_p", "is_causal", "scale")
-        options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
-            attn_mask=options.get("attn_mask"), scale=options.get("scale"))
-        return out
-
-
-class _OpCounter(TorchDispatchMode):
-    """Reports each operator as an ``Op``: FLOPs by torch's formulas, the bytes it reads and writes (views:
-    none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
-
-    def __init__(self, registry: dict, on_op, on_call=None) -> None:
-        super().__init__()
-        self.registry, self.on_op, self.on_call = registry, on_op, on_call
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
-        nbytes = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                                             if isinstance(t, torch.Tensor))
-        kind = op_kind(packet)
-        self.on_op((int(flops), nbytes, packet in CONVOLUTIONS, kind))
-        if self.on_call is not None:
-            self.on_call(kind, (args, kwargs), out)
-        return out
-
-
-def count_ops(fn) -> list[Op]:
-    """Each operator ``fn()`` runs (for calibrating a profile on the same accounting)."""
-    ops: list[Op] = []
-    with _OpCounter(flop_registry, ops.append):
-        fn()
-    return ops

@@ -31,8 +31,12 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
     shards = module_names(net, shard_units_of(net, parallel.shard_units, parallel.min_params_per_unit))
     tp_plan = tp_plan_of(net, parallel.tp_plan)
 
+    # bf16-mixed runs forward and the loss under autocast, and the pass does too, by the lists of the device
+    # planned for; bf16-true holds every tensor in bf16, which ``estimate`` takes as half of the fp32 pass
+    autocast = ("cpu" if profile.cpu else "cuda") if precision == "bf16-mixed" else None
+
     def measure(size: int) -> ModelStats:
-        return measure_model(net, spec, size, pipeline, shards, tp_plan)
+        return measure_model(net, spec, size, pipeline, shards, tp_plan, autocast)
 
     state = state_bytes(getattr(optim, "name", ""), getattr(optim, "momentum", 0.0) or 0.0)
     heads = getattr(getattr(net, "dims", None), "n_head", None)
@@ -60,6 +64,7 @@ def predicted_activation_bytes(net: nn.Module, spec: Any, micro_size: int, cp: i
     is held when forward ends and the peak early in backward (``memory.ActivationBytes``), for comparison with
     what a rank measures."""
     from disttrain.parallel.config import ParallelConfig
+    from disttrain.plan.estimate import activation_dtype
     from disttrain.plan.hardware import PROFILES
     from disttrain.plan.layout import rank_units
     from disttrain.plan.memory import activations
@@ -67,8 +72,8 @@ def predicted_activation_bytes(net: nn.Module, spec: Any, micro_size: int, cp: i
     inputs = plan_inputs(net, spec, micro_size, ParallelConfig(), None, precision, PROFILES["h100_sxm"])
     layout = Layout(cp=cp, activation_checkpoint=activation_checkpoint,
                     checkpoint_every_n_blocks=checkpoint_every_n_blocks, micro_size=micro_size)
-    dtype = 0.5 if inputs.bf16 else 1.0  # as ``estimate`` scales them
-    return activations(inputs.stats, rank_units(inputs.stats, layout)[0], layout, dtype)
+    return activations(inputs.stats, rank_units(inputs.stats, layout)[0], layout,
+                       activation_dtype(inputs.stats, inputs.bf16))
 
 
 def planned_precision(precision: str, profile: HardwareProfile) -> str:

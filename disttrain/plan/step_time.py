@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.layout import Layout, StateBytes, policy_of_units, unit_on_rank, within
-from disttrain.plan.model_stats import ModelStats, Op
+from disttrain.plan.model_stats import ModelStats
+from disttrain.plan.ops import Op
 
 
 def bubble_fraction(pp: int, microbatches: int, schedule: str, stages_per_rank: int = 1) -> float:
@@ -68,7 +69,8 @@ def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | N
     dtype = "bf16" if bf16 else "fp32"
     rate = profile.flops[dtype] * threads
     rates = (rate, profile.flops.get(f"{dtype}_conv", profile.flops[dtype]) * threads)
-    bandwidth = profile.memory_bandwidth * threads * (2 if bf16 else 1)  # bf16 halves the bytes moved
+    # a pass under autocast counted each operator's bytes in its own dtype; an fp32 pass of a bf16 run moves half
+    bandwidth = profile.memory_bandwidth * threads * (2 if bf16 and not stats.autocast else 1)
     blocks = set(stats.shard_units)
     policies = policy_of_units(stats.shard_units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
 

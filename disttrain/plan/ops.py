@@ -1,0 +1,92 @@
+"""The operators of the planner's pass: what each costs (FLOPs by torch's formulas, bytes read and written)
+and of which kind it is, counted as they run; and attention run as the fused kernels run it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from disttrain.parallel import activation_checkpoint
+from disttrain.plan.experts import grouped_mm_flops
+
+Op = tuple[int, int, bool, str]
+"""One operator: FLOPs, bytes read and written, whether it is a convolution (CPUs run those well below
+their matrix-multiply rate, so a profile times them at a rate of their own), and its kind (``op_kind``)."""
+CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward}
+"""Convolution operators (timed at a profile's convolution rate)."""
+# the operator sets of the runtime's selective policy, so the plan prices exactly what it keeps
+MATMUL_OPS, ATTENTION_OPS = activation_checkpoint.MATMUL_OPS, activation_checkpoint.ATTENTION_OPS
+SELECTIVE_SAVE_OPS = MATMUL_OPS | ATTENTION_OPS
+"""Operators whose outputs selective activation checkpointing keeps (``parallel.activation_checkpoint``'s
+collectives run only under tensor parallelism, which a measured pass leaves out); it recomputes the others."""
+KINDS = ("matmul", "attention", "other")
+"""Kinds of operator a pass tells apart (``op_kind``)."""
+_aten = torch.ops.aten
+FLOP_REGISTRY = {
+    **flop_registry,
+    # the CPU kernel's FLOPs are those of the CUDA one (same arguments first)
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[_aten._scaled_dot_product_flash_attention_backward],
+    _aten._grouped_mm: grouped_mm_flops,
+}
+"""torch's FLOP formulas, with the CPU attention kernels and the grouped matrix product of experts."""
+
+
+def op_kind(packet: Any) -> str:
+    """``matmul``, ``attention`` or ``other`` (element-wise work, norms, copies, views, convolutions) for an
+    operator overload packet (``func._overloadpacket`` of an ``OpOverload``)."""
+    if packet in MATMUL_OPS:
+        return "matmul"
+    return "attention" if packet in ATTENTION_OPS else "other"
+
+
+class FusedAttention(torch.overrides.TorchFunctionMode):
+    """Runs ``scaled_dot_product_attention`` as the fused CPU kernel, whose meta implementation saves what
+    fused kernels save (on the meta device the dispatcher would pick the reference path)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or kwargs.get("enable_gqa"):
+            return func(*args, **kwargs)
+        names = ("attn_mask", "dropout_p", "is_causal", "scale")
+        options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
+            attn_mask=options.get("attn_mask"), scale=options.get("scale"))
+        return out
+
+
+class OpCounter(TorchDispatchMode):
+    """Reports each operator as an ``Op``: FLOPs by torch's formulas, the bytes it reads and writes (views:
+    none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
+
+    def __init__(self, registry: dict, on_op, on_call=None) -> None:
+        super().__init__()
+        self.registry, self.on_op, self.on_call = registry, on_op, on_call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+        nbytes = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                             if isinstance(t, torch.Tensor))
+        kind = op_kind(packet)
+        self.on_op((int(flops), nbytes, packet in CONVOLUTIONS, kind))
+        if self.on_call is not None:
+            self.on_call(kind, (args, kwargs), out)
+        return out
+
+
+def count_ops(fn) -> list[Op]:
+    """Each operator ``fn()`` runs (for calibrating a profile on the same accounting)."""
+    ops: list[Op] = []
+    with OpCounter(flop_registry, ops.append):
+        fn()
+    return ops
