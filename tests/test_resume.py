@@ -79,3 +79,16 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, c
     assert resume_path("auto", tmp_path) is None
     assert capsys.readouterr().err == (f"disttrain: resume=auto found no complete checkpoint in "
                                        f"{tmp_path / 'checkpoints'}: starting from step 0\n")
+
+
+def test_a_run_that_max_steps_ended_inside_an_epoch_goes_on_from_there_with_more_steps(tmp_path):
+    # a constant rate, so the schedule does not depend on max_steps and the two runs can be compared step by step
+    constant = [*RUN, "scheduler=constant", "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0"]
+    train(compose_config([*constant, "trainer.max_steps=18"], tmp_path / "straight"))
+    train(compose_config([*constant, "trainer.max_steps=10"], tmp_path / "first"))
+    # the first run's last save is the end of its fit, in the middle of the epoch: Lightning's loop records the
+    # epoch as processed there, and took it as finished (it trained nothing more and the summary failed)
+    train(compose_config([*constant, "trainer.max_steps=18", f"resume={tmp_path / 'first'}"], tmp_path / "more"))
+    straight = step_losses(tmp_path / "straight")
+    assert step_losses(tmp_path / "more") == pytest.approx(straight[10:], rel=1e-6)
+    assert json.loads((tmp_path / "more" / "results.json").read_text())["global_steps"] == 18

@@ -39,3 +39,29 @@ def rewrite_batch_progress(fit_loop: dict[str, Any], batches_now: int, per_step_
         for stage in COUNTERS:
             counts[stage] = now + counts[stage] - base
     return True
+
+
+def reopen_cut_epoch(fit_loop: dict[str, Any], position: dict[str, Any]) -> bool:
+    """Make a checkpoint saved as a fit stopped at ``max_steps`` in the middle of an epoch read as the mid-epoch
+    save point it is (``fit_loop``: its ``loops["fit_loop"]``; ``position``: its data module's state, rewritten
+    in place too); False where it already does.
+
+    Once ``max_steps`` ends the epoch loop, Lightning counts the running epoch as processed, then as completed,
+    and a save at that moment (the end of the fit) records it so: a run resumed from it with more steps took
+    the epoch as finished and started the next (or stopped, where that was the last), skipping the epoch's
+    rest, and after the count the data position named the next epoch. A save point inside an epoch has the
+    epoch started but neither processed nor completed, and its batch completed one behind processed.
+    """
+    epochs = fit_loop.get("epoch_progress")
+    batches = fit_loop.get("epoch_loop.batch_progress")
+    if not epochs or not batches or batches.get("is_last_batch") or not batches["current"]["processed"]:
+        return False
+    if epochs["current"]["processed"] < epochs["current"]["ready"]:  # a save point inside the epoch already
+        return False
+    for part in ("current", "total"):
+        epochs[part]["processed"] = epochs[part]["completed"] = epochs[part]["ready"] - 1
+        if batches[part]["completed"] == batches[part]["processed"]:
+            batches[part]["completed"] -= 1
+    if "epoch" in position:
+        position["epoch"] = epochs["current"]["ready"] - 1
+    return True

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
-from disttrain.checkpoint.elastic import rewrite_batch_progress
+from disttrain.checkpoint.elastic import reopen_cut_epoch, rewrite_batch_progress
 from disttrain.data.base import DataModule
 from disttrain.data.position import batches_done
 
@@ -44,6 +44,14 @@ class ElasticResume(pl.Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to do: ``on_load_checkpoint`` reads the state before Lightning calls this."""
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A save at the end of a fit that ``max_steps`` cut inside an epoch is written as the save point inside
+        the epoch that it is, so a run resumed with more steps continues the epoch (``reopen_cut_epoch``)."""
+        datamodule = trainer.datamodule
+        position = checkpoint.get(type(datamodule).__qualname__, {}) if datamodule is not None else {}
+        reopen_cut_epoch(checkpoint.get("loops", {}).get("fit_loop", {}), position)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

@@ -132,9 +132,10 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
     timing = results.get("throughput") or {}
     if timing.get("shares"):
         shares = ", ".join(f"{name} {share:.0%}" for name, share in timing["shares"].items() if share >= 0.005)
-        lines.append(f"  wall time {timing['wall_time_s']:g} s from the command: {shares}; first step after "
-                     f"{timing['time_to_first_step_s']:g} s; {timing['end_to_end_samples_per_sec']:g} samples/s end "
-                     "to end")
+        first = timing.get("time_to_first_step_s")
+        first_step = f"first step after {first:g} s" if first is not None else "no training step in this process"
+        lines.append(f"  wall time {timing['wall_time_s']:g} s from the command: {shares}; {first_step}; "
+                     f"{timing['end_to_end_samples_per_sec']:g} samples/s end to end")
     energy = results.get("energy") or {}
     if energy.get("joules") is not None:
         how = f"estimated by {energy['source']}" if energy["estimated"] else f"measured by {energy['source']}"
