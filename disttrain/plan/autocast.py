@@ -48,8 +48,7 @@ POLICIES: dict[str, dict[str, set[str]]] = {
     "cuda": {
         "lower": _LOWER_COMMON | {"addmv", "addr", "einsum", "mv", "chain_matmul", "linalg_multi_dot",
                                   "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"},
-        # cross_entropy is on no CUDA list: it runs as log_softmax (fp32 output) and nll_loss (fp32), an fp32
-        # cross-entropy of fp32 logits all the same
+        # cross_entropy is on no CUDA list: the mode runs it as torch composes it (``_cross_entropy``)
         "fp32": _LOSSES | {
             "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
             "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "rms_norm", "group_norm", "cosine_similarity",
