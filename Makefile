@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # On a GPU machine: make TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install train test lint clean
+.PHONY: install train test test-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,11 @@ train: install
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a GPU machine (make install TORCH_SPEC=torch): the GPU's own tests, then GPT-2 and a 1.2B Llama measured
+test-gpu: install
+	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest -m cuda tests/test_cuda.py -p no:xdist -o addopts= -q
+	$(PY) benchmarks/throughput_mfu.py --device cuda
 
 lint: install
 	$(VENV)/bin/ruff check .
