@@ -244,11 +244,10 @@ def test_onebit_without_error_feedback_is_measurably_worse(tmp_path_factory):
     with_feedback = digits_run(tmp_path_factory, "onebit-ef", ["comm=onebit", "comm.warmup_steps=0"])
     without = digits_run(tmp_path_factory, "onebit-no-ef", ["comm=onebit", "comm.warmup_steps=0",
                                                             "comm.error_feedback=false"])
-    # measured test loss with one scale per chunk: 0.045 with error feedback, 0.125 without (2.8x) with torch's
-    # per-tensor AdamW (a scale per 256 values: 0.067 with error feedback); 0.043 and
-    # 0.084 (1.95x) with its fused kernel, whose last bits differ (accuracy ~0.99 either way: AdamW normalises the
-    # biased signs well enough on this small task, the loss shows the bias)
-    assert without["metrics"]["test/loss"] > 1.5 * with_feedback["metrics"]["test/loss"]
+    # the bias that error feedback corrects is the optimiser's, so the training loss shows it: the last epoch's
+    # mean 0.0267 with error feedback, 0.0464 without (1.74x) on an AMD EPYC. The test loss of the checkpoint
+    # that validation accuracy picks is noisier: 0.043 vs 0.084 on an Intel Xeon, 0.065 vs 0.082 on the EPYC
+    assert without["metrics"]["train/loss_epoch"] > 1.4 * with_feedback["metrics"]["train/loss_epoch"]
 
 
 # PowerSGD: a model with matrices that compress at rank 4 (40 x 24, 40 x 40), one that does not (3 x 40:
