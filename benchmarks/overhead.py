@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--steps 60] [--flavour nano]
     python benchmarks/overhead.py --flavour cnn --global-batch 64 --steps 320 --repeats 3   # the digits CNN
+    python benchmarks/overhead.py --device cuda --flavour mini --global-batch 64   # on GPUs (2 ranks: 2+ GPUs)
 
 Runs, in one process tree and one after the other: disttrain single-process, a plain loop
 single-process, disttrain DDP on 2 ranks and a plain DDP loop on 2 ranks. The plain loops read each step's
@@ -34,13 +35,14 @@ sys.path.insert(0, str(ROOT))
 from machine import cpu_model  # noqa: E402
 
 
-def overrides(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp") -> list[str]:
+def overrides(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp",
+              device: str = "cpu") -> list[str]:
     """The disttrain run being measured: no logging, checkpoints, validation or test. ``flavour`` cnn: the
-    digits CNN; else a GPT flavour on pydocs."""
+    digits CNN; else a GPT flavour on pydocs. ``device``: cpu or cuda (a GPU per rank)."""
     workload = ["model=cnn", "data=digits"] if flavour == "cnn" else ["model=gpt", f"model.flavour={flavour}",
                                                                       "data=pydocs"]
     return [
-        *workload, f"batch.global_size={global_batch}",
+        *workload, f"batch.global_size={global_batch}", f"trainer.accelerator={device}",
         f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.run_test=false",
         "trainer.log_every_n_steps=1000000", "logger=none", "callbacks=none",
         "checkpoint.save_last=false", "checkpoint.save_top_k=0",
@@ -48,7 +50,8 @@ def overrides(flavour: str, steps: int, global_batch: int, devices: int, preset:
     ]
 
 
-def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp") -> float:
+def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp",
+                            device: str = "cpu") -> float:
     """Steps/s of ``train()`` as reported in its results.json (clock starts after step 1)."""
     from hydra import compose, initialize_config_dir
 
@@ -59,7 +62,7 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 
     with tempfile.TemporaryDirectory() as run_dir:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices, preset),
+            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices, preset, device),
                                                      f"run_dir={run_dir}"])
         train(cfg)
         results = json.loads((Path(run_dir) / "results.json").read_text())
@@ -68,14 +71,15 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 
 def plain_loop(
     rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict, wrap: str = "ddp",
-    source: str = "memory", phases: bool = False,
+    source: str = "memory", phases: bool = False, device: str = "cpu",
 ) -> None:
     """A hand-written loop: model, AdamW, clipping, cosine schedule; ``wrap``: ddp, ddp_no_buffer_broadcast, fsdp
     (FSDP2 resharding after forward, ZeRO-3) or fsdp_keep (parameters kept gathered after forward, ZeRO-2).
     ``source`` memory: each step indexes this rank's rows of the epoch's permutation out of tensors that hold the
     whole training set (what a loop written by hand does when the data fits in memory); loader: a DataLoader over
     a DistributedSampler. ``phases``: also time each step's phases (``out["phases"]``, rank 0), at the boundaries
-    where ``step_phases.py`` times disttrain's step."""
+    where ``step_phases.py`` times disttrain's step. ``device`` cuda: rank r on GPU r (NCCL), each step's batch
+    copied there as Lightning copies disttrain's, the clock read after the GPU has finished."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -88,22 +92,27 @@ def plain_loop(
     from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
     from disttrain.parallel.apply import buffer_sync_option
 
+    gpu = torch.device("cuda", rank) if device == "cuda" else None
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if gpu is not None else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
     cnn = flavour == "cnn"
     data_cfg = DigitsConfig() if cnn else PyDocsConfig()
     datamodule = build_datamodule(data_cfg, micro_batch_size=global_batch // world, seed=0)
     datamodule.setup("fit")
-    model = build_model(CNNConfig() if cnn else GPTConfig(flavour=flavour), datamodule.spec)
+    model = build_model(CNNConfig() if cnn else GPTConfig(flavour=flavour), datamodule.spec).to(gpu or "cpu")
     if world > 1 and wrap.startswith("ddp"):
-        model = DistributedDataParallel(model, **buffer_sync_option(wrap == "ddp"))
+        model = DistributedDataParallel(model, device_ids=[rank] if gpu is not None else None,
+                                        **buffer_sync_option(wrap == "ddp"))
     elif world > 1:  # FSDP2 per transformer block (the CNN: whole), then the root; ZeRO-3 reshards after forward
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh, reshard_after_forward=wrap == "fsdp")
         fully_shard(model, mesh=mesh, reshard_after_forward=wrap == "fsdp")
@@ -124,6 +133,8 @@ def plain_loop(
     mark = clock.mark if clock else (lambda _name: None)
     for step in range(steps):
         if step == 1:
+            if gpu is not None:
+                torch.cuda.synchronize()
             start = time.perf_counter()
         mark("step")
         if source == "memory":
@@ -140,6 +151,8 @@ def plain_loop(
                 epoch += 1
                 batches = iter(loader)
                 inputs, targets = next(batches)
+        if gpu is not None:
+            inputs, targets = inputs.to(gpu), targets.to(gpu)
         mark("data")
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -152,6 +165,8 @@ def plain_loop(
         optimizer.step()
         scheduler.step()
         mark("optimiser")
+    if gpu is not None:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     if rank == 0:
         out["steps_per_sec"] = (steps - 1) / elapsed
@@ -165,7 +180,8 @@ def plain_loop(
         dist.destroy_process_group()
 
 
-def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict) -> None:
+def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict,
+                   device: str = "cpu") -> None:
     """The plain loop's model, data, optimiser, clipping and schedule written as the smallest LightningModule and run
     by Lightning's own Trainer (no logger, checkpoints or progress bar; on 2 ranks its DDP strategy without the
     per-step buffer broadcast): what any framework whose step runs inside Lightning's loop starts from. Batches
@@ -236,8 +252,9 @@ def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, g
 
     clock = Clock()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, max_steps=steps, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+        accelerator="gpu" if device == "cuda" else "cpu", devices=world, max_steps=steps, gradient_clip_val=1.0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[clock],
         strategy=DDPStrategy(**buffer_sync_option(False)) if world > 1 else "auto", use_distributed_sampler=False,
     )
     trainer.fit(Task(), torch.utils.data.DataLoader(StepBatches(), batch_size=None))
@@ -279,33 +296,34 @@ class PhaseClock:
 
 
 def plain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, wrap: str = "ddp",
-                        source: str = "memory") -> float:
+                        source: str = "memory", device: str = "cpu") -> float:
     """Steps/s of the plain loop on ``devices`` ranks, its batches read as ``source`` says (memory or loader)."""
     if devices == 1:
         out: dict = {}
-        plain_loop(0, 1, 0, flavour, steps, global_batch, out, source=source)
+        plain_loop(0, 1, 0, flavour, steps, global_batch, out, source=source, device=device)
         return out["steps_per_sec"]
     from disttrain.parallel.process_group import free_port
 
     port = free_port()
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(plain_loop, args=(devices, port, flavour, steps, global_batch, out, wrap, source), nprocs=devices)
+        mp.spawn(plain_loop, args=(devices, port, flavour, steps, global_batch, out, wrap, source, False, device),
+                 nprocs=devices)
         return out["steps_per_sec"]
 
 
-def lightning_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int) -> float:
+def lightning_steps_per_sec(flavour: str, steps: int, global_batch: int, devices: int, device: str = "cpu") -> float:
     """Steps/s of ``lightning_loop`` on ``devices`` ranks."""
     if devices == 1:
         out: dict = {}
-        lightning_loop(0, 1, 0, flavour, steps, global_batch, out)
+        lightning_loop(0, 1, 0, flavour, steps, global_batch, out, device)
         return out["steps_per_sec"]
     from disttrain.parallel.process_group import free_port
 
     port = free_port()
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(lightning_loop, args=(devices, port, flavour, steps, global_batch, out), nprocs=devices)
+        mp.spawn(lightning_loop, args=(devices, port, flavour, steps, global_batch, out, device), nprocs=devices)
         return out["steps_per_sec"]
 
 
@@ -316,24 +334,29 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each side; the best counts")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: a GPU per rank (the 2-rank row needs 2 GPUs)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
+    on = {"device": args.device}
     rows = []
-    for devices in (1, 2):
+    for devices in (1, 2) if args.device == "cpu" or torch.cuda.device_count() > 1 else (1,):
         ours = plain = loader = quiet = peer = 0.0
         for _ in range(args.repeats):  # alternating, so a noisy stretch of the machine hits both sides
-            ours = max(ours, disttrain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices))
-            plain = max(plain, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices))
+            ours = max(ours, disttrain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
+            plain = max(plain, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
             loader = max(loader, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices,
-                                                     source="loader"))
+                                                     source="loader", **on))
             if devices > 1:
                 quiet = max(quiet, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices,
-                                                       wrap="ddp_no_buffer_broadcast"))
-            peer = max(peer, lightning_steps_per_sec(args.flavour, args.steps, args.global_batch, devices))
+                                                       wrap="ddp_no_buffer_broadcast", **on))
+            peer = max(peer, lightning_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
         rows.append((devices, ours, plain, loader, quiet or plain, peer))
     workload = "digits CNN" if args.flavour == "cnn" else f"GPT {args.flavour}, pydocs"
-    print(f"\nCPU: {cpu_model()}; {workload}, global batch {args.global_batch}, {args.steps} steps, "
+    machine = f"GPU: {torch.cuda.get_device_name()}, host CPU: {cpu_model()}" if args.device == "cuda" else \
+        f"CPU: {cpu_model()}"
+    print(f"\n{machine}; {workload}, global batch {args.global_batch}, {args.steps} steps, "
           f"{args.threads} thread(s) per rank, best of {args.repeats}, torch {torch.__version__}\n")
     print("Plain loops read each step's batch out of in-memory tensors; the DataLoader column reads it through "
           "torch's DataLoader and DistributedSampler. The goals compare with the plain loop that makes no "
@@ -346,11 +369,12 @@ def main() -> None:
     for devices, ours, plain, loader, quiet, peer in rows:
         print(f"| {devices} | {ours:.2f} | {plain:.2f} | {ours / plain:.3f} | {loader:.2f} | {ours / loader:.3f} "
               f"| {quiet:.2f} | {ours / quiet:.3f} | {peer:.2f} | {ours / peer:.3f} | {peer / quiet:.3f} |")
-    one, two = (ours / quiet for _, ours, _, _, quiet, _ in rows)
-    one_peer, two_peer = (peer / quiet for _, _, _, _, quiet, peer in rows)
-    print(f"\ndisttrain / plain PyTorch (in-memory batches, no extra collective) steps/s: {one:.3f}x in one process "
-          f"(goal >= 0.99x), {two:.3f}x on 2 ranks (goal >= 0.97x); plain Lightning reaches {one_peer:.3f}x and "
-          f"{two_peer:.3f}x")
+    ratios = [ours / quiet for _, ours, _, _, quiet, _ in rows]
+    peers = [peer / quiet for _, _, _, _, quiet, peer in rows]
+    two = f", {ratios[1]:.3f}x on 2 ranks (goal >= 0.97x)" if len(rows) > 1 else ""
+    two_peer = f" and {peers[1]:.3f}x" if len(rows) > 1 else ""
+    print(f"\ndisttrain / plain PyTorch (in-memory batches, no extra collective) steps/s: {ratios[0]:.3f}x in one "
+          f"process (goal >= 0.99x){two}; plain Lightning reaches {peers[0]:.3f}x{two_peer}")
 
 
 if __name__ == "__main__":
