@@ -84,11 +84,10 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     kept where a unit keeps what it saved and freed with the head's once backward is past it; a checkpointed
     unit makes them again in its own backward, as short-lived as its recomputed activations but not counted.
 
-    Under autocast, backward starts with what the loss's backward adds to everything held
-    (``ModelStats.loss_grad_bytes``: its gradients less what it frees; per logit, 8 bytes of fp32 gradients on
-    a CPU and 4 on a GPU, ``disttrain.plan.autocast``). An fp32 plan keeps its earlier term there, the logits'
-    gradient alone, though its loss's backward holds the log-probabilities' gradient beside it too (at a
-    vocabulary of 50304 on GPT micro the fp32 plan is 0.67 of the measured peak for that reason).
+    Backward starts with what the loss's backward adds to everything held (``ModelStats.loss_grad_bytes``: its
+    gradients less what it frees): in fp32 the log-probabilities' gradient beside the logits'; under autocast,
+    per logit, 8 bytes of fp32 gradients on a CPU and 4 on a GPU (``disttrain.plan.autocast``). The logits'
+    gradient alone, as plans took it before, was 0.67 of the measured fp32 peak at a vocabulary of 50304.
 
     Mixtures of experts are not split by tp (every tp rank runs them on the same tokens). Under expert
     parallelism a rank keeps, of a mixture, the rows its all-to-all received (the grouped products save them)
@@ -139,7 +138,8 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         held += kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
-    output_grad = (stats.loss_grad_bytes if stats.autocast else stats.output_bytes) if last_stage else 0
+    # stats measured without the loss's backward (built by hand) fall back to the logits' gradient alone
+    output_grad = (stats.loss_grad_bytes or stats.output_bytes) if last_stage else 0
     # what expert parallelism's all-to-all receives in backward, beside the gradient it sends
     exchange = max((max(c.in_bytes, c.out_bytes) for c in stats.expert_calls if unit_on_rank(stats, c.unit, units)),
                    default=0) if layout.ep > 1 else 0
