@@ -77,8 +77,8 @@ class TrainerConfig:
     auto: bf16-mixed on a GPU with bf16, and on a CPU with AMX or AVX512-BF16 where bf16 autocast also measures
     at least 1.05x fp32 on the run's own model (timed before ranks start); else 32-true."""
     compile: bool = False
-    """torch.compile the model (in place, after its parallel layout): a slower first step (tens of seconds),
-    faster steps after it; each transformer block on its own under ZeRO-2/3 or tensor parallelism."""
+    """torch.compile the model (in place, after its parallel layout) and the loss: a slower first step (tens of
+    seconds), faster steps after it; each transformer block on its own under ZeRO-2/3 or tensor parallelism."""
     gradient_clip_val: float | None = 1.0
     """Clip gradients to this global norm; null disables clipping."""
     val_check_interval: Any = None
