@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from disttrain.parallel.config import accumulates_sharded
 from disttrain.parallel.dims import ParallelDims
-from disttrain.plan.model_stats import ROOT, ModelStats
+from disttrain.plan.model_stats import ModelStats
+from disttrain.plan.recorder import ROOT
 
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 """Values of ``parallel.activation_checkpoint``, from the most memory to the least recompute."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from disttrain.plan.layout import Layout, StateBytes, policy_of_units, unit_on_rank, within
-from disttrain.plan.model_stats import ROOT, ModelStats
+from disttrain.plan.model_stats import ModelStats
+from disttrain.plan.recorder import ROOT
 
 CP_DEGREES = (1, 2, 4)
 """Context-parallel degrees the report's table of activations by sequence length shows."""
