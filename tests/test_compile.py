@@ -53,6 +53,7 @@ def test_the_compiled_loss_computes_the_eager_loss_and_gradient_without_fp32_cop
 
 def test_a_compiled_run_trains_as_the_eager_one(make_config, tmp_path):
     from disttrain.launch.job import train
+    from tests.conftest import logged_metric
     from tests.test_run import GPT_FAST, step_losses
 
     curves = []
@@ -60,6 +61,9 @@ def test_a_compiled_run_trains_as_the_eager_one(make_config, tmp_path):
         run_dir = tmp_path / f"compile-{compiled}"
         train(make_config([*GPT_FAST, "trainer.max_steps=6", "trainer.limit_val_batches=0",
                            f"trainer.compile={str(compiled).lower()}"], run_dir))
-        curves.append(step_losses(run_dir))
-    # fused kernels reorder float sums; six AdamW steps with clipping keep them within this
-    assert torch.allclose(torch.tensor(curves[0]), torch.tensor(curves[1]), rtol=1e-4), curves
+        norms = [value for _, value in logged_metric(run_dir, "train/grad_norm")]
+        curves.append(torch.tensor([step_losses(run_dir), norms], dtype=torch.float64))
+    # losses and pre-clip gradient norms (1.4 to 2.2: clipping at 1.0 binds every step, so a wrong gradient scale
+    # moves the norm and the update): measured 1.9e-7 and 1.6e-7 relative apart, fused kernels reordering sums
+    assert curves[0].shape == (2, 6)
+    assert torch.allclose(curves[0], curves[1], rtol=1e-6, atol=0), curves
