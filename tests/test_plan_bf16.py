@@ -114,10 +114,11 @@ def test_zero3_gathering_bf16_weights_keeps_no_copies_of_them() -> None:
     assert single.memory["activations"] - inputs.estimate(zero3).memory["activations"] == 2 * multiplied
     cpu_inputs, cpu_single = _planned(net, spec, 2, CPU)
     assert cpu_inputs.estimate(zero3).memory["activations"] == cpu_single.memory["activations"]
-    # a micro-batch twice as large doubles the activations (but for a few scalars) and not the copies
+    # a micro-batch twice as large doubles the activations and not the copies, but for the loss's few scalars
+    # (measured 264 bytes of 68 MB)
     _, double = _planned(net, spec, 4, GPU)
     assert double.memory["activations"] == pytest.approx(2 * single.memory["activations"] - 2 * multiplied,
-                                                         rel=1e-4)
+                                                         abs=1024)
 
 
 def test_an_fp32_plan_is_the_fp32_pass() -> None:
