@@ -53,8 +53,9 @@ VARIANTS = {
 """disttrain's configurations, by the name the table gives them."""
 
 
-def write_corpus(data_dir: Path) -> None:
-    """Python's documentation as byte tokens in nanoGPT's format: 90% train, 10% validation."""
+def write_corpus(data_dir: Path, vocab_size: int | None = 256) -> None:
+    """Python's documentation as byte tokens in nanoGPT's format: 90% train, 10% validation; ``meta.pkl`` names
+    ``vocab_size`` (None: no meta.pkl, and nanoGPT takes GPT-2's padded vocabulary of 50304)."""
     from disttrain.data.text import pydocs_bytes
 
     data = pydocs_bytes().astype(np.uint16)
@@ -62,8 +63,15 @@ def write_corpus(data_dir: Path) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     data[:split].tofile(data_dir / "train.bin")
     data[split:].tofile(data_dir / "val.bin")
-    with open(data_dir / "meta.pkl", "wb") as handle:  # nanoGPT reads the vocabulary from here
-        pickle.dump({"vocab_size": 256}, handle)
+    if vocab_size is not None:
+        with open(data_dir / "meta.pkl", "wb") as handle:  # nanoGPT reads the vocabulary from here
+            pickle.dump({"vocab_size": vocab_size}, handle)
+
+
+def iterations(stdout: str) -> dict[int, tuple[float, float]]:
+    """nanoGPT's per-iteration log lines: iteration -> (its loss, its milliseconds)."""
+    return {int(m[1]): (float(m[2]), float(m[3]))
+            for m in re.finditer(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", stdout, re.M)}
 
 
 def run_nanogpt(workdir: Path, steps: int, seed: int) -> dict[str, float]:
@@ -85,8 +93,7 @@ def run_nanogpt(workdir: Path, steps: int, seed: int) -> dict[str, float]:
                           env=os.environ.copy())
     if done.returncode:
         raise RuntimeError(f"nanoGPT failed:\n{done.stderr[-3000:]}")
-    times = {int(m[1]): float(m[2]) for m in re.finditer(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms",
-                                                          done.stdout, re.M)}
+    times = {i: ms for i, (_, ms) in iterations(done.stdout).items()}
     vals = [float(m[1]) for m in re.finditer(r"val loss ([\d.]+)", done.stdout)]
     # iteration 0 and the last one include the evaluations that run before them
     steady = [times[i] for i in range(1, steps) if i in times]

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from machine import cpu_model  # noqa: E402
+from nanogpt import iterations, write_corpus  # noqa: E402
 
 WARMUP = 1
 """Steps left out of every side's tokens/s (compilation, autotuning): disttrain's meter starts its clock at the
@@ -121,18 +122,6 @@ class Row:
     note: str = ""
 
 
-def write_tokens(data_dir: Path) -> None:
-    """Python's documentation as byte tokens in nanoGPT's format (uint16 train.bin/val.bin, 90/10); no
-    meta.pkl, so nanoGPT takes GPT-2's padded vocabulary as disttrain does."""
-    from disttrain.data.text import pydocs_bytes
-
-    data = pydocs_bytes().astype(np.uint16)
-    split = len(data) - int(len(data) * 0.1)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    data[:split].tofile(data_dir / "train.bin")
-    data[split:].tofile(data_dir / "val.bin")
-
-
 def disttrain_overrides(w: Workload, data_dir: Path, steps: int, parallel: str, compiled: bool,
                         checkpointing: str, device: str, log_every: int = 10) -> list[str]:
     """The measured disttrain run: training only (no validation, test or checkpoints), a CSV row every
@@ -205,8 +194,7 @@ def run_nanogpt(nanogpt: Path, w: Workload, data_dir: Path, steps: int, device: 
                           timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"nanoGPT failed:\n{done.stdout[-1500:]}\n{done.stderr[-2500:]}")
-    iters = {int(m[1]): (float(m[2]), float(m[3])) for m in
-             re.finditer(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", done.stdout, re.M)}
+    iters = iterations(done.stdout)
     steady = [iters[i][1] for i in range(WARMUP, steps + 1) if i in iters]
     return Row(w.name, "nanoGPT" + (" compile" if gpu else ""),
                tokens_per_s=w.tokens_per_step / (statistics.mean(steady) / 1000), loss=iters[max(iters)][0])
@@ -278,25 +266,23 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
 
 def run_plain(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, scratch: Path,
               timeout: float) -> Row:
-    """``plain_fsdp_loop`` in its own process (its own CUDA context and peak-memory counter)."""
+    """``plain_fsdp_loop`` in a process of its own (its own CUDA context and peak-memory counter)."""
+    import multiprocessing
+
     out = scratch / f"plain-{w.name.replace(' ', '-')}-{compiled}.json"
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]\n"
-            "from pathlib import Path\nfrom throughput_mfu import *\n"
-            f"plain_fsdp_loop(WORKLOADS_BY_DEVICE[{device!r}][{w_key(w, device)!r}], Path({str(data_dir)!r}), "
-            f"{steps}, {device!r}, {compiled}, Path({str(out)!r}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          env=with_project_on_path())
-    if done.returncode:
-        raise RuntimeError(f"plain loop failed:\n{done.stderr[-2500:]}")
+    process = multiprocessing.get_context("spawn").Process(target=plain_fsdp_loop,
+                                                           args=(w, data_dir, steps, device, compiled, out))
+    process.start()
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        raise RuntimeError(f"plain loop still running after {timeout:.0f} s")
+    if process.exitcode:
+        raise RuntimeError(f"plain loop failed (exit code {process.exitcode}; its traceback is above)")
     return Row(**json.loads(out.read_text()))
 
 
 WORKLOADS_BY_DEVICE = {"cuda": WORKLOADS, "cpu": CPU_WORKLOADS}
-
-
-def w_key(w: Workload, device: str) -> str:
-    """The ``--cases`` name of ``w``."""
-    return next(key for key, value in WORKLOADS_BY_DEVICE[device].items() if value == w)
 
 
 def device_description(device: str) -> tuple[str, float | None]:
@@ -315,8 +301,10 @@ def print_table(rows: list[Row], device: str, steps: int) -> None:
     import torch
 
     described, peak = device_description(device)
+    precision = ("bf16 autocast, fp32 weights" if device == "cuda" else
+                 "disttrain in bf16 autocast, the other sides in fp32: a check of the script, not a comparison")
     print(f"\n{described}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; {steps} steps, the first "
-          f"{WARMUP} left out; bf16 autocast, fp32 weights\n")
+          f"{WARMUP} left out; {precision}\n")
     print("| model | trainer | tokens/s | MFU | loss at last step | peak allocated GB | plan's GB (error) | note |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -387,7 +375,7 @@ def main() -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
-        write_tokens(scratch / "tokens")
+        write_corpus(scratch / "tokens", vocab_size=None)  # GPT-2's padded vocabulary, as disttrain's
         for case in args.cases.split(","):
             w = workloads[case]
             for side in args.sides.split(","):
