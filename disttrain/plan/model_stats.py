@@ -36,13 +36,12 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.plan.autocast import MetaAutocast
 from disttrain.plan.experts import BalancedRouting, ExpertCall, expert_parameters
-from disttrain.plan.measure import LiveStorages
+from disttrain.plan.measure import LiveStorages, cross_entropy
 from disttrain.plan.ops import FLOP_REGISTRY, FusedAttention, Op, OpCounter
 from disttrain.plan.recorder import ROOT, PassRecorder, nbytes
 
@@ -211,7 +210,7 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
             # ends with forward, as a step's autocast context does (its cache of weight copies goes then)
             with casting or contextlib.nullcontext():
                 logits = net(inputs)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+                loss = cross_entropy(logits, targets)
             recorder.done_forward()
             # the loss's backward makes its gradients beside everything saved, and frees what it saved itself,
             # before the head's backward starts
