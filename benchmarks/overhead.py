@@ -337,6 +337,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: a GPU per rank (the 2-rank row needs 2 GPUs)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("Error: --device cuda: torch sees no GPU here")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     on = {"device": args.device}

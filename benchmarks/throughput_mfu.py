@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -204,7 +205,6 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
     """A hand-written FSDP2 loop on one rank (this process): the same model class and optimiser, each block
     ``fully_shard``-ed with bf16 parameters and fp32 gradient reduction, compiled block by block as torchtitan
     does; random windows of the token file, read as nanoGPT reads them. Writes its Row as JSON to ``out``."""
-    import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -287,8 +287,6 @@ WORKLOADS_BY_DEVICE = {"cuda": WORKLOADS, "cpu": CPU_WORKLOADS}
 
 def device_description(device: str) -> tuple[str, float | None]:
     """The device's name and its dense bf16 peak (None where not listed or on a CPU)."""
-    import torch
-
     if device != "cuda":
         return f"CPU: {cpu_model()}", None
     name = torch.cuda.get_device_name()
@@ -298,8 +296,6 @@ def device_description(device: str) -> tuple[str, float | None]:
 
 def print_table(rows: list[Row], device: str, steps: int) -> None:
     """The markdown table, with MFU and prediction error where they apply, and the headline ratios."""
-    import torch
-
     described, peak = device_description(device)
     precision = ("bf16 autocast, fp32 weights" if device == "cuda" else
                  "disttrain in bf16 autocast, the other sides in fp32: a check of the script, not a comparison")
@@ -361,6 +357,8 @@ def main() -> None:
     parser.add_argument("--run-timeout-s", type=float, default=600, help="stop any one run after this long")
     parser.add_argument("--jsonl", type=Path, help="append each row here as it lands")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("Error: --device cuda: torch sees no GPU here (--device cpu prints the table at test sizes)")
     if args.steps <= WARMUP + 1:
         sys.exit(f"Error: --steps {args.steps} must exceed {WARMUP + 1} (the first {WARMUP} are left out)")
     workloads = WORKLOADS_BY_DEVICE[args.device]
