@@ -155,17 +155,23 @@ def run_train_py(args: list[str], run_dir: Path, timeout: float) -> subprocess.C
 
 
 def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compiled: bool, checkpointing: str,
-                  device: str, scratch: Path, timeout: float, log_every: int = 10) -> Row:
+                  device: str, scratch: Path, timeout: float, log_every: int = 10,
+                  profile_dir: Path | None = None) -> Row:
     """One disttrain run: its tokens/s, last loss and peak memory, and ``mode=plan``'s prediction for the same
-    config (on a GPU, for eager runs)."""
+    config (on a GPU, for eager runs); with ``profile_dir``, five steps from step 21 profiled into
+    ``profile_dir/<run>`` (``callbacks=profile``: those steps run slower, and the row says so)."""
     label = f"disttrain {parallel}" + (" compile" if compiled else "") + (
         f" ac={checkpointing}" if checkpointing != "none" else "")
     run_dir = scratch / re.sub(r"\W+", "-", f"{w.name}-{label}")
     args = disttrain_overrides(w, data_dir, steps, parallel, compiled, checkpointing, device, log_every)
-    run_train_py(args, run_dir, timeout)
+    profiling = [] if profile_dir is None else [
+        "callbacks=profile", "callbacks.profile.start_step=20", f"callbacks.profile.dirpath={profile_dir / run_dir.name}"]
+    done = run_train_py([*args, *profiling], run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
     row = Row(w.name, label, tokens_per_s=results["tokens_per_sec"], loss=results["metrics"].get("train/loss"),
               peak_gb=(results.get("memory") or {}).get("max_allocated_gb"))
+    if profiling:
+        row.note = next((line for line in done.stdout.splitlines() if line.startswith("profile of steps")), "")
     if device == "cuda" and not compiled:  # the plan models eager activations; compiled rows are read beside
         plan_dir = run_dir.with_name(run_dir.name + "-plan")
         run_train_py([*args, "mode=plan", "plan.profile=h100_sxm"], plan_dir, timeout)
@@ -336,7 +342,7 @@ def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) ->
         return run_nanogpt(args.nanogpt, w, tokens, args.steps, args.device, scratch, args.run_timeout_s)
     parallel, compiled, checkpointing = DISTTRAIN_SIDES[side]
     return run_disttrain(w, tokens, args.steps, parallel, compiled, checkpointing, args.device, scratch,
-                         args.run_timeout_s, args.log_every_n_steps)
+                         args.run_timeout_s, args.log_every_n_steps, args.profile_dir)
 
 
 def main() -> None:
@@ -356,6 +362,8 @@ def main() -> None:
                         help="disttrain's trainer.log_every_n_steps (its default; nanoGPT reads its loss every step)")
     parser.add_argument("--run-timeout-s", type=float, default=600, help="stop any one run after this long")
     parser.add_argument("--jsonl", type=Path, help="append each row here as it lands")
+    parser.add_argument("--profile-dir", type=Path, help="profile steps 21-25 of each disttrain run into this "
+                                                         "folder (callbacks=profile; its rows run slower)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("Error: --device cuda: torch sees no GPU here (--device cpu prints the table at test sizes)")

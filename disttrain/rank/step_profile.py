@@ -1,0 +1,92 @@
+"""A window of training steps under ``torch.profiler``: where a step's time goes, on the host and the device.
+
+Added with ``callbacks=profile``. Each rank writes ``profile/rank<R>_ops.txt`` (the operators and kernels,
+slowest first) and ``profile/rank<R>_trace.json`` (a timeline for chrome://tracing or Perfetto) under the run
+folder, and rank 0 says in one line how long a profiled step took and how much of it the device was busy: a
+device idle between steps waits on the host (data, Python, a host read).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+class StepProfiler(pl.Callback):
+    """Profile optimiser steps ``start_step + 1`` to ``start_step + steps`` of a fit (after compilation and the
+    allocator's warm-up, which the first steps pay)."""
+
+    def __init__(self, start_step: int = 10, steps: int = 5, dirpath: str | None = None, row_limit: int = 40) -> None:
+        if start_step < 0 or steps < 1:
+            raise ValueError(f"StepProfiler: start_step={start_step} and steps={steps}: start_step >= 0 and "
+                             "steps >= 1 are allowed")
+        self.start_step = start_step
+        """Optimiser steps done before the window opens."""
+        self.steps = steps
+        """Optimiser steps profiled."""
+        self.dirpath = dirpath
+        """Where the files go; None: ``profile/`` in the run folder."""
+        self.row_limit = row_limit
+        """Rows of the operator table."""
+        self._profiler: profile | None = None
+        self._started_at = 0.0
+        self.summary: dict[str, float] | None = None
+        """After the window: ``step_ms`` (wall clock per step), ``device_ms`` (device kernel time per step, where
+        a device was profiled) and ``steps``."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Open the window at its first step's first micro-batch."""
+        if self._profiler is not None or self.summary is not None or trainer.global_step != self.start_step:
+            return
+        self._device = pl_module.device
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._device.type == "cuda" else [])
+        self._synchronize()
+        self._profiler = profile(activities=activities)
+        self._profiler.start()
+        self._started_at = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Close the window once its steps are done; also at a fit that ends inside it."""
+        if self._profiler is not None and trainer.global_step >= self.start_step + self.steps:
+            self._close(trainer, trainer.global_step - self.start_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit shorter than the window still writes what was profiled."""
+        if self._profiler is not None:
+            self._close(trainer, trainer.global_step - self.start_step)
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _close(self, trainer: pl.Trainer, steps: int) -> None:
+        self._synchronize()
+        wall_s = time.perf_counter() - self._started_at
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        folder = Path(self.dirpath or Path(trainer.default_root_dir) / "profile")
+        folder.mkdir(parents=True, exist_ok=True)
+        rank = trainer.global_rank
+        averages = profiler.key_averages()
+        on_device = self._device.type != "cpu"
+        sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
+        (folder / f"rank{rank}_ops.txt").write_text(averages.table(sort_by=sort_by, row_limit=self.row_limit))
+        profiler.export_chrome_trace(str(folder / f"rank{rank}_trace.json"))
+        steps = max(steps, 1)
+        self.summary = {"steps": steps, "step_ms": 1e3 * wall_s / steps}
+        line = f"profile of steps {self.start_step + 1}-{self.start_step + steps}: {self.summary['step_ms']:.2f} ms a step"
+        if on_device:
+            # self device time sums kernels and copies; overlapping streams (a collective beside compute) add up
+            device_us = sum(event.self_device_time_total for event in averages)
+            self.summary["device_ms"] = device_us / 1e3 / steps
+            line += (f", the device busy {self.summary['device_ms']:.2f} ms of it "
+                     f"({100 * self.summary['device_ms'] / self.summary['step_ms']:.0f}%)")
+        if rank == 0:
+            print(f"{line}; operators and timeline in {folder}", flush=True)
