@@ -123,14 +123,15 @@ class Row:
     note: str = ""
 
 
-def disttrain_overrides(w: Workload, data_dir: Path, steps: int, parallel: str, compiled: bool,
+def disttrain_overrides(w: Workload, data_dir: Path, steps: int, parallel: str, compile_mode: str | None,
                         checkpointing: str, device: str, log_every: int = 10) -> list[str]:
     """The measured disttrain run: training only (no validation, test or checkpoints), a CSV row every
     ``log_every`` steps (a logged step reads its metrics back to the host: a GPU synchronisation each)."""
     return [*w.model, "data=tokens", f"data.path={data_dir}", f"data.vocab_size={VOCAB}",
             f"data.block_size={w.block}", f"model.vocab_size={VOCAB}", f"batch.global_size={w.batch}",
             f"parallel={parallel}", "trainer.devices=1", f"trainer.accelerator={device}",
-            "trainer.precision=bf16-mixed", f"trainer.compile={str(compiled).lower()}",
+            "trainer.precision=bf16-mixed", f"trainer.compile={str(compile_mode is not None).lower()}",
+            f"trainer.compile_mode={compile_mode or 'default'}",
             f"parallel.activation_checkpoint={checkpointing}", f"trainer.max_steps={steps}",
             "trainer.limit_val_batches=0", "trainer.run_test=false", f"trainer.log_every_n_steps={log_every}",
             "logger=csv", "checkpoint.save_last=false", "checkpoint.save_top_k=0", "plots=false",
@@ -154,25 +155,27 @@ def run_train_py(args: list[str], run_dir: Path, timeout: float) -> subprocess.C
     return done
 
 
-def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compiled: bool, checkpointing: str,
+def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compile_mode: str | None,
+                  checkpointing: str,
                   device: str, scratch: Path, timeout: float, log_every: int = 10,
                   profile_dir: Path | None = None) -> Row:
     """One disttrain run: its tokens/s, last loss and peak memory, and ``mode=plan``'s prediction for the same
     config (on a GPU, for eager runs); with ``profile_dir``, five steps from step 21 profiled into
     ``profile_dir/<run>`` (``callbacks=profile``: those steps run slower, and the row says so)."""
-    label = f"disttrain {parallel}" + (" compile" if compiled else "") + (
+    label = f"disttrain {parallel}" + {None: "", "default": " compile"}.get(compile_mode, f" {compile_mode}") + (
         f" ac={checkpointing}" if checkpointing != "none" else "")
     run_dir = scratch / re.sub(r"\W+", "-", f"{w.name}-{label}")
-    args = disttrain_overrides(w, data_dir, steps, parallel, compiled, checkpointing, device, log_every)
+    args = disttrain_overrides(w, data_dir, steps, parallel, compile_mode, checkpointing, device, log_every)
     profiling = [] if profile_dir is None else [
-        "callbacks=profile", "callbacks.profile.start_step=20", f"callbacks.profile.dirpath={profile_dir / run_dir.name}"]
+        "callbacks=profile", "callbacks.profile.start_step=20",
+        f"callbacks.profile.dirpath={profile_dir / run_dir.name}"]
     done = run_train_py([*args, *profiling], run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
     row = Row(w.name, label, tokens_per_s=results["tokens_per_sec"], loss=results["metrics"].get("train/loss"),
               peak_gb=(results.get("memory") or {}).get("max_allocated_gb"))
     if profiling:
         row.note = next((line for line in done.stdout.splitlines() if line.startswith("profile of steps")), "")
-    if device == "cuda" and not compiled:  # the plan models eager activations; compiled rows are read beside
+    if device == "cuda" and compile_mode is None:  # the plan models eager activations; compiled rows are read beside
         plan_dir = run_dir.with_name(run_dir.name + "-plan")
         run_train_py([*args, "mode=plan", "plan.profile=h100_sxm"], plan_dir, timeout)
         row.predicted_gb = json.loads((plan_dir / "plan.json").read_text())["total_bytes"] / 1e9
@@ -327,10 +330,11 @@ def print_table(rows: list[Row], device: str, steps: int) -> None:
                 print(f"{name}: fastest disttrain ({ours[1]}) vs {peer}: {ours[0] / by_side[peer]:.3f}x tokens/s")
 
 
-DISTTRAIN_SIDES = {"single": ("single", False, "none"), "single-compile": ("single", True, "none"),
-                   "zero3": ("zero3", False, "none"), "zero3-compile": ("zero3", True, "none"),
-                   "ac": ("single", False, "full")}
-"""disttrain's runs by ``--sides`` name: preset, compiled, activation checkpointing."""
+DISTTRAIN_SIDES = {"single": ("single", None, "none"), "single-compile": ("single", "default", "none"),
+                   "single-cudagraphs": ("single", "reduce-overhead", "none"),
+                   "zero3": ("zero3", None, "none"), "zero3-compile": ("zero3", "default", "none"),
+                   "ac": ("single", None, "full")}
+"""disttrain's runs by ``--sides`` name: preset, torch.compile's mode (None: eager), activation checkpointing."""
 
 
 def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) -> Row:
@@ -340,8 +344,8 @@ def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) ->
         return run_plain(w, tokens, args.steps, args.device, args.device == "cuda", scratch, args.run_timeout_s)
     if side == "nanogpt":
         return run_nanogpt(args.nanogpt, w, tokens, args.steps, args.device, scratch, args.run_timeout_s)
-    parallel, compiled, checkpointing = DISTTRAIN_SIDES[side]
-    return run_disttrain(w, tokens, args.steps, parallel, compiled, checkpointing, args.device, scratch,
+    parallel, compile_mode, checkpointing = DISTTRAIN_SIDES[side]
+    return run_disttrain(w, tokens, args.steps, parallel, compile_mode, checkpointing, args.device, scratch,
                          args.run_timeout_s, args.log_every_n_steps, args.profile_dir)
 
 
@@ -353,8 +357,10 @@ def main() -> None:
                                                      "configurator.py); left out when not given")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--cases", default="gpt2,llama1b", help="workloads, from gpt2, llama1b")
-    parser.add_argument("--sides", default="single,single-compile,zero3,zero3-compile,ac,plain,nanogpt",
-                        help="what runs of each workload: single, single-compile, zero3, zero3-compile (disttrain), "
+    parser.add_argument("--sides",
+                        default="single,single-compile,single-cudagraphs,zero3,zero3-compile,ac,plain,nanogpt",
+                        help="what runs of each workload: single, single-compile, single-cudagraphs (compile_mode="
+                             "reduce-overhead), zero3, zero3-compile (disttrain), "
                              "ac (single, full activation checkpointing), plain (plain FSDP2 loop, "
                              "compiled on a GPU), nanogpt (GPT-2 only)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no run after this many seconds")

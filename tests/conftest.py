@@ -56,7 +56,9 @@ def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, (ROOT, *pythonpath)))}
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []  # where Hydra may be installed
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(map(str, (ROOT, *pythonpath, *inherited)))}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)

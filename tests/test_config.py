@@ -77,6 +77,15 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["trainer.limit_val_batches=all"], "trainer.limit_val_batches", "a count of batches (an int)"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "trainer.compile=true"], "trainer.compile",
          "pipeline"),
+        (["trainer.compile=true", "trainer.compile_mode=fast"], "trainer.compile_mode",
+         "one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
+        (["trainer.compile_mode=reduce-overhead"], "trainer.compile_mode", "default unless trainer.compile=true"),
+        (["parallel=ddp", "trainer.devices=2", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"],
+         "trainer.compile_mode", "CUDA graphs replay no collectives"),
+        (["parallel=zero3", "trainer.devices=1", "trainer.compile=true", "trainer.compile_mode=max-autotune"],
+         "trainer.compile_mode", "under ZeRO"),
+        (["trainer.compile=true", "trainer.compile_mode=reduce-overhead", "batch.micro_size=16"],
+         "trainer.compile_mode", "with 4 micro-batches a step"),
     ],
 )
 def test_bad_input_is_one_clear_line(make_config, overrides, key, allowed):

@@ -68,19 +68,18 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory: pytest.TempPathFactory):
-    """``bf16_run(parallel, compiled)``: the per-step losses and ``results.json`` of ``BF16_GPT`` under that
-    layout, trained once per module."""
-    runs: dict[tuple[str, bool], tuple[list[float], dict[str, Any]]] = {}
+    """``bf16_run(parallel, compile_mode)``: the per-step losses and ``results.json`` of ``BF16_GPT`` under that
+    layout, compiled in that mode (None: eager), trained once per module."""
+    runs: dict[tuple[str, str | None], tuple[list[float], dict[str, Any]]] = {}
 
-    def run(parallel: str, compiled: bool = False) -> tuple[tuple[list[float], list[float]], dict[str, Any]]:
-        if (parallel, compiled) not in runs:
-            run_dir = tmp_path_factory.mktemp(f"{parallel}-{'compiled' if compiled else 'eager'}")
-            train(compose_config([*BF16_GPT, f"parallel={parallel}", f"trainer.compile={str(compiled).lower()}"],
-                                 run_dir))
+    def run(parallel: str, mode: str | None = None) -> tuple[tuple[list[float], list[float]], dict[str, Any]]:
+        if (parallel, mode) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"{parallel}-{mode or 'eager'}")
+            compiling = [] if mode is None else ["trainer.compile=true", f"trainer.compile_mode={mode}"]
+            train(compose_config([*BF16_GPT, f"parallel={parallel}", *compiling], run_dir))
             norms = [value for _, value in logged_metric(run_dir, "train/grad_norm")]
-            runs[parallel, compiled] = ((step_losses(run_dir), norms),
-                                        json.loads((run_dir / "results.json").read_text()))
-        return runs[parallel, compiled]
+            runs[parallel, mode] = ((step_losses(run_dir), norms), json.loads((run_dir / "results.json").read_text()))
+        return runs[parallel, mode]
 
     return run
 
@@ -130,10 +129,19 @@ def test_bf16_single_and_zero3_on_one_rank_train_the_same_curve(bf16_run):
 def test_compiled_runs_train_the_eager_curve(bf16_run):
     eager = bf16_run("single")[0]
     for parallel in ("single", "zero3"):
-        curve, results = bf16_run(parallel, compiled=True)
+        curve, results = bf16_run(parallel, "default")
         assert results["compiled"] is True and results["device"] == "cuda:0"
         assert_learned(curve)
         assert_same_curve(eager, curve, f"single eager vs {parallel} compiled")
+
+
+def test_cuda_graph_replays_train_the_eager_curve(bf16_run):
+    """``compile_mode=reduce-overhead``: each step's forward and backward replayed as CUDA graphs, the losses kept
+    across steps copied out of the graphs' memory before the next replay writes over it."""
+    curve, results = bf16_run("single", "reduce-overhead")
+    assert results["compile_mode"] == "reduce-overhead" and results["device"] == "cuda:0"
+    assert_learned(curve)
+    assert_same_curve(bf16_run("single")[0], curve, "single eager vs CUDA graphs")
 
 
 def csv_steps(run_dir: Path) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from disttrain.rank.step_profile import StepProfiler
+from disttrain.rank.step_profile import StepProfiler, busy_us
 
 
 class Regression(pl.LightningModule):
@@ -65,3 +65,16 @@ def test_a_fit_that_ends_inside_the_window_writes_what_ran(tmp_path):
 def test_a_window_that_cannot_open_is_refused_by_its_values():
     with pytest.raises(ValueError, match="start_step=-1 and steps=0"):
         StepProfiler(start_step=-1, steps=0)
+
+
+def test_the_device_busy_time_is_the_union_of_its_spans():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [event(0, 10), event(5, 12), event(20, 25), event(30, 31, annotation=True), event(0, 100, DeviceType.CPU)]
+    assert busy_us(events) == 17  # 0-12 and 20-25: overlapping streams once, no host op or annotation

@@ -79,6 +79,16 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile the model (in place, after its parallel layout) and the loss: a slower first step (tens of
     seconds), faster steps after it; each transformer block on its own under ZeRO-2/3 or tensor parallelism."""
+    compile_mode: str = "default"
+    """torch.compile's mode under ``trainer.compile``: default; reduce-overhead (CUDA graphs: each step's
+    forward and backward kernels replayed by one launch each, for steps whose launches hold the GPU back; one
+    rank without sharding or collectives, e.g. parallel=single); max-autotune (kernel configurations tried on the
+    first step, then CUDA graphs, as reduce-overhead); max-autotune-no-cudagraphs."""
+
+    @property
+    def compiled_mode(self) -> str | None:
+        """torch.compile's mode for the model and the loss; None: they run eager."""
+        return self.compile_mode if self.compile else None
     gradient_clip_val: float | None = 1.0
     """Clip gradients to this global norm; null disables clipping."""
     val_check_interval: Any = None

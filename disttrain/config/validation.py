@@ -27,6 +27,7 @@ from disttrain.config.typed import data_typed, model_typed, registry_typed, type
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.target import TargetModelConfig
+from disttrain.parallel.compile import COMPILE_MODES, CUDA_GRAPH_MODES
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.model_checks import check_model_plan, model_on_meta
@@ -94,6 +95,24 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
                     "on (trainer.devices=N for another number)")
 
 
+def check_compile_mode(trainer: TrainerConfig, world: int, zero_stage: int, accumulation: int) -> None:
+    """``trainer.compile_mode`` is one of torch.compile's modes, with ``trainer.compile`` on, and the modes that
+    record CUDA graphs run on one rank whose step launches no collective (a graph replays no communication) and
+    takes one micro-batch (the next micro-batch's replay would write over the gradients being summed)."""
+    mode = trainer.compile_mode
+    if mode not in COMPILE_MODES:
+        raise ConfigError("trainer.compile_mode", mode, f"one of {', '.join(COMPILE_MODES)}")
+    if mode != "default" and not trainer.compile:
+        raise ConfigError("trainer.compile_mode", mode, "default unless trainer.compile=true")
+    if mode in CUDA_GRAPH_MODES and (world > 1 or zero_stage):
+        raise ConfigError("trainer.compile_mode", mode, "default or max-autotune-no-cudagraphs on more than one "
+                          "rank or under ZeRO (CUDA graphs replay no collectives); parallel=single runs it")
+    if mode in CUDA_GRAPH_MODES and accumulation > 1:
+        raise ConfigError("trainer.compile_mode", mode, f"default or max-autotune-no-cudagraphs with {accumulation} "
+                          "micro-batches a step (a replay writes over the gradients being summed); batch.micro_size "
+                          "equal to batch.global_size runs it")
+
+
 def check_gpu_count(trainer: TrainerConfig, devices_range: RankRange | None = None) -> None:
     """A GPU run that disttrain's supervisor starts needs a GPU per rank on this machine (rank r takes
     ``cuda:r``; ``trainer.num_nodes`` > 1 without a launcher starts them all here): ConfigError naming
@@ -157,6 +176,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         top.batch = elastic_batch(top.batch, dims.dp if largest == world else
                                   ParallelDims.resolve(largest, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep).dp)
     batch = resolve_batch(top.batch, dims.dp)
+    check_compile_mode(top.trainer, world, p.zero_stage, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):

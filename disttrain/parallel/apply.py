@@ -45,13 +45,14 @@ def apply_parallelism(
     comm: CommConfig | None = None,
     counter: ByteCounter | None = None,
     exchange: ExchangeState | None = None,
-    compile: bool = False,
+    compile_mode: str | None = None,
     ddp_exchange: bool = True,
 ) -> nn.Module:
     """Apply the plan of ``parallel`` to ``model`` (already split by sequence under context parallelism, see
     ``disttrain.parallel.context``); returns the module to train (maybe a wrapper). ``comm``:
     what data-parallel gradients are sent as, with the bytes counted in ``counter`` and what carries over
-    between steps kept in ``exchange``. ``compile``: torch.compile the model (or each unit when sharded).
+    between steps kept in ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this
+    mode; None: eager.
     ``ddp_exchange``: replicas exchange gradients through DDP (False: the kind of run exchanges them itself)."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
@@ -59,8 +60,8 @@ def apply_parallelism(
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if parallel.activation_checkpoint != "none":
         apply_activation_checkpointing(model, units, parallel.activation_checkpoint, parallel.checkpoint_every_n_blocks)
-    if compile:
-        compile_model(model, units, per_unit=dims.tp_enabled or parallel.zero_stage in (2, 3))
+    if compile_mode is not None:
+        compile_model(model, units, per_unit=dims.tp_enabled or parallel.zero_stage in (2, 3), mode=compile_mode)
     if parallel.zero_stage in (2, 3):
         return apply_fsdp(
             model,

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from torch import nn
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""torch.compile's modes (``trainer.compile_mode``)."""
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""The modes that record CUDA graphs on a GPU: a compiled region's outputs live in the graph's memory, which
+its next replay writes over."""
 
-def compile_model(model: nn.Module, units: list[nn.Module], per_unit: bool) -> None:
-    """Compile ``model`` in place: each of ``units`` on its own when ``per_unit`` (and there are any), else whole."""
+
+def compile_model(model: nn.Module, units: list[nn.Module], per_unit: bool, mode: str = "default") -> None:
+    """Compile ``model`` in place in torch.compile's ``mode``: each of ``units`` on its own when ``per_unit`` (and
+    there are any), else whole."""
     for module in units if per_unit and units else [model]:
-        module.compile()
+        module.compile(mode=None if mode == "default" else mode)

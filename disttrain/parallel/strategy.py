@@ -44,7 +44,8 @@ class DistTrainStrategy(ModelParallelStrategy):
     def __init__(
         self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False,
         pipeline: PipelineSlot | None = None, async_save: bool = False, comm: CommConfig | None = None,
-        compile: bool = False, wrap_optimizer: OptimizerWrap | None = None, per_replica_checkpoints: bool = False,
+        compile_mode: str | None = None, wrap_optimizer: OptimizerWrap | None = None,
+        per_replica_checkpoints: bool = False,
         ddp_exchange: bool = True,
     ) -> None:
         super().__init__(
@@ -62,8 +63,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Where a pipelined run's stages and schedule go (shared with the task); None: not pipelined."""
         self.comm = comm
         """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
-        self.compile = compile
-        """torch.compile the model once its layout is applied."""
+        self.compile_mode = compile_mode
+        """torch.compile's mode for the model once its layout is applied; None: eager."""
         self.comm_counter = ByteCounter()
         """Bytes this rank sent through disttrain's gradient exchange."""
         self.comm_state = ExchangeState()
@@ -138,7 +139,8 @@ class DistTrainStrategy(ModelParallelStrategy):
             else:
                 task.net = apply_parallelism(
                     task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
-                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile, self.ddp_exchange,
+                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile_mode,
+                    self.ddp_exchange,
                 )
             if materialize is not None and shards_on_meta:
                 materialize(self.root_device)

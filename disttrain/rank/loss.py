@@ -26,6 +26,8 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: 
                            ignore_index=IGNORE_INDEX)
 
 
-def loss_function(compiled: bool) -> LossFunction:
-    """``token_cross_entropy``, compiled when the model is (``trainer.compile``)."""
-    return torch.compile(token_cross_entropy) if compiled else token_cross_entropy
+def loss_function(compile_mode: str | None) -> LossFunction:
+    """``token_cross_entropy``, compiled in torch.compile's ``compile_mode`` as the model is; None: eager."""
+    if compile_mode is None:
+        return token_cross_entropy
+    return torch.compile(token_cross_entropy, mode=None if compile_mode == "default" else compile_mode)

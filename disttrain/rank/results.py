@@ -84,6 +84,7 @@ def run_results(run: RunConfig, trainer: pl.Trainer, fitted: Fitted, meter: Thro
         "memory": device_memory(trainer.strategy.root_device),
         "precision": cfg.trainer.precision,
         "compiled": cfg.trainer.compile,
+        "compile_mode": cfg.trainer.compiled_mode,
         "torch": torch.__version__,
         "config_hash": run.config_hash,
         "best_checkpoint": (checkpoint.best_model_path or None) if checkpoint is not None else None,

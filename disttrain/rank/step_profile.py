@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -81,12 +82,23 @@ class StepProfiler(pl.Callback):
         profiler.export_chrome_trace(str(folder / f"rank{rank}_trace.json"))
         steps = max(steps, 1)
         self.summary = {"steps": steps, "step_ms": 1e3 * wall_s / steps}
-        line = f"profile of steps {self.start_step + 1}-{self.start_step + steps}: {self.summary['step_ms']:.2f} ms a step"
+        window = f"{self.start_step + 1}-{self.start_step + steps}"
+        line = f"profile of steps {window}: {self.summary['step_ms']:.2f} ms a step"
         if on_device:
-            # self device time sums kernels and copies; overlapping streams (a collective beside compute) add up
-            device_us = sum(event.self_device_time_total for event in averages)
-            self.summary["device_ms"] = device_us / 1e3 / steps
+            self.summary["device_ms"] = busy_us(profiler.events()) / 1e3 / steps
             line += (f", the device busy {self.summary['device_ms']:.2f} ms of it "
                      f"({100 * self.summary['device_ms'] / self.summary['step_ms']:.0f}%)")
         if rank == 0:
             print(f"{line}; operators and timeline in {folder}", flush=True)
+
+
+def busy_us(events: list[Any]) -> float:
+    """Microseconds in which the device ran a kernel, a copy or a fill: the union of their spans, so that
+    streams running side by side (a collective beside compute) count once."""
+    spans = sorted((event.time_range.start, event.time_range.end) for event in events
+                   if event.device_type != DeviceType.CPU and not event.is_user_annotation)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy

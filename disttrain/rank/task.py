@@ -18,6 +18,7 @@ from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
+from disttrain.parallel.compile import CUDA_GRAPH_MODES
 from disttrain.rank.hook_dispatch import FastHookName
 from disttrain.rank.loss import loss_function
 
@@ -38,8 +39,9 @@ class TrainTask(FastHookName, pl.LightningModule):
 
     def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int,
                  agreement: StepAgreement | None = None, gradients_agree: bool = False,
-                 compile_loss: bool = False):
-        """``compile_loss``: compile the cross-entropy as the model is (``disttrain.rank.loss``)."""
+                 compile_mode: str | None = None):
+        """``compile_mode``: torch.compile's mode for the cross-entropy, as the model's (``disttrain.rank.loss``);
+        None: eager."""
         super().__init__()
         self.agreement = agreement or StepAgreement()
         """Agreement of all ranks on preemption requests and non-finite numbers."""
@@ -49,8 +51,11 @@ class TrainTask(FastHookName, pl.LightningModule):
         loss and the preemption flag are then reduced on logged steps only. False: every step reduces them."""
         self.net = net
         self.spec = spec
-        self.loss_fn = loss_function(compile_loss)
+        self.loss_fn = loss_function(compile_mode)
         """The cross-entropy of logits against targets, compiled with the model or eager."""
+        self.replays_cuda_graphs = compile_mode in CUDA_GRAPH_MODES
+        """Compiled regions replay CUDA graphs: a step's losses are copied out of the graph's memory before the
+        next step's replay writes over it, and each training step tells the graphs a new step begins."""
         self.optim_cfg = optim_cfg
         self.scheduler_cfg = scheduler_cfg
         self.total_steps = total_steps
@@ -88,8 +93,10 @@ class TrainTask(FastHookName, pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean cross-entropy of this rank's micro-batch (Lightning scales it for accumulation)."""
+        if self.replays_cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss, _ = self._loss(batch)
-        self._record_train_loss(loss.detach())
+        self._record_train_loss(loss.detach().clone() if self.replays_cuda_graphs else loss.detach())
         return loss
 
     def _record_train_loss(self, loss: torch.Tensor) -> None:

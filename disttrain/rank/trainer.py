@@ -56,7 +56,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
     strategy = DistTrainStrategy(
         cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False), kind.pipeline_slot(),
-        cfg.checkpoint.async_save, cfg.comm, t.compile, wrap_optimizer=kind.optimizer_wrap(),
+        cfg.checkpoint.async_save, cfg.comm, t.compiled_mode, wrap_optimizer=kind.optimizer_wrap(),
         per_replica_checkpoints=kind.per_replica_checkpoints, ddp_exchange=kind.exchanges_through_ddp)
     steps_per_epoch = kind.steps_per_epoch(run.datamodule)
     trainer = pl.Trainer(

@@ -57,7 +57,7 @@ class RunKind:
         run = self.run
         return TrainTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
                          agreement=self.agreement, gradients_agree=self.gradients_agree,
-                         compile_loss=run.train.trainer.compile), datamodule
+                         compile_mode=run.train.trainer.compiled_mode), datamodule
 
     def pipeline_slot(self) -> PipelineSlot | None:
         """Where pipeline stages and their schedule go (None: the model is not cut into stages)."""
