@@ -18,6 +18,7 @@ from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
 from disttrain.rank.hook_dispatch import NoProfiler
 from disttrain.rank.kinds.base import RunKind
+from disttrain.rank.logged_values import place_logged_values_once
 
 
 def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter: ThroughputMeter,
@@ -87,6 +88,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         profiler=NoProfiler(),
     )
     skip_lightning_sigterm_broadcast(trainer)
+    place_logged_values_once()
     return trainer
 
 
