@@ -92,3 +92,19 @@ def test_a_run_that_max_steps_ended_inside_an_epoch_goes_on_from_there_with_more
     straight = step_losses(tmp_path / "straight")
     assert step_losses(tmp_path / "more") == pytest.approx(straight[10:], rel=1e-6)
     assert json.loads((tmp_path / "more" / "results.json").read_text())["global_steps"] == 18
+
+
+def test_a_run_resumed_with_more_steps_follows_the_longer_schedule_from_its_first_step(tmp_path):
+    from tests.conftest import logged_metric
+
+    # the cosine schedule of RUN (warm-up, then decay to its floor at max_steps) depends on max_steps
+    train(compose_config([*RUN, "trainer.max_steps=18", "trainer.val_check_interval=null",
+                          "trainer.check_val_every_n_epoch=1"], tmp_path / "straight"))
+    train(compose_config([*RUN, "trainer.max_steps=10"], tmp_path / "first"))
+    train(compose_config([*RUN, "trainer.max_steps=18", f"resume={tmp_path / 'first'}"], tmp_path / "more"))
+    straight = dict(logged_metric(tmp_path / "straight", "train/lr"))
+    resumed = dict(logged_metric(tmp_path / "more", "train/lr"))
+    assert sorted(resumed) == list(range(11, 19)), resumed
+    # step 11 took the first run's last rate (its schedule ended at step 10) before the longer schedule applied
+    assert [resumed[step] for step in range(11, 19)] == pytest.approx([straight[step] for step in range(11, 19)],
+                                                                       rel=1e-9)

@@ -73,3 +73,15 @@ def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, tota
         raise ConfigError("scheduler.warmup_steps", cfg.warmup_steps,
                           f"at most the run's {total_steps} optimiser steps")
     return LambdaLR(optimizer, lambda step: lr_factor(cfg, total_steps, step))
+
+
+def apply_rate_of_current_step(scheduler: LRScheduler) -> None:
+    """Set the optimiser's rates to what ``scheduler`` gives at its current step (``last_epoch``). A restored
+    optimiser holds the rate of the schedule it was saved under; a run resumed with another ``max_steps`` has
+    another schedule, which would otherwise apply only from the step after the first."""
+    if not isinstance(scheduler, LambdaLR):
+        return
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                   strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr() reports

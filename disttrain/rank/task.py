@@ -17,6 +17,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
+from disttrain.optim.scheduler import apply_rate_of_current_step
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
 from disttrain.rank.hook_dispatch import FastHookName
@@ -260,6 +261,12 @@ class TrainTask(FastHookName, pl.LightningModule):
             return
         # one scalar read per step, as torch.amp's GradScaler does to skip a step with inf/NaN gradients
         self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
+
+    def on_train_start(self) -> None:
+        """Start at the schedule's rate for the step training starts from (a resumed optimiser holds the rate of
+        the schedule it was saved under, which another ``max_steps`` changes)."""
+        for config in self.trainer.lr_scheduler_configs:
+            apply_rate_of_current_step(config.scheduler)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""
