@@ -9,7 +9,8 @@ sampling: every loader shards over the data-parallel ranks with a seeded ``Distr
 
 from __future__ import annotations
 
-from disttrain.data.base import DataModule, EpochDistributedSampler, counter_random
+from disttrain.counter_random import counter_random
+from disttrain.data.base import DataModule, EpochDistributedSampler
 from disttrain.data.digits import DigitsConfig, DigitsDataModule
 from disttrain.data.folder import ImageFolderConfig, ImageFolderDataModule
 from disttrain.data.registry import DATA, build_datamodule

@@ -29,25 +29,8 @@ from disttrain.data.position import epoch_position, skip_per_rank
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 
-_MASK64 = (1 << 64) - 1
 IGNORE_INDEX = -100
 """Target of an evaluation sample that only pads a rank's share (skipped by the loss and the metrics)."""
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def counter_random(seed: int, epoch: int, index: int) -> int:
-    """A uniform 64-bit random number that depends only on ``(seed, epoch, index)``.
-
-    A counter-based generator: sample ``index`` of ``epoch`` draws the same number in every run, rank and
-    loader worker, without any generator state to carry between processes.
-    """
-    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ (epoch & _MASK64)) ^ (index & _MASK64))
 
 
 class EpochDistributedSampler(DistributedSampler):

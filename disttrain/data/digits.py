@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
 from disttrain import checks
-from disttrain.data.base import DataModule, counter_random
+from disttrain.counter_random import counter_random
+from disttrain.data.base import DataModule
 from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
 

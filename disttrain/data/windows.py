@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from disttrain.data.base import counter_random
+from disttrain.counter_random import counter_random
 
 
 class MemmapTokens:

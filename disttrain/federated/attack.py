@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from disttrain.federated.client import generator
+from disttrain.counter_random import seeded_generator
 
 ATTACKS = ("none", "sign_flip", "scale", "random", "label_flip")
 _ATTACKER_STREAM, _NOISE_STREAM = 6, 7
@@ -25,7 +25,7 @@ def attackers(fraction: float, clients: int, seed: int) -> set[int]:
     count = round(fraction * clients)
     if not count:
         return set()
-    return {int(c) for c in torch.randperm(clients, generator=generator(seed, _ATTACKER_STREAM))[:count]}
+    return {int(c) for c in torch.randperm(clients, generator=seeded_generator(seed, _ATTACKER_STREAM))[:count]}
 
 
 def poison(update: torch.Tensor, kind: str, scale: float, seed: int, round_index: int, client: int) -> torch.Tensor:
@@ -36,7 +36,7 @@ def poison(update: torch.Tensor, kind: str, scale: float, seed: int, round_index
         return update * scale
     if kind == "random":
         rms = float(torch.linalg.vector_norm(update, dtype=torch.float64)) / max(update.numel(), 1) ** 0.5
-        noise = torch.randn(update.numel(), generator=generator(seed, _NOISE_STREAM, round_index, client))
+        noise = torch.randn(update.numel(), generator=seeded_generator(seed, _NOISE_STREAM, round_index, client))
         return (noise * (scale * rms)).to(update)
     return update
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.federated.client import generator
+from disttrain.counter_random import seeded_generator
 from disttrain.federated.rounds import METRIC_COLUMNS, FederatedRounds, RoundStats, flat, state_tensors
 
 _DRAW_STREAM = 10
@@ -58,7 +58,7 @@ class BufferedRounds:
 
     def _draw(self, busy: set[int]) -> int:
         eligible = self.rounds.eligible
-        for index in torch.randperm(len(eligible), generator=generator(self.rounds.seed, _DRAW_STREAM,
+        for index in torch.randperm(len(eligible), generator=seeded_generator(self.rounds.seed, _DRAW_STREAM,
                                                                         self.launches)).tolist():
             client = int(eligible[index])
             if client not in busy:

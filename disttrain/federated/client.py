@@ -17,19 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from disttrain.data.base import counter_random
+from disttrain.counter_random import seeded_generator
 from disttrain.optim import build_optimizer
 from disttrain.parallel.clip import clip_grad_norm
-
-_SEED_BITS = (1 << 63) - 1
-
-
-def generator(seed: int, *parts: int) -> torch.Generator:
-    """A torch generator seeded by ``seed`` and ``parts`` alone (the same on every rank, in every run)."""
-    value = seed
-    for part in parts:
-        value = counter_random(value, part, 0)
-    return torch.Generator().manual_seed(value & _SEED_BITS)
 
 
 @dataclass
@@ -53,7 +43,8 @@ class ClientData:
     def _local_epoch(self, epoch: int) -> torch.Tensor:
         if epoch == 0:
             return self.indices
-        return self.indices[torch.randperm(len(self.indices), generator=generator(self.seed, 1, epoch, self.client))]
+        order = torch.randperm(len(self.indices), generator=seeded_generator(self.seed, 1, epoch, self.client))
+        return self.indices[order]
 
     def step_batches(self, round_index: int, steps: int) -> list[torch.Tensor]:
         """The ``steps`` batches of round ``round_index`` taken from the client's stream."""
@@ -67,7 +58,7 @@ class ClientData:
         """``epochs`` fresh passes over the client's data in round ``round_index``."""
         batches = []
         for epoch in range(epochs):
-            order = torch.randperm(len(self.indices), generator=generator(self.seed, 2, round_index, epoch,
+            order = torch.randperm(len(self.indices), generator=seeded_generator(self.seed, 2, round_index, epoch,
                                                                           self.client))
             batches += list(self.indices[order].split(self.batch_size))
         return batches

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.data.base import counter_random
+from disttrain.counter_random import counter_random
 
 _NOISE_TAG = 0xD1FF
 _SEED_BITS = (1 << 63) - 1

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from disttrain.counter_random import seeded_generator
 from disttrain.federated import attack, privacy, robust, secure, speeds
-from disttrain.federated.client import ClientData, copy_state, evaluate, generator, train_locally
+from disttrain.federated.client import ClientData, copy_state, evaluate, train_locally
 from disttrain.federated.config import FederatedConfig
 from disttrain.federated.partition import Partition, labels_of
 
@@ -120,7 +121,7 @@ class FederatedRounds:
         count = self.cfg.per_round
         if count >= len(self.eligible):
             return self.eligible.tolist()
-        order = torch.randperm(len(self.eligible), generator=generator(self.seed, 3, round_index))
+        order = torch.randperm(len(self.eligible), generator=seeded_generator(self.seed, 3, round_index))
         return sorted(self.eligible[order[:count]].tolist())
 
     def batches(self, client: int, round_index: int) -> list[Any]:
@@ -141,7 +142,8 @@ class FederatedRounds:
         data = self.data[client]
         evaluated = [data.collate(batch) for batch in data.eval_batches(self.cfg.eval_batches)]
         correct, loss_sum, count = evaluate(self.worker, evaluated, self.device)
-        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator(self.seed, 4, round_index, client))))
+        draw = seeded_generator(self.seed, 4, round_index, client)
+        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=draw)))
         anchor = [p.detach() for p in global_params] if self.cfg.mu else None
         batches = self.batches(client, round_index)
         hostile = client in self.hostile
@@ -181,7 +183,7 @@ class FederatedRounds:
         count = round(self.cfg.dropout * len(clients))
         if not count:
             return []
-        order = torch.randperm(len(clients), generator=generator(self.seed, 9, round_index))
+        order = torch.randperm(len(clients), generator=seeded_generator(self.seed, 9, round_index))
         return sorted(clients[int(i)] for i in order[:count])
 
     def run(self, round_index: int) -> tuple[torch.Tensor, RoundStats]:

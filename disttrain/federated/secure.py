@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disttrain.data.base import counter_random
+from disttrain.counter_random import counter_random
 
 MODULUS_BITS = 48
 MODULUS = 1 << MODULUS_BITS

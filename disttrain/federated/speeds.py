@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from disttrain.federated.client import generator
+from disttrain.counter_random import seeded_generator
 
 _SLOW_STREAM, _LATENCY_STREAM = 12, 11
 
@@ -22,10 +22,10 @@ def slow_clients(fraction: float, clients: int, seed: int) -> set[int]:
     count = round(fraction * clients)
     if not count:
         return set()
-    return {int(c) for c in torch.randperm(clients, generator=generator(seed, _SLOW_STREAM))[:count]}
+    return {int(c) for c in torch.randperm(clients, generator=seeded_generator(seed, _SLOW_STREAM))[:count]}
 
 
 def duration(seed: int, client: int, slow: bool, spread: float, slowdown: float, *run: int) -> float:
     """Simulated time of one run of local training by ``client``, ``run`` naming the run (a round, a launch)."""
-    z = float(torch.randn((), generator=generator(seed, _LATENCY_STREAM, client, *run)))
+    z = float(torch.randn((), generator=seeded_generator(seed, _LATENCY_STREAM, client, *run)))
     return math.exp(spread * z) * (slowdown if slow else 1.0)
