@@ -56,10 +56,12 @@ def test_the_window_holds_the_optimiser_steps_asked_for(tmp_path, capsys, accumu
 
 
 def test_a_fit_that_ends_inside_the_window_writes_what_ran(tmp_path):
-    profiler = StepProfiler(start_step=2, steps=10, dirpath=str(tmp_path / "here"))
+    profiler = StepProfiler(start_step=2, steps=10, dirpath=str(tmp_path / "here"), with_stack=True)
     fit(tmp_path, profiler, max_steps=5)
     assert profiler.summary["steps"] == 3
     assert calls((tmp_path / "here" / "rank0_ops.txt").read_text(), "Optimizer.step#SGD.step") == 3
+    # with_stack: the timeline names the Python line that ran each operator (here the module's training_step)
+    assert "training_step" in (tmp_path / "here" / "rank0_trace.json").read_text()
 
 
 def test_a_window_that_cannot_open_is_refused_by_its_values():

@@ -22,7 +22,8 @@ class StepProfiler(pl.Callback):
     """Profile optimiser steps ``start_step + 1`` to ``start_step + steps`` of a fit (after compilation and the
     allocator's warm-up, which the first steps pay)."""
 
-    def __init__(self, start_step: int = 10, steps: int = 5, dirpath: str | None = None, row_limit: int = 40) -> None:
+    def __init__(self, start_step: int = 10, steps: int = 5, dirpath: str | None = None, row_limit: int = 40,
+                 with_stack: bool = False) -> None:
         if start_step < 0 or steps < 1:
             raise ValueError(f"StepProfiler: start_step={start_step} and steps={steps}: start_step >= 0 and "
                              "steps >= 1 are allowed")
@@ -34,6 +35,9 @@ class StepProfiler(pl.Callback):
         """Where the files go; None: ``profile/`` in the run folder."""
         self.row_limit = row_limit
         """Rows of the operator table."""
+        self.with_stack = with_stack
+        """Record the Python stack of every operator in the timeline (which line read a value back to the host,
+        say); the profiled steps run slower still."""
         self._profiler: profile | None = None
         self._started_at = 0.0
         self.summary: dict[str, float] | None = None
@@ -48,7 +52,7 @@ class StepProfiler(pl.Callback):
         self._device = pl_module.device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._device.type == "cuda" else [])
         self._synchronize()
-        self._profiler = profile(activities=activities)
+        self._profiler = profile(activities=activities, with_stack=self.with_stack)
         self._profiler.start()
         self._started_at = time.perf_counter()
 
