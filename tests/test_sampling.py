@@ -144,3 +144,19 @@ def test_evaluation_on_ranks_counts_every_sample_once(full_batches):
     assert seen == labels
     assert padding == (2 * 32 * 6 - 359 if full_batches else 1)
     assert not full_batches or set(batch_sizes) == {32}
+
+
+@pytest.mark.parametrize("seed", [0, 3, 2**63 + 5, 2**64 - 1, -7])
+def test_a_batch_of_draws_has_the_bits_of_one_draw_at_a_time(seed):
+    import random
+
+    import numpy as np
+
+    from disttrain.counter_random import counter_random, counter_random_array
+
+    rng = random.Random(seed)
+    epochs = [rng.randrange(0, 10**6) for _ in range(200)] + [0, 2**40]
+    indices = [rng.randrange(0, 2**40) for _ in range(200)] + [0, 1]
+    drawn = counter_random_array(seed, np.array(epochs), np.array(indices))
+    assert drawn.dtype == np.uint64
+    assert [int(x) for x in drawn] == [counter_random(seed, e, i) for e, i in zip(epochs, indices, strict=True)]

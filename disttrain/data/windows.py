@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from disttrain.counter_random import counter_random
+from disttrain.counter_random import counter_random, counter_random_array
 
 
 class MemmapTokens:
@@ -118,11 +118,22 @@ class TokenWindows(Dataset):
         chunk = torch.from_numpy(np.asarray(self.data[start:start + self.block_size + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
 
+    def offsets(self, indices: list[int]) -> np.ndarray:
+        """``offset`` of each of ``indices``, as one array (random windows: drawn together, see
+        ``counter_random_array``)."""
+        if self.seed is None or not indices:
+            return np.fromiter(map(self.offset, indices), dtype=np.int64, count=len(indices))
+        if min(indices) < 0:
+            raise IndexError(min(indices))
+        epochs, ks = np.divmod(np.asarray(indices, dtype=np.int64), self.num_windows)
+        draws = counter_random_array(self.seed, epochs, ks)
+        return (draws % np.uint64(len(self.data) - self.block_size)).astype(np.int64)
+
     def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows of ``indices`` stacked, as a DataLoader would collate them."""
-        span = self.block_size + 1
-        rows = np.stack([np.asarray(self.data[start:start + span]) for start in map(self.offset, indices)])
-        chunk = torch.from_numpy(rows.astype(np.int64))
+        """The windows of ``indices`` stacked, as a DataLoader would collate them (one gather from the tokens)."""
+        span = np.arange(self.block_size + 1)
+        rows = np.asarray(self.data[self.offsets(indices)[:, None] + span], dtype=np.int64)
+        chunk = torch.from_numpy(rows)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
 
