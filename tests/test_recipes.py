@@ -65,10 +65,11 @@ def moe_load_balance(make_config, run_dir, extra: list[str]) -> tuple[list[float
 @pytest.mark.slow  # 100 s; the mechanism, with and without the bias: test_moe_model.py's skewed-router test
 def test_moe_pydocs_balances_its_experts_by_bias_and_not_without(make_config, tmp_path):
     # the random router sends up to 4x the mean load to one expert; with the routing bias (the recipe's rate) the
-    # worst layer's max/mean is below 1.6 from step 180 on (1.22-1.49 measured over steps 181-300); without it,
-    # above 3 still at step 300 (3.19-3.62 over steps 181-300)
+    # worst layer's max/mean is below 1.6 from step 180 on (1.22-1.49 measured over steps 181-300); without it
+    # every one of those steps is worse than any balanced step by a clear margin: 3.19-3.62 on an Intel Xeon,
+    # 1.87-2.09 on an AMD EPYC (the same seed routes differently with the machine's float rounding)
     balanced, results = moe_load_balance(make_config, tmp_path / "bias", [])
     assert len(balanced) == 20 and max(balanced) < 1.6, balanced
     assert results["metrics"]["val/bpb"] < 3.0, results["metrics"]  # on track: 8 for uniform bytes
     unbalanced, _ = moe_load_balance(make_config, tmp_path / "no-bias", ["model.bias_update_rate=0"])
-    assert min(unbalanced) > 2.5, unbalanced
+    assert min(unbalanced) > max(max(balanced) + 0.25, 1.75), (unbalanced, balanced)
