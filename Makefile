@@ -21,10 +21,13 @@ train: install
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# On a GPU machine (make install TORCH_SPEC=torch): the GPU's own tests, then GPT-2 and a 1.2B Llama measured
+# On a GPU machine (make install TORCH_SPEC=torch): the GPU's own tests, GPT-2 and a 1.2B Llama measured (beside
+# nanoGPT with NANOGPT=path/to/nanoGPT; each side profiled once more into outputs/gpu-profile), then the framework's
+# overhead over a plain loop on the GPU
 test-gpu: install
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest -m cuda tests/test_cuda.py -p no:xdist -o addopts= -q
-	$(PY) benchmarks/throughput_mfu.py --device cuda
+	$(PY) benchmarks/throughput_mfu.py --device cuda $(if $(NANOGPT),--nanogpt $(NANOGPT)) --profile-dir outputs/gpu-profile
+	$(PY) benchmarks/overhead.py --device cuda --flavour mini --global-batch 64
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -160,8 +160,9 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
                   profile_dir: Path | None = None) -> Row:
     """One disttrain run: its tokens/s, last loss and peak memory, and ``mode=plan``'s prediction for the same
     config (on a GPU, for eager runs); with ``profile_dir``, a second run of the same config profiles five steps
-    from step 21 into ``profile_dir/<run>`` (``callbacks=profile``) and the row's note says what it found (the
-    profiler slows the steps it records and writes its files inside the loop: that run's rate is not the row's)."""
+    from step 21, with Python stacks, into ``profile_dir/<run>`` (``callbacks=profile``) and the row's note says
+    what it found (the profiler slows the steps it records and writes its files inside the loop: that run's rate
+    is not the row's)."""
     label = f"disttrain {parallel}" + {None: "", "default": " compile"}.get(compile_mode, f" {compile_mode}") + (
         f" ac={checkpointing}" if checkpointing != "none" else "")
     run_dir = scratch / re.sub(r"\W+", "-", f"{w.name}-{label}")
@@ -171,7 +172,7 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
     row = Row(w.name, label, tokens_per_s=results["tokens_per_sec"], loss=results["metrics"].get("train/loss"),
               peak_gb=(results.get("memory") or {}).get("max_allocated_gb"))
     if profile_dir is not None:
-        profiling = ["callbacks=profile", "callbacks.profile.start_step=20",
+        profiling = ["callbacks=profile", "callbacks.profile.start_step=20", "callbacks.profile.with_stack=true",
                      f"callbacks.profile.dirpath={profile_dir / run_dir.name}"]
         done = run_train_py([*args, *profiling], run_dir.with_name(run_dir.name + "-profile"), timeout)
         row.note = next((line for line in done.stdout.splitlines() if line.startswith("profile of steps")), "")
