@@ -22,9 +22,10 @@ def _to_unless_there(self: _ResultMetric, *args: Any, **kwargs: Any) -> _ResultM
     the requested device (a device is all that ``self.log`` and ``_ResultCollection.cpu`` pass)."""
     target = args[0] if len(args) == 1 and not kwargs else kwargs["device"] if set(kwargs) == {"device"} and \
         not args else None
-    if target is not None and self.is_tensor:
+    value = getattr(self, "value", None)  # read defensively: private to Lightning, which may rename it
+    if target is not None and getattr(self, "is_tensor", False) and isinstance(value, torch.Tensor):
         device = torch.device(target)
-        states = (self.value, getattr(self, "cumulated_batch_size", self.value))
+        states = (value, getattr(self, "cumulated_batch_size", value))
         if all(isinstance(t, torch.Tensor) and same_device(t.device, device) for t in states):
             return self
     return _lightning_to(self, *args, **kwargs)
