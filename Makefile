@@ -2,6 +2,25 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is installed first, so that no other requirement pulls a multi-GB CUDA build.
+# On a GPU machine: make TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install train test test-gpu lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(PY) train.py $(ARGS)
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
 # On a GPU machine (make install TORCH_SPEC=torch): the GPU's own tests; the README's commands on the GPU (those
 # that need more GPUs than the machine has skip with their one-line error); GPT-2 and a 1.2B Llama measured,
 # beside nanoGPT with NANOGPT=path/to/nanoGPT, each side profiled once more into outputs/gpu-profile; then the
