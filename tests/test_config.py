@@ -253,3 +253,15 @@ def test_validation_leaves_the_callers_config_unchanged(make_config):
     assert OmegaConf.to_yaml(cfg) == before
     resolved = OmegaConf.create(run.yaml)
     assert resolved.trainer.devices == run.train.trainer.devices == 2 and resolved.comm.rank == run.train.comm.rank
+
+
+def test_matmul_precision_auto_is_tf32_on_a_gpu_and_full_fp32_on_a_cpu(make_config):
+    from disttrain.config.precision import resolve_matmul_precision
+
+    assert resolve_matmul_precision("auto", uses_gpu=True) == "high"
+    assert resolve_matmul_precision("auto", uses_gpu=False) == "highest"
+    assert resolve_matmul_precision("medium", uses_gpu=False) == "medium"
+    assert validate(make_config([])).train.trainer.matmul_precision == "highest"  # this suite's CPU
+    with pytest.raises(ConfigError, match=r"trainer.matmul_precision='tf32' is invalid: one of auto, highest, "
+                                          r"high, medium"):
+        validate(make_config(["trainer.matmul_precision=tf32"]))

@@ -130,3 +130,18 @@ def test_training_throughput_leaves_out_checkpoint_saves_and_the_wall_time_is_ac
     assert sum(seconds.values()) == pytest.approx(timing["wall_time_s"], rel=0.02)
     assert 0 < timing["time_to_first_step_s"] <= seconds["startup"] + seconds["validation"] + 1.0
     assert timing["end_to_end_samples_per_sec"] < results["samples_per_sec"]
+
+
+def test_a_rank_multiplies_fp32_matrices_at_the_precision_asked(make_config, tmp_path):
+    before = torch.get_float32_matmul_precision()
+    try:
+        train(make_config(["trainer.matmul_precision=medium", "trainer.max_steps=2", "trainer.limit_val_batches=0",
+                           "trainer.run_test=false"], tmp_path / "run"))
+        assert torch.get_float32_matmul_precision() == "medium"  # the rank ran in this process
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").trainer.matmul_precision == "medium"
+    train(make_config(["trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.run_test=false"],
+                      tmp_path / "auto"))
+    assert OmegaConf.load(tmp_path / "auto" / "config.yaml").trainer.matmul_precision == "highest"  # a CPU's auto
+    assert torch.get_float32_matmul_precision() == "highest"

@@ -20,6 +20,16 @@ from disttrain.plan.devices import native_bf16
 PROBE_STEPS = 3
 """Timed forward and backward passes per precision (after one untimed warm-up)."""
 REQUIRED_SPEEDUP = 1.05
+
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+"""``trainer.matmul_precision``: auto, or ``torch.set_float32_matmul_precision``'s three."""
+
+
+def resolve_matmul_precision(precision: str, uses_gpu: bool) -> str:
+    """``trainer.matmul_precision`` as torch names it: ``auto`` is high (TF32) on a GPU, highest on a CPU."""
+    if precision != "auto":
+        return precision
+    return "high" if uses_gpu else "highest"
 """bf16 autocast must be at least this much faster than fp32 to be chosen (fp32 is the exact one)."""
 
 

@@ -76,6 +76,11 @@ class TrainerConfig:
     """Lightning precision: 32-true, bf16-mixed (bf16 autocast), bf16-true or 16-true (parameters in that type);
     auto: bf16-mixed on a GPU with bf16, and on a CPU with AMX or AVX512-BF16 where bf16 autocast also measures
     at least 1.05x fp32 on the run's own model (timed before ranks start); else 32-true."""
+    matmul_precision: str = "auto"
+    """fp32 matrix products: highest (full fp32), high (TF32 on NVIDIA GPUs: fp32 sums of products of 10-bit
+    mantissas, several times faster), medium (bf16 products where the device has them); auto: high on a GPU, as
+    nanoGPT and torchtitan train, highest on a CPU (where fp32 runs match one process to 1e-6). Under bf16-mixed
+    only the products autocast leaves in fp32 are affected."""
     compile: bool = False
     """torch.compile the model (in place, after its parallel layout) and the loss: a slower first step (tens of
     seconds), faster steps after it; each transformer block on its own under ZeRO-2/3 or tensor parallelism."""

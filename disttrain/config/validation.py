@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from disttrain import checks
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
-from disttrain.config.precision import resolve_precision
+from disttrain.config.precision import MATMUL_PRECISIONS, resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
 from disttrain.config.torchft_checks import check_torchft
@@ -270,6 +270,8 @@ def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) 
                                                   resolve_profile(top.plan.profile, top.plan.memory_gb))
     top.trainer.precision, notice = resolve_precision(top.trainer.precision, _uses_gpu(top.trainer.accelerator),
                                                       model, spec, micro_size)
+    top.trainer.matmul_precision = resolve_matmul_precision(top.trainer.matmul_precision,
+                                                            _uses_gpu(top.trainer.accelerator))
     return [notice] if notice else []
 
 
@@ -282,7 +284,7 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
     t = top.trainer
     for key, value in (("trainer.devices", devices.text if devices else t.devices),
                        ("trainer.num_nodes", nodes.text if nodes else t.num_nodes),
-                       ("trainer.precision", t.precision),
+                       ("trainer.precision", t.precision), ("trainer.matmul_precision", t.matmul_precision),
                        ("trainer.max_steps", t.max_steps),
                        ("trainer.check_val_every_n_epoch", t.check_val_every_n_epoch), ("resume", top.resume),
                        ("comm.rank", top.comm.rank), ("federated.mu", top.federated.mu)):
@@ -397,6 +399,8 @@ def _validate_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.precision", t.precision,
                           f"one of {list(PRECISIONS)}, or auto (bf16-mixed where the device computes bf16 "
                           "natively and, on a CPU, measures faster)")
+    if t.matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError("trainer.matmul_precision", t.matmul_precision, f"one of {', '.join(MATMUL_PRECISIONS)}")
     if t.rank_start not in RANK_STARTS:
         raise ConfigError("trainer.rank_start", t.rank_start, f"one of {list(RANK_STARTS)}")
     if t.rank_start == "fork_server" and not fork_server_available():

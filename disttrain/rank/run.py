@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -52,6 +53,7 @@ def run_rank(run: RunConfig) -> float | None:
     watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
     kind = None
     reset_device_memory_peak()
+    torch.set_float32_matmul_precision(cfg.trainer.matmul_precision)  # resolved before ranks start (never auto)
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = run.datamodule
