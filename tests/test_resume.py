@@ -108,3 +108,17 @@ def test_a_run_resumed_with_more_steps_follows_the_longer_schedule_from_its_firs
     # step 11 took the first run's last rate (its schedule ended at step 10) before the longer schedule applied
     assert [resumed[step] for step in range(11, 19)] == pytest.approx([straight[step] for step in range(11, 19)],
                                                                        rel=1e-9)
+
+
+def test_resuming_a_run_of_another_model_size_is_one_line_before_any_rank_starts(tmp_path):
+    from disttrain.config import validate
+    from disttrain.errors import ConfigError
+
+    micro = [*GPT_FAST, "trainer.max_steps=2", "trainer.limit_val_batches=0"]
+    train(compose_config(micro, tmp_path / "micro"))
+    validate(compose_config([*micro, f"resume={tmp_path / 'micro'}"], tmp_path / "same"))  # the same model fits
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([*micro, "model.n_embd=64", f"resume={tmp_path / 'micro'}"], tmp_path / "wider"))
+    message = str(info.value)
+    assert info.value.key == "resume" and "\n" not in message, message
+    assert "its embed.wte.weight is [256, 32] where this model's is [256, 64]" in message, message

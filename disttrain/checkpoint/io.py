@@ -108,3 +108,14 @@ def load_sharded(state: dict[str, Any], checkpoint: Path) -> None:
 
     with reading(checkpoint):
         dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=SafeLoadPlanner())
+
+
+def saved_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """The full shape of each model tensor a checkpoint folder holds, by its name in the model (e.g.
+    ``embed.wte.weight``), read from the index alone (the first replica's where replicas were kept apart)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, meta in load_index(checkpoint).state_dict_metadata.items():
+        for prefix in ("state_dict.net.", "replica0.state_dict.net."):
+            if key.startswith(prefix) and hasattr(meta, "size"):
+                shapes.setdefault(key[len(prefix):], tuple(meta.size))
+    return shapes

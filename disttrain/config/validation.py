@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -184,6 +186,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     net = model_on_meta(model, datamodule.spec)
     check_model_plan(model.name, net, p, dims, batch.micro_size, datamodule.spec)
+    if top.resume not in (None, "auto"):
+        check_resume_fits(top.resume, net)
     top.comm.check_model(net)
     notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
     check_torchft(top, dims, net)
@@ -369,6 +373,22 @@ def checkpoint_folder(resume: str) -> str:
     if os.path.isdir(last):
         return last
     raise ConfigError("resume", resume, f"{allowed}; this is neither")
+
+
+def check_resume_fits(checkpoint: str, net: Any) -> None:
+    """``resume``'s checkpoint holds this model's tensors at this model's shapes: a run of another model size is
+    refused by name here, before any rank starts, rather than by the checkpoint reader in every rank."""
+    from disttrain.checkpoint.io import UnsafeCheckpointError, saved_shapes
+
+    try:
+        saved = saved_shapes(Path(checkpoint))
+    except (OSError, EOFError, pickle.UnpicklingError, UnsafeCheckpointError) as err:
+        raise ConfigError("resume", checkpoint, f"a readable checkpoint folder; its index is not ({err})") from None
+    for name, tensor in net.state_dict().items():
+        if name in saved and tuple(tensor.shape) != saved[name]:
+            raise ConfigError("resume", checkpoint, f"a checkpoint of this model; its {name} is {list(saved[name])} "
+                              f"where this model's is {list(tensor.shape)} (the model's settings differ from the "
+                              "saved run's)")
 
 
 def _uses_gpu(accelerator: str) -> bool:
