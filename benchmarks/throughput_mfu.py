@@ -32,10 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,84 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from machine import cpu_model  # noqa: E402
 from nanogpt import iterations, write_corpus  # noqa: E402
-
-WARMUP = 1
-"""Steps left out of every side's tokens/s (compilation, autotuning): disttrain's meter starts its clock at the
-end of the first optimiser step, so the other sides leave out the same one."""
-VOCAB = 50304
-"""GPT-2's vocabulary padded to a multiple of 64, as nanoGPT does (the byte tokens use the first 256)."""
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
-             "L40S": 362e12, "L4": 121e12}
-"""Dense bf16 tensor-core peak by device name (vendors' datasheets, SXM parts unless named), in FLOP/s;
-the first name found in the device's name counts, so the longer names come first."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One model at one batch: the overrides that build it and the sizes the FLOP count needs."""
-
-    name: str
-    model: list[str]
-    """disttrain overrides of the model group."""
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_kv_head: int
-    mlp_hidden: int
-    """Hidden width of the feed-forward network (4 x width for GPT's GELU MLP, SwiGLU's for the Llama)."""
-    block: int
-    batch: int
-    tied: bool
-    """The output layer shares the token embedding."""
-    swiglu: bool = False
-
-    def params(self) -> int:
-        """Weights that multiply an activation: every linear layer and the output layer (the position
-        embedding is a lookup, nanoGPT's count leaves it out; norms are negligible and left out too)."""
-        head = self.n_embd // self.n_head
-        attention = self.n_embd * self.n_embd * 2 + 2 * self.n_embd * self.n_kv_head * head
-        mlp = (3 if self.swiglu else 2) * self.n_embd * self.mlp_hidden
-        embeddings = VOCAB * self.n_embd * (1 if self.tied else 2)
-        return self.n_layer * (attention + mlp) + embeddings
-
-    def flops_per_token(self) -> float:
-        """6N + 12 L C T: a forward and backward pass per token (nanoGPT's estimate_mfu, PaLM appendix B)."""
-        return 6 * self.params() + 12 * self.n_layer * self.n_embd * self.block
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens in one optimiser step."""
-        return self.batch * self.block
-
-
-WORKLOADS = {
-    "gpt2": Workload("GPT-2 124M", ["model=gpt", "model.flavour=gpt2", "model.bias=false"],
-                     12, 768, 12, 12, 3072, 1024, 12, tied=True),
-    "llama1b": Workload("Llama 1.2B", ["model=llama", "model.n_layer=16", "model.n_embd=2048", "model.n_head=32",
-                                       "model.n_kv_head=8", "model.mlp_hidden=8192"],
-                        16, 2048, 32, 8, 8192, 2048, 4, tied=False, swiglu=True),
-}
-"""The workloads on a GPU, by the name ``--cases`` takes."""
-CPU_WORKLOADS = {
-    "gpt2": Workload("GPT micro", ["model=gpt", "model.flavour=micro", "model.bias=false"],
-                     2, 32, 2, 2, 128, 32, 4, tied=True),
-    "llama1b": Workload("Llama micro", ["model=llama", "model.flavour=micro", "model.mlp_hidden=96"],
-                        2, 32, 4, 2, 96, 32, 4, tied=False, swiglu=True),
-}
-"""The same table's workloads at test sizes, for ``--device cpu``."""
-
-
-@dataclass
-class Row:
-    """One measured run."""
-
-    workload: str
-    side: str
-    tokens_per_s: float | None = None
-    loss: float | None = None
-    peak_gb: float | None = None
-    predicted_gb: float | None = None
-    note: str = ""
+from plain_fsdp import run_plain  # noqa: E402
+from throughput_workloads import CPU_WORKLOADS, PEAK_BF16, VOCAB, WARMUP, WORKLOADS, Row, Workload  # noqa: E402
 
 
 def disttrain_overrides(w: Workload, data_dir: Path, steps: int, parallel: str, compile_mode: str | None,
@@ -209,87 +131,6 @@ def run_nanogpt(nanogpt: Path, w: Workload, data_dir: Path, steps: int, device: 
     steady = [iters[i][1] for i in range(WARMUP, steps + 1) if i in iters]
     return Row(w.name, "nanoGPT" + (" compile" if gpu else ""),
                tokens_per_s=w.tokens_per_step / (statistics.mean(steady) / 1000), loss=iters[max(iters)][0])
-
-
-def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, out: Path) -> None:
-    """A hand-written FSDP2 loop on one rank (this process): the same model class and optimiser, each block
-    ``fully_shard``-ed with bf16 parameters and fp32 gradient reduction, compiled block by block as torchtitan
-    does; random windows of the token file, read as nanoGPT reads them. Writes its Row as JSON to ``out``."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from disttrain.models.gpt import GPT, GPTDims
-    from disttrain.models.llama import Llama, LlamaDims
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
-                      WORLD_SIZE="1")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    torch.manual_seed(0)
-    dev = torch.device(device)
-    if w.swiglu:
-        model = Llama(LlamaDims(w.n_layer, w.n_head, w.n_kv_head, w.n_embd, w.block, VOCAB, w.mlp_hidden))
-    else:
-        model = GPT(GPTDims(w.n_layer, w.n_head, w.n_embd, w.block, VOCAB), bias=False)
-    model.to(dev)
-    gpu = device == "cuda"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu else \
-        MixedPrecisionPolicy()
-    blocks = list(model.blocks if hasattr(model, "blocks") else model.layers)
-    for block in blocks:
-        if compiled:
-            block.compile()
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=6e-4, betas=(0.9, 0.95), fused=gpu)
-    data = np.memmap(data_dir / "train.bin", dtype=np.uint16, mode="r")
-    generator = torch.Generator().manual_seed(0)
-
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(data) - w.block - 1, (w.batch,), generator=generator).tolist()
-        rows = torch.from_numpy(np.stack([data[s:s + w.block + 1].astype(np.int64) for s in starts]))
-        if gpu:
-            rows = rows.pin_memory().to(dev, non_blocking=True)
-        return rows[:, :-1], rows[:, 1:]
-
-    times, loss_value = [], float("nan")
-    torch.cuda.reset_peak_memory_stats() if gpu else None
-    for _ in range(steps):
-        start = time.perf_counter()
-        x, y = batch()
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()  # a host sync per step, as nanoGPT's log_interval=1 has
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else None
-    dist.destroy_process_group()
-    row = Row(w.name, "plain FSDP2" + (" compile" if compiled else ""),
-              tokens_per_s=w.tokens_per_step / statistics.mean(times[WARMUP:]), loss=loss_value, peak_gb=peak)
-    out.write_text(json.dumps(row.__dict__))
-
-
-def run_plain(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, scratch: Path,
-              timeout: float) -> Row:
-    """``plain_fsdp_loop`` in a process of its own (its own CUDA context and peak-memory counter)."""
-    import multiprocessing
-
-    out = scratch / f"plain-{w.name.replace(' ', '-')}-{compiled}.json"
-    process = multiprocessing.get_context("spawn").Process(target=plain_fsdp_loop,
-                                                           args=(w, data_dir, steps, device, compiled, out))
-    process.start()
-    process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        raise RuntimeError(f"plain loop still running after {timeout:.0f} s")
-    if process.exitcode:
-        raise RuntimeError(f"plain loop failed (exit code {process.exitcode}; its traceback is above)")
-    return Row(**json.loads(out.read_text()))
 
 
 WORKLOADS_BY_DEVICE = {"cuda": WORKLOADS, "cpu": CPU_WORKLOADS}

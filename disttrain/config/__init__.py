@@ -2,6 +2,7 @@
 
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan
+from disttrain.config.resume import checkpoint_folder
 from disttrain.config.schema import (
     PRECISIONS,
     BatchConfig,
@@ -12,7 +13,7 @@ from disttrain.config.schema import (
     register,
 )
 from disttrain.config.typed import parallel_options
-from disttrain.config.validation import RunConfig, checkpoint_folder, validate
+from disttrain.config.validation import RunConfig, validate
 
 __all__ = [
     "PRECISIONS",

@@ -10,26 +10,24 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import pickle
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from disttrain import checks
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
-from disttrain.config.precision import MATMUL_PRECISIONS, resolve_matmul_precision, resolve_precision
+from disttrain.config.precision import resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
-from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainConfig, TrainerConfig, fork_server_available
+from disttrain.config.resume import check_resume_fits, checkpoint_folder
+from disttrain.config.schema import TrainConfig, TrainerConfig
 from disttrain.config.torchft_checks import check_torchft
+from disttrain.config.trainer_checks import check_compile_mode, check_trainer
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.target import TargetModelConfig
-from disttrain.parallel.compile import COMPILE_MODES, CUDA_GRAPH_MODES
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.model_checks import check_model_plan, model_on_meta
@@ -95,24 +93,6 @@ def resolve_devices(trainer: TrainerConfig, parallel: ParallelConfig) -> tuple[i
         return 1, None
     return fewest, (f"trainer.devices=auto: starting {fewest} CPU ranks, the fewest parallel={parallel.name} runs "
                     "on (trainer.devices=N for another number)")
-
-
-def check_compile_mode(trainer: TrainerConfig, world: int, zero_stage: int, accumulation: int) -> None:
-    """``trainer.compile_mode`` is one of torch.compile's modes, with ``trainer.compile`` on, and the modes that
-    record CUDA graphs run on one rank whose step launches no collective (a graph replays no communication) and
-    takes one micro-batch (the next micro-batch's replay would write over the gradients being summed)."""
-    mode = trainer.compile_mode
-    if mode not in COMPILE_MODES:
-        raise ConfigError("trainer.compile_mode", mode, f"one of {', '.join(COMPILE_MODES)}")
-    if mode != "default" and not trainer.compile:
-        raise ConfigError("trainer.compile_mode", mode, "default unless trainer.compile=true")
-    if mode in CUDA_GRAPH_MODES and (world > 1 or zero_stage):
-        raise ConfigError("trainer.compile_mode", mode, "default or max-autotune-no-cudagraphs on more than one "
-                          "rank or under ZeRO (CUDA graphs replay no collectives); parallel=single runs it")
-    if mode in CUDA_GRAPH_MODES and accumulation > 1:
-        raise ConfigError("trainer.compile_mode", mode, f"default or max-autotune-no-cudagraphs with {accumulation} "
-                          "micro-batches a step (a replay writes over the gradients being summed); batch.micro_size "
-                          "equal to batch.global_size runs it")
 
 
 def check_gpu_count(trainer: TrainerConfig, devices_range: RankRange | None = None) -> None:
@@ -244,7 +224,7 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
     if top.parallel.cpu_offload and not gpu:
         raise ConfigError("parallel.cpu_offload", True,
                           "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
-    _validate_trainer(top.trainer)
+    check_trainer(top.trainer)
     top.fault_tolerance.validate(top.parallel.timeout_s)
     top.comm.validate()
     if top.checkpoint.keep_last < 1:
@@ -361,71 +341,7 @@ def validation_schedule(t: TrainerConfig, batches_per_epoch: int, accumulation: 
     return notices
 
 
-def checkpoint_folder(resume: str) -> str:
-    """``resume=PATH``: a checkpoint folder, or a run directory whose ``checkpoints/last.ckpt`` is taken."""
-    path = os.path.expanduser(resume)
-    allowed = "null, auto, a checkpoint folder (with meta.pt) or a run directory with checkpoints/last.ckpt"
-    if not os.path.exists(path):
-        raise ConfigError("resume", resume, f"{allowed}; there is no such path")
-    last = os.path.join(path, "checkpoints", "last.ckpt")
-    if os.path.isfile(os.path.join(path, "meta.pt")) and os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    if os.path.isdir(last):
-        return last
-    raise ConfigError("resume", resume, f"{allowed}; this is neither")
-
-
-def check_resume_fits(checkpoint: str, net: Any) -> None:
-    """``resume``'s checkpoint holds this model's tensors at this model's shapes: a run of another model size is
-    refused by name here, before any rank starts, rather than by the checkpoint reader in every rank."""
-    from disttrain.checkpoint.io import UnsafeCheckpointError, saved_shapes
-
-    try:
-        saved = saved_shapes(Path(checkpoint))
-    except (OSError, EOFError, pickle.UnpicklingError, UnsafeCheckpointError) as err:
-        raise ConfigError("resume", checkpoint, f"a readable checkpoint folder; its index is not ({err})") from None
-    for name, tensor in net.state_dict().items():
-        if name in saved and tuple(tensor.shape) != saved[name]:
-            raise ConfigError("resume", checkpoint, f"a checkpoint of this model; its {name} is {list(saved[name])} "
-                              f"where this model's is {list(tensor.shape)} (the model's settings differ from the "
-                              "saved run's)")
-
-
 def _uses_gpu(accelerator: str) -> bool:
     import torch
 
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-
-def _validate_trainer(t: TrainerConfig) -> None:
-    """Semantic checks of the Trainer options that the type system cannot express."""
-    if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
-        raise ConfigError("trainer.accelerator", t.accelerator, "one of auto, cpu, gpu, cuda")
-    if t.devices != "auto" and (not isinstance(t.devices, int) or isinstance(t.devices, bool) or t.devices < 1):
-        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node, or auto, or "
-                          "MIN:MAX (a range that disttrain's supervisor shrinks within when ranks fail)")
-    if not isinstance(t.num_nodes, int) or isinstance(t.num_nodes, bool) or t.num_nodes < 1:
-        raise ConfigError("trainer.num_nodes", t.num_nodes, "a positive number of nodes, or MIN:MAX under a launcher "
-                          "that adds and removes nodes (torchrun --nnodes=MIN:MAX)")
-    if t.max_steps == 0 or t.max_steps < -1:
-        raise ConfigError("trainer.max_steps", t.max_steps, "a positive number of steps, or -1")
-    if t.max_steps == -1 and not t.max_epochs:
-        raise ConfigError("trainer.max_epochs", t.max_epochs, "a positive number of epochs when max_steps is -1")
-    if t.precision in ("16-mixed", "16"):
-        raise ConfigError("trainer.precision", t.precision,
-                          f"one of {list(PRECISIONS)}: fp16 autocast needs a gradient scaler, which the sharded "
-                          "strategy does not run; bf16-mixed needs none")
-    if t.precision not in (*PRECISIONS, "auto"):
-        raise ConfigError("trainer.precision", t.precision,
-                          f"one of {list(PRECISIONS)}, or auto (bf16-mixed where the device computes bf16 "
-                          "natively and, on a CPU, measures faster)")
-    if t.matmul_precision not in MATMUL_PRECISIONS:
-        raise ConfigError("trainer.matmul_precision", t.matmul_precision, f"one of {', '.join(MATMUL_PRECISIONS)}")
-    if t.rank_start not in RANK_STARTS:
-        raise ConfigError("trainer.rank_start", t.rank_start, f"one of {list(RANK_STARTS)}")
-    if t.rank_start == "fork_server" and not fork_server_available():
-        raise ConfigError("trainer.rank_start", t.rank_start, "interpreter or auto: this platform has no fork server")
-    if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
-        raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
-    for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):
-        checks.count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")

@@ -1,0 +1,62 @@
+"""Checks of the ``trainer`` group's values that its types cannot express, and of ``trainer.compile_mode``
+against the layout it would run under."""
+
+from __future__ import annotations
+
+from disttrain import checks
+from disttrain.config.precision import MATMUL_PRECISIONS
+from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainerConfig, fork_server_available
+from disttrain.errors import ConfigError
+from disttrain.parallel.compile import COMPILE_MODES, CUDA_GRAPH_MODES
+
+
+def check_trainer(t: TrainerConfig) -> None:
+    """Semantic checks of the Trainer options that the type system cannot express."""
+    if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ConfigError("trainer.accelerator", t.accelerator, "one of auto, cpu, gpu, cuda")
+    if t.devices != "auto" and (not isinstance(t.devices, int) or isinstance(t.devices, bool) or t.devices < 1):
+        raise ConfigError("trainer.devices", t.devices, "a positive number of ranks per node, or auto, or "
+                          "MIN:MAX (a range that disttrain's supervisor shrinks within when ranks fail)")
+    if not isinstance(t.num_nodes, int) or isinstance(t.num_nodes, bool) or t.num_nodes < 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, "a positive number of nodes, or MIN:MAX under a launcher "
+                          "that adds and removes nodes (torchrun --nnodes=MIN:MAX)")
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError("trainer.max_steps", t.max_steps, "a positive number of steps, or -1")
+    if t.max_steps == -1 and not t.max_epochs:
+        raise ConfigError("trainer.max_epochs", t.max_epochs, "a positive number of epochs when max_steps is -1")
+    if t.precision in ("16-mixed", "16"):
+        raise ConfigError("trainer.precision", t.precision,
+                          f"one of {list(PRECISIONS)}: fp16 autocast needs a gradient scaler, which the sharded "
+                          "strategy does not run; bf16-mixed needs none")
+    if t.precision not in (*PRECISIONS, "auto"):
+        raise ConfigError("trainer.precision", t.precision,
+                          f"one of {list(PRECISIONS)}, or auto (bf16-mixed where the device computes bf16 "
+                          "natively and, on a CPU, measures faster)")
+    if t.matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError("trainer.matmul_precision", t.matmul_precision, f"one of {', '.join(MATMUL_PRECISIONS)}")
+    if t.rank_start not in RANK_STARTS:
+        raise ConfigError("trainer.rank_start", t.rank_start, f"one of {list(RANK_STARTS)}")
+    if t.rank_start == "fork_server" and not fork_server_available():
+        raise ConfigError("trainer.rank_start", t.rank_start, "interpreter or auto: this platform has no fork server")
+    if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
+        raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
+    for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):
+        checks.count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")
+
+
+def check_compile_mode(trainer: TrainerConfig, world: int, zero_stage: int, accumulation: int) -> None:
+    """``trainer.compile_mode`` is one of torch.compile's modes, with ``trainer.compile`` on, and the modes that
+    record CUDA graphs run on one rank whose step launches no collective (a graph replays no communication) and
+    takes one micro-batch (the next micro-batch's replay would write over the gradients being summed)."""
+    mode = trainer.compile_mode
+    if mode not in COMPILE_MODES:
+        raise ConfigError("trainer.compile_mode", mode, f"one of {', '.join(COMPILE_MODES)}")
+    if mode != "default" and not trainer.compile:
+        raise ConfigError("trainer.compile_mode", mode, "default unless trainer.compile=true")
+    if mode in CUDA_GRAPH_MODES and (world > 1 or zero_stage):
+        raise ConfigError("trainer.compile_mode", mode, "default or max-autotune-no-cudagraphs on more than one "
+                          "rank or under ZeRO (CUDA graphs replay no collectives); parallel=single runs it")
+    if mode in CUDA_GRAPH_MODES and accumulation > 1:
+        raise ConfigError("trainer.compile_mode", mode, f"default or max-autotune-no-cudagraphs with {accumulation} "
+                          "micro-batches a step (a replay writes over the gradients being summed); batch.micro_size "
+                          "equal to batch.global_size runs it")
