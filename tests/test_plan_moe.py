@@ -93,6 +93,19 @@ def test_routing_runs_on_the_meta_device_as_balanced_routing() -> None:
     assert [c.rows for c in stats.expert_calls] == [2 * T * K] * L
 
 
+def test_a_count_the_plan_cannot_size_is_refused_by_name() -> None:
+    """Under BalancedRouting a routing-shaped bincount has its balanced bins; a weighted one or one without
+    ``minlength`` has no size without its values, and is refused rather than guessed."""
+    from disttrain.plan.experts import BalancedRouting
+
+    values = torch.empty(12, dtype=torch.int64, device="meta")
+    with BalancedRouting():
+        assert torch.bincount(values, minlength=4).to("cpu").tolist() == [3, 3, 3, 3]
+        for call in ({"weights": torch.empty(12, device="meta"), "minlength": 4}, {}):
+            with pytest.raises(ValueError, match="only as routing calls it"):
+                torch.bincount(values, **call)
+
+
 def _expected_state(ep: int, zero_stage: int, shard: int = 4) -> dict[str, float]:
     """Per-rank state of dense parameters sharded over ``shard`` ranks and experts split over ep, each sharded over
     shard / ep ranks (ZeRO-3: shards only; ZeRO-2: whole local parameters beside their shards)."""

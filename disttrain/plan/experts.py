@@ -125,8 +125,9 @@ class BalancedRouting(TorchDispatchMode):
     def _bincount(self, values: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0
                   ) -> torch.Tensor:
         if minlength < 1 or weights is not None:
-            raise NotImplementedError("a plan runs bincount on the meta device only as routing calls it: unweighted, "
-                                      "with minlength the number of experts (its values are not known there)")
+            # refused by name, not guessed: a weighted or unbounded count has no output size without its values
+            raise ValueError("a plan runs bincount on the meta device only as routing calls it: unweighted, "
+                             "with minlength the number of experts (its values are not known there)")
         out = torch.empty(minlength, dtype=torch.int64, device="meta")
         self._counts[id(out)] = (out, balanced_counts(values.numel(), minlength))
         return out
