@@ -16,8 +16,13 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 its next replay writes over."""
 
 
+def torch_compile_mode(mode: str) -> str | None:
+    """``trainer.compile_mode`` as ``torch.compile``'s ``mode`` argument (None is its default)."""
+    return None if mode == "default" else mode
+
+
 def compile_model(model: nn.Module, units: list[nn.Module], per_unit: bool, mode: str = "default") -> None:
     """Compile ``model`` in place in torch.compile's ``mode``: each of ``units`` on its own when ``per_unit`` (and
     there are any), else whole."""
     for module in units if per_unit and units else [model]:
-        module.compile(mode=None if mode == "default" else mode)
+        module.compile(mode=torch_compile_mode(mode))

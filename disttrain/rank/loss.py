@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.data.base import IGNORE_INDEX
+from disttrain.parallel.compile import torch_compile_mode
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
 """``(logits [..., classes], targets [...], reduction) -> loss``."""
@@ -30,4 +31,4 @@ def loss_function(compile_mode: str | None) -> LossFunction:
     """``token_cross_entropy``, compiled in torch.compile's ``compile_mode`` as the model is; None: eager."""
     if compile_mode is None:
         return token_cross_entropy
-    return torch.compile(token_cross_entropy, mode=None if compile_mode == "default" else compile_mode)
+    return torch.compile(token_cross_entropy, mode=torch_compile_mode(compile_mode))
