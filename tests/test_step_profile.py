@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from disttrain.rank.host_reads import HostReads
 from disttrain.rank.step_profile import StepProfiler, busy_us
 
 
@@ -80,3 +82,25 @@ def test_the_device_busy_time_is_the_union_of_its_spans():
 
     events = [event(0, 10), event(5, 12), event(20, 25), event(30, 31, annotation=True), event(0, 100, DeviceType.CPU)]
     assert busy_us(events) == 17  # 0-12 and 20-25: overlapping streams once, no host op or annotation
+
+
+def read_value() -> None:
+    # what torch's sync debug mode warns on a synchronising call, from this frame
+    warnings.warn(f"called a synchronizing CUDA operation ({HostReads.__name__} test)", UserWarning, stacklevel=1)
+
+
+def test_host_reads_are_counted_by_the_line_that_made_them_and_other_warnings_pass(recwarn):
+    reads = HostReads()
+    reads.start(cuda=False)
+    for _ in range(3):
+        read_value()
+    warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+    reads.stop()
+    read_value()  # after stop: not recorded
+    assert reads.total == 3
+    (stack,) = reads.counts
+    assert stack[0].endswith(" in read_value") and "test_step_profile.py" in stack[0]
+    assert "test_host_reads_are_counted" in stack[1]
+    assert [str(w.message) for w in recwarn] == ["an unrelated warning",
+                                                  "called a synchronizing CUDA operation (HostReads test)"]
+    assert reads.table(steps=3).startswith("3 synchronising CUDA calls in 3 steps (1.0 a step)")

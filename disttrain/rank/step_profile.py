@@ -1,8 +1,9 @@
 """A window of training steps under ``torch.profiler``: where a step's time goes, on the host and the device.
 
 Added with ``callbacks=profile``. Each rank writes ``profile/rank<R>_ops.txt`` (the operators and kernels,
-slowest first) and ``profile/rank<R>_trace.json`` (a timeline for chrome://tracing or Perfetto) under the run
-folder, and rank 0 says in one line how long a profiled step took and how much of it the device was busy: a
+slowest first), ``profile/rank<R>_trace.json`` (a timeline for chrome://tracing or Perfetto) and, on a GPU,
+``profile/rank<R>_host_reads.txt`` (each line of Python that made the host wait for the GPU, with its stack) under
+the run folder, and rank 0 says in one line how long a profiled step took and how much of it the device was busy: a
 device idle between steps waits on the host (data, Python, a host read).
 """
 
@@ -16,6 +17,8 @@ import lightning.pytorch as pl
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from disttrain.rank.host_reads import HostReads
 
 
 class StepProfiler(pl.Callback):
@@ -39,10 +42,11 @@ class StepProfiler(pl.Callback):
         """Record the Python stack of every operator in the timeline (which line read a value back to the host,
         say); the profiled steps run slower still."""
         self._profiler: profile | None = None
+        self._host_reads = HostReads()
         self._started_at = 0.0
         self.summary: dict[str, float] | None = None
         """After the window: ``step_ms`` (wall clock per step), ``device_ms`` (device kernel time per step, where
-        a device was profiled) and ``steps``."""
+        a device was profiled), ``host_reads`` (synchronising CUDA calls per step, on a GPU) and ``steps``."""
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -54,6 +58,7 @@ class StepProfiler(pl.Callback):
         self._synchronize()
         self._profiler = profile(activities=activities, with_stack=self.with_stack)
         self._profiler.start()
+        self._host_reads.start(cuda=self._device.type == "cuda")
         self._started_at = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -76,6 +81,7 @@ class StepProfiler(pl.Callback):
         wall_s = time.perf_counter() - self._started_at
         profiler, self._profiler = self._profiler, None
         profiler.stop()
+        self._host_reads.stop()
         folder = Path(self.dirpath or Path(trainer.default_root_dir) / "profile")
         folder.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
@@ -92,6 +98,9 @@ class StepProfiler(pl.Callback):
             self.summary["device_ms"] = busy_us(profiler.events()) / 1e3 / steps
             line += (f", the device busy {self.summary['device_ms']:.2f} ms of it "
                      f"({100 * self.summary['device_ms'] / self.summary['step_ms']:.0f}%)")
+            self.summary["host_reads"] = self._host_reads.total / steps
+            (folder / f"rank{rank}_host_reads.txt").write_text(self._host_reads.table(steps))
+            line += f", {self.summary['host_reads']:.1f} host reads a step"
         if rank == 0:
             print(f"{line}; operators and timeline in {folder}", flush=True)
 
