@@ -1,4 +1,4 @@
-"""Callbacks the runner always adds: checkpoints, throughput measurement and plain-text progress for non-terminals."""
+"""Callbacks the runner always adds: checkpoints, throughput measurement and the model summary."""
 
 from __future__ import annotations
 
@@ -266,35 +266,3 @@ class SummaryWithoutFlops(ModelSummary):
         if not total_flops:
             table = table.rsplit("\n", 1)[0]  # the last line is the "Total Flops" row
         print(table, flush=True)
-
-
-class PlainProgress(pl.Callback):
-    """One log line every ``every`` steps (used instead of a progress bar when output is not a terminal)."""
-
-    def __init__(self, every: int, meter: ThroughputMeter) -> None:
-        self.every = max(1, every)
-        self.meter = meter
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        step = trainer.global_step
-        # step 0: no optimiser step yet (the first micro-batches of an accumulating step)
-        if not trainer.is_global_zero or step == 0 or step % self.every or step == getattr(self, "_printed", -1):
-            return
-        self._printed = step
-        metrics = trainer.callback_metrics
-        loss = metrics.get("train/loss")
-        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        parts = [f"step {step}/{int(total)}", f"epoch {trainer.current_epoch}"]
-        if isinstance(loss, torch.Tensor):
-            parts.append(f"loss {loss.item():.4f}")
-        if trainer.optimizers:
-            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
-        rate = self.meter.samples_per_sec
-        if rate == rate:
-            parts.append(f"{rate:.1f} samples/s")
-        print(" | ".join(parts), flush=True)
-
-    def on_validation_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        if trainer.is_global_zero and not trainer.sanity_checking:
-            shown = {k: f"{v.item():.4f}" for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-            print(f"validation at step {trainer.global_step}: {shown}", flush=True)

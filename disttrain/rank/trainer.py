@@ -15,10 +15,11 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from disttrain.config.validation import RunConfig
 from disttrain.parallel.process_group import rank_layout
 from disttrain.parallel.strategy import DistTrainStrategy
-from disttrain.rank.callbacks import NewestAndBestCheckpoint, PlainProgress, SummaryWithoutFlops, ThroughputMeter
+from disttrain.rank.callbacks import NewestAndBestCheckpoint, SummaryWithoutFlops, ThroughputMeter
 from disttrain.rank.hook_dispatch import NoProfiler
 from disttrain.rank.kinds.base import RunKind
 from disttrain.rank.logged_values import place_logged_values_once
+from disttrain.rank.progress import LossBar, PlainProgress
 
 
 def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter: ThroughputMeter,
@@ -46,10 +47,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         *fault_callbacks,
     ]
     interactive = sys.stdout.isatty()
-    if interactive:
-        callbacks.append(SummaryWithoutFlops())
-    if not interactive:
-        callbacks.append(PlainProgress(t.log_every_n_steps, meter))
+    callbacks += [SummaryWithoutFlops(), LossBar()] if interactive else [PlainProgress(t.log_every_n_steps, meter)]
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
     extra = [instantiate(node) for node in cfg.callbacks.values() if node]
     # a learning-rate monitor writes to loggers and refuses to run without one (logger=none)
