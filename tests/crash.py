@@ -96,6 +96,19 @@ class NonFiniteAtStep(pl.Callback):
             self.handle = None
 
 
+class NonFiniteGradientAtStep(pl.Callback):
+    """Make one gradient NaN on every rank (after the exchange) in the step after ``step`` steps; the loss stays
+    finite, so only the gradient norm can tell."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("nan"))
+
+
 class KillDuringSave(pl.Callback):
     """On ``rank``, in the first attempt, die right after writing its shards of the checkpoint at ``step``:
     the folder is complete on disk but was never renamed into place."""

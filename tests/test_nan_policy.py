@@ -49,6 +49,37 @@ def test_a_step_that_is_not_logged_is_guarded_by_the_gradient_norm(tmp_path, pre
     assert_no_orphans(run_dir)
 
 
+def test_a_stop_found_a_step_late_writes_no_checkpoint_of_the_step_it_stops_at(tmp_path):
+    # the gradient norm's check waits a step (the fused optimiser dropped the step on the device): with a save
+    # point every step, the save at the bad step settles the check first and is never written
+    run_dir = tmp_path / "run"
+    done = run(["parallel=ddp", "trainer.log_every_n_steps=4", "checkpoint.every_n_train_steps=1",
+                "checkpoint.keep_last=20", *NAN], run_dir)
+    assert done.returncode == NON_FINITE_EXIT, done.stderr[-3000:]
+    assert f"the gradient norm is nan at step {BAD_STEP}" in done.stderr
+    last = run_dir / "checkpoints" / f"last-step{BAD_STEP - 1}.ckpt"
+    assert f"keeping its last good checkpoint (step {BAD_STEP - 1}, {last})" in done.stderr
+    assert load_metadata(last)["global_step"] == BAD_STEP - 1
+    assert not (run_dir / "checkpoints" / f"last-step{BAD_STEP}.ckpt").exists()
+    assert all(torch.isfinite(w).all() for w in consolidated_weights(last).values())
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_non_finite_gradient_in_the_last_step_is_acted_on_after_the_loop(tmp_path, policy):
+    # the loss is finite: only the gradient norm's check, deferred a step, can tell; no step and no checkpoint
+    # follows
+    run_dir = tmp_path / "run"
+    done = run(["parallel=ddp", f"fault_tolerance.nan_policy={policy}", "checkpoint.save_last=false",
+                "checkpoint.save_top_k=0", "+callbacks.nan._target_="
+                "tests.crash.NonFiniteGradientAtStep", "+callbacks.nan.step=11"], run_dir)
+    if policy == "skip":
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((run_dir / "results.json").read_text())["fault_tolerance"]["skipped_steps"] == 1
+    else:
+        assert done.returncode == NON_FINITE_EXIT, done.stderr[-3000:]
+        assert "the gradient norm is nan at step 12" in done.stderr
+
+
 def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     run_dir = tmp_path / "run"
     done = run(["parallel=ddp", "fault_tolerance.nan_policy=skip", "checkpoint.keep_last=20",
@@ -64,6 +95,25 @@ def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     before = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP - 1}.ckpt")
     after = consolidated_weights(run_dir / "checkpoints" / f"last-step{BAD_STEP}.ckpt")
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("preset", ["ddp", "zero2"])
+def test_a_step_dropped_on_the_device_leaves_weights_and_moments_as_they_were(tmp_path, preset):
+    # a NaN gradient with a finite loss on a step that logs nothing: the fused optimiser drops the step on the
+    # device (its found_inf flag), and the host counts it a step later
+    run_dir = tmp_path / "run"
+    done = run([f"parallel={preset}", "fault_tolerance.nan_policy=skip", "trainer.log_every_n_steps=4",
+                "checkpoint.keep_last=20", "checkpoint.every_n_train_steps=1",
+                "+callbacks.nan._target_=tests.crash.NonFiniteGradientAtStep", f"+callbacks.nan.step={BAD_STEP - 1}"],
+               run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((run_dir / "results.json").read_text())["fault_tolerance"]["skipped_steps"] == 1
+    steps = [consolidated_weights(run_dir / "checkpoints" / f"last-step{step}.ckpt")
+             for step in (BAD_STEP - 1, BAD_STEP, BAD_STEP + 1)]
+    assert all(torch.equal(steps[0][name], steps[1][name]) for name in steps[0])
+    # the next step trains on: the moments were left finite
+    assert not all(torch.equal(steps[1][name], steps[2][name]) for name in steps[1])
+    assert all(torch.isfinite(w).all() for w in steps[2].values())
 
 
 def test_a_skipped_steps_loss_counts_nowhere_in_the_epochs_mean():

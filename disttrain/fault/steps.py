@@ -46,6 +46,27 @@ class SkippedStep(Exception):
     """Raised inside the optimiser closure to drop a step's update on every rank (``nan_policy=skip``)."""
 
 
+class HostCopy:
+    """A scalar on its way to the host without the host waiting: a GPU value is copied into pinned memory behind
+    the work already queued, and ``value()`` waits only for that copy."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if value.device.type == "cuda":
+            self._host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            self._host.copy_(value.reshape(()), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:  # a CPU value is there already
+            self._host = value.detach()
+
+    def value(self) -> float:
+        """The scalar, once the device has written it."""
+        if self._event is not None:
+            self._event.synchronize()
+        return float(self._host)
+
+
 class StepAgreement:
     """The per-step flags a task reduces with its loss, and the decisions taken on them."""
 
@@ -59,6 +80,8 @@ class StepAgreement:
         """Some rank was signalled: every rank saves and stops at the end of this step."""
         self.skipped_steps = 0
         """Steps whose update was dropped for non-finite numbers (``nan_policy=skip``)."""
+        self._pending: tuple[str, int, HostCopy] | None = None
+        """What ``check_finite_later`` left to check: the value's name, its step and its copy on the host."""
 
     def reduce_loss(self, local: torch.Tensor, divisor: float) -> torch.Tensor:
         """Sum ``local`` over all ranks and divide by ``divisor``; the preemption flag travels in the same call."""
@@ -72,12 +95,38 @@ class StepAgreement:
 
     def check_finite(self, name: str, value: torch.Tensor, step: int) -> None:
         """Act on a global value (identical on every rank) that is not finite: stop or skip, per the policy."""
-        if math.isfinite(value.item()):  # one host read, as bool(torch.isfinite(...)) makes, without the op
+        read = value.item()  # one host read, as bool(torch.isfinite(...)) makes, without the op
+        if not math.isfinite(read):
+            self._act_on_non_finite(name, read, step)
+            raise SkippedStep(name)
+
+    def check_finite_later(self, name: str, value: torch.Tensor, step: int) -> torch.Tensor:
+        """Check ``value`` (identical on every rank) at the next ``settle()`` instead of now, and return the flag
+        (1.0: not finite; on ``value``'s device) that an optimiser which drops steps on the device reads.
+
+        The host does not wait for the device here: it goes on to queue the next step while the device computes
+        this one. By the next step's check the value has long been computed, and reading it costs no wait.
+        """
+        self.settle()
+        self._pending = (name, step, HostCopy(value))
+        return (~torch.isfinite(value)).to(torch.float32)
+
+    def settle(self) -> None:
+        """Act on the value that ``check_finite_later`` left, if any (its step was already dropped on the device:
+        under ``nan_policy=stop`` the run stops here, before any later step or checkpoint)."""
+        if self._pending is None:
             return
+        (name, step, copy), self._pending = self._pending, None
+        read = copy.value()
+        if not math.isfinite(read):
+            self._act_on_non_finite(name, read, step)
+
+    def _act_on_non_finite(self, name: str, value: float, step: int) -> None:
+        """Count a dropped step (``nan_policy=skip``), or stop the run."""
         if self.nan_policy == "skip":
             self.skipped_steps += 1
-            raise SkippedStep(name)
-        raise NonFiniteStep(f"{name} is {float(value)} at step {step}: the run stops, {self._kept()} "
+            return
+        raise NonFiniteStep(f"{name} is {value} at step {step}: the run stops, {self._kept()} "
                             "(fault_tolerance.nan_policy=skip drops such steps instead)")
 
     def _kept(self) -> str:
@@ -132,8 +181,14 @@ class StepDecisions(pl.Callback):
         if self._saved:
             raise Preempted(trainer.global_step)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Act on the last step's deferred check (a non-finite last step stops the run or counts as skipped)."""
+        self.agreement.settle()
+
     def state_dict(self) -> dict[str, int]:
-        """The count of skipped steps, so a resumed run keeps counting."""
+        """The count of skipped steps, so a resumed run keeps counting; a deferred check is settled first, so a
+        stop on non-finite numbers writes no checkpoint of the step it stopped at."""
+        self.agreement.settle()
         return {"skipped_steps": self.agreement.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:

@@ -50,3 +50,11 @@ def kernel_options(groups: list[dict[str, Any]]) -> dict[str, bool]:
             and all(p.dtype in FUSED_DTYPES for p in params):
         return {"fused": True}
     return {}
+
+
+def drops_steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can drop a step on the device, from a flag tensor it reads in its own kernel (its
+    ``found_inf`` attribute, as ``torch.amp.GradScaler`` sets it): torch's fused Adam, AdamW and SGD, which then
+    leave parameters, moments and step counts as they were without the host reading the flag."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
+        group.get("fused") for group in optimizer.param_groups)

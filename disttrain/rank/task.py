@@ -17,6 +17,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import SkippedStep, StepAgreement
 from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
+from disttrain.optim.groups import drops_steps_on_device
 from disttrain.optim.scheduler import apply_rate_of_current_step
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
@@ -71,6 +72,11 @@ class TrainTask(FastHookName, pl.LightningModule):
         """Sum of this epoch's finite batch losses (None: no batch yet)."""
         self._epoch_batches: torch.Tensor | None = None
         """How many of them were finite (a tensor: counting needs no host sync)."""
+        self._drops_on_device = False
+        """The optimiser drops a non-finite step on the device, so the gradient norm's check waits a step
+        (``configure_optimizers`` decides)."""
+        self._dropped: torch.Tensor | None = None
+        """The device flag of the step being taken: 1.0 where its optimiser dropped it (a deferred check)."""
         self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("train", "val", "test")})
         if not self.is_text:
             self.accuracies = nn.ModuleDict({
@@ -106,12 +112,17 @@ class TrainTask(FastHookName, pl.LightningModule):
         self._step_loss.append(loss)
         self._unapplied_losses.append(loss)
 
-    def _count_applied_step(self, applied: bool) -> None:
+    def _count_applied_step(self, applied: bool, dropped: torch.Tensor | None = None) -> None:
         """Keep the losses of the step just taken for the epoch's mean, or drop them with a step that
         ``nan_policy=skip`` dropped: the step is skipped on every rank alike, so a rank's finite losses of a step
         that another rank's NaN skipped count nowhere either. Kept losses are summed every ``FOLD_EVERY`` and at
-        the epoch's end, not per step: five tensor operations per step were 2% of a small CNN's step."""
+        the epoch's end, not per step: five tensor operations per step were 2% of a small CNN's step.
+
+        ``dropped``: the device flag of a step the optimiser may have dropped on the device; its losses are kept
+        as NaN where it did, which the epoch's sums leave out (no host read)."""
         losses, self._unapplied_losses = self._unapplied_losses, []
+        if dropped is not None:
+            losses = [loss.masked_fill(dropped.bool(), math.nan) for loss in losses]
         if applied:
             self._applied_losses += losses
             if len(self._applied_losses) >= FOLD_EVERY:
@@ -155,7 +166,8 @@ class TrainTask(FastHookName, pl.LightningModule):
         except SkippedStep:
             self._count_applied_step(False)
             return
-        self._count_applied_step(True)
+        dropped, self._dropped = self._dropped, None
+        self._count_applied_step(True, dropped)
 
     def logs_this_step(self) -> bool:
         """Whether the optimiser step being taken writes a log row: every ``trainer.log_every_n_steps`` steps
@@ -260,8 +272,11 @@ class TrainTask(FastHookName, pl.LightningModule):
             norm = grad_norm(params)
         else:
             return
-        # one scalar read per step, as torch.amp's GradScaler does to skip a step with inf/NaN gradients
-        self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
+        if self._drops_on_device:  # the optimiser skips on the flag; the host reads the norm a step later
+            self._dropped = server.found_inf = self.agreement.check_finite_later(
+                "the gradient norm", norm, self.global_step + 1)
+        else:  # one scalar read per step, as torch.amp's GradScaler does to skip a step with inf/NaN gradients
+            self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
 
     def on_train_start(self) -> None:
         """Start at the schedule's rate for the step training starts from (a resumed optimiser holds the rate of
@@ -276,4 +291,7 @@ class TrainTask(FastHookName, pl.LightningModule):
         if shard is not None:  # ZeRO-1 wraps the optimiser; the schedule must drive the wrapper
             optimizer = shard(optimizer)
         scheduler = build_scheduler(self.scheduler_cfg, optimizer, self.total_steps)
+        # torch's GradScaler sets the optimiser's found_inf itself (16-bit mixed precision)
+        self._drops_on_device = drops_steps_on_device(optimizer) and getattr(
+            self.trainer.precision_plugin, "scaler", None) is None
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
