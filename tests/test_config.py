@@ -255,6 +255,21 @@ def test_validation_leaves_the_callers_config_unchanged(make_config):
     assert resolved.trainer.devices == run.train.trainer.devices == 2 and resolved.comm.rank == run.train.comm.rank
 
 
+def test_nan_check_auto_waits_a_step_on_a_gpu_and_not_on_a_cpu(make_config, tmp_path):
+    from disttrain.fault.config import FaultToleranceConfig
+
+    for uses_gpu, decided in ((True, "next_step"), (False, "now")):
+        config = FaultToleranceConfig()
+        config.resolve_nan_check(uses_gpu)
+        assert config.nan_check == decided
+    run = validate(make_config([]))
+    assert run.train.fault_tolerance.nan_check == "now"  # this suite's CPU, written where the ranks read it
+    assert "nan_check: now" in run.yaml
+    with pytest.raises(ConfigError, match=r"fault_tolerance.nan_check='later' is invalid: one of auto, now, "
+                                          r"next_step"):
+        validate(make_config(["fault_tolerance.nan_check=later"]))
+
+
 def test_matmul_precision_auto_is_tf32_on_a_gpu_and_full_fp32_on_a_cpu(make_config):
     from disttrain.config.precision import resolve_matmul_precision
 

@@ -18,6 +18,7 @@ from tests.fault_runs import assert_no_orphans, logged_losses, run
 BAD_STEP = 6  # the 6th step: after the save point at step 4
 NAN = ["+callbacks.nan._target_=tests.crash.NonFiniteAtStep", f"+callbacks.nan.step={BAD_STEP - 1}",
        "+callbacks.nan.rank=1"]
+NEXT_STEP = "fault_tolerance.nan_check=next_step"  # a GPU's default; a CPU's (auto) checks the norm in its step
 
 
 @pytest.mark.parametrize("preset", ["ddp", "zero2"])
@@ -53,7 +54,7 @@ def test_a_stop_found_a_step_late_writes_no_checkpoint_of_the_step_it_stops_at(t
     # the gradient norm's check waits a step (the fused optimiser dropped the step on the device): with a save
     # point every step, the save at the bad step settles the check first and is never written
     run_dir = tmp_path / "run"
-    done = run(["parallel=ddp", "trainer.log_every_n_steps=4", "checkpoint.every_n_train_steps=1",
+    done = run(["parallel=ddp", "trainer.log_every_n_steps=4", "checkpoint.every_n_train_steps=1", NEXT_STEP,
                 "checkpoint.keep_last=20", *NAN], run_dir)
     assert done.returncode == NON_FINITE_EXIT, done.stderr[-3000:]
     assert f"the gradient norm is nan at step {BAD_STEP}" in done.stderr
@@ -69,7 +70,7 @@ def test_a_non_finite_gradient_in_the_last_step_is_acted_on_after_the_loop(tmp_p
     # the loss is finite: only the gradient norm's check, deferred a step, can tell; no step and no checkpoint
     # follows
     run_dir = tmp_path / "run"
-    done = run(["parallel=ddp", f"fault_tolerance.nan_policy={policy}", "checkpoint.save_last=false",
+    done = run(["parallel=ddp", f"fault_tolerance.nan_policy={policy}", "checkpoint.save_last=false", NEXT_STEP,
                 "checkpoint.save_top_k=0", "+callbacks.nan._target_="
                 "tests.crash.NonFiniteGradientAtStep", "+callbacks.nan.step=11"], run_dir)
     if policy == "skip":
@@ -102,7 +103,7 @@ def test_a_step_dropped_on_the_device_leaves_weights_and_moments_as_they_were(tm
     # a NaN gradient with a finite loss on a step that logs nothing: the fused optimiser drops the step on the
     # device (its found_inf flag), and the host counts it a step later
     run_dir = tmp_path / "run"
-    done = run([f"parallel={preset}", "fault_tolerance.nan_policy=skip", "trainer.log_every_n_steps=4",
+    done = run([f"parallel={preset}", "fault_tolerance.nan_policy=skip", "trainer.log_every_n_steps=4", NEXT_STEP,
                 "checkpoint.keep_last=20", "checkpoint.every_n_train_steps=1",
                 "+callbacks.nan._target_=tests.crash.NonFiniteGradientAtStep", f"+callbacks.nan.step={BAD_STEP - 1}"],
                run_dir)
@@ -144,3 +145,19 @@ def test_a_stop_before_any_save_point_does_not_promise_a_checkpoint(tmp_path):
 
     with pytest.raises(NonFiniteStep, match="at step 2: the run stops, before any checkpoint was saved"):
         StepAgreement("stop", tmp_path / "checkpoints").check_finite("the training loss", torch.tensor(math.nan), 2)
+
+
+@pytest.mark.parametrize("check,deferred", [("next_step", True), ("now", False)])
+def test_nan_check_decides_whether_the_norm_is_read_in_its_step(make_config, tmp_path, monkeypatch, check, deferred):
+    from disttrain.fault.steps import StepAgreement
+    from disttrain.launch.job import train
+
+    calls = []
+    for name in ("check_finite", "check_finite_later"):
+        original = getattr(StepAgreement, name)
+        monkeypatch.setattr(StepAgreement, name, lambda self, what, *args, _name=name, _original=original:
+                            calls.append((_name, what)) or _original(self, what, *args))
+    train(make_config([f"fault_tolerance.nan_check={check}", "trainer.max_steps=4", "trainer.log_every_n_steps=2",
+                       "trainer.limit_val_batches=0", "trainer.run_test=false"], tmp_path / "run"))
+    norm_checks = [name for name, what in calls if what == "the gradient norm"]
+    assert norm_checks == ["check_finite_later" if deferred else "check_finite"] * 4

@@ -145,3 +145,16 @@ def test_a_rank_multiplies_fp32_matrices_at_the_precision_asked(make_config, tmp
                       tmp_path / "auto"))
     assert OmegaConf.load(tmp_path / "auto" / "config.yaml").trainer.matmul_precision == "highest"  # a CPU's auto
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_the_training_steps_signature_is_inspected_once_and_not_per_batch(make_config, tmp_path, monkeypatch):
+    from lightning.pytorch.loops import training_epoch_loop
+
+    inspected = []
+    original = training_epoch_loop.is_param_in_hook_signature
+    monkeypatch.setattr(training_epoch_loop, "is_param_in_hook_signature",
+                        lambda *args, **kwargs: inspected.append(args) or original(*args, **kwargs))
+    train(make_config(["trainer.max_steps=6", "trainer.limit_val_batches=0", "trainer.run_test=false"],
+                      tmp_path / "run"))
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["global_steps"] == 6
+    assert inspected == []  # Lightning's loop asked before each of the six batches

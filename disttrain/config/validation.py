@@ -256,6 +256,7 @@ def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) 
                                                       model, spec, micro_size)
     top.trainer.matmul_precision = resolve_matmul_precision(top.trainer.matmul_precision,
                                                             _uses_gpu(top.trainer.accelerator))
+    top.fault_tolerance.resolve_nan_check(_uses_gpu(top.trainer.accelerator))
     return [notice] if notice else []
 
 
@@ -269,6 +270,7 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
     for key, value in (("trainer.devices", devices.text if devices else t.devices),
                        ("trainer.num_nodes", nodes.text if nodes else t.num_nodes),
                        ("trainer.precision", t.precision), ("trainer.matmul_precision", t.matmul_precision),
+                       ("fault_tolerance.nan_check", top.fault_tolerance.nan_check),
                        ("trainer.max_steps", t.max_steps),
                        ("trainer.check_val_every_n_epoch", t.check_val_every_n_epoch), ("resume", top.resume),
                        ("comm.rank", top.comm.rank), ("federated.mu", top.federated.mu)):

@@ -19,6 +19,8 @@ NON_FINITE_EXIT = 65
 LOST_PEER_EXIT = 69
 """A rank's collective failed because another rank went away: a consequence, never the cause (EX_UNAVAILABLE)."""
 NAN_POLICIES = ("stop", "skip")
+NAN_CHECKS = ("auto", "now", "next_step")
+"""``fault_tolerance.nan_check``: when the gradient norm's finiteness is read."""
 ENGINES = ("restart", "torchft")
 """How failures are survived: restart every rank from a checkpoint, or keep training in torchft replica groups."""
 RESTARTS_FILE = "restarts.json"
@@ -46,6 +48,12 @@ class FaultToleranceConfig:
     nan_policy: str = "stop"
     """stop: a non-finite loss or gradient norm ends the run, keeping the last good checkpoint;
     skip: that step's update is dropped on every rank and counted."""
+    nan_check: str = "auto"
+    """When a step's gradient norm is checked: now (one value read back to the host in every step); next_step
+    (where torch's fused AdamW, Adam or SGD drops a non-finite step on the device, from a flag it reads in its own
+    kernel: the host reads the norm at the next step, a checkpoint save or the end of training, and never waits
+    for the device in between); auto: next_step on a GPU, where each read stalls the host until the GPU is done,
+    now on a CPU, where the flag's extra operations cost more than the read (70 us a step)."""
 
     engine: str = "restart"
     """restart: a failed rank stops all ranks, which restart from the newest checkpoint (``max_restarts``);
@@ -96,3 +104,10 @@ class FaultToleranceConfig:
                               "as a collective timeout first)")
         if self.nan_policy not in NAN_POLICIES:
             raise ConfigError("fault_tolerance.nan_policy", self.nan_policy, f"one of {', '.join(NAN_POLICIES)}")
+        if self.nan_check not in NAN_CHECKS:
+            raise ConfigError("fault_tolerance.nan_check", self.nan_check, f"one of {', '.join(NAN_CHECKS)}")
+
+    def resolve_nan_check(self, uses_gpu: bool) -> None:
+        """Decide ``nan_check=auto`` for the device the ranks train on (before they start)."""
+        if self.nan_check == "auto":
+            self.nan_check = "next_step" if uses_gpu else "now"

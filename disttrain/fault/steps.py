@@ -70,8 +70,11 @@ class HostCopy:
 class StepAgreement:
     """The per-step flags a task reduces with its loss, and the decisions taken on them."""
 
-    def __init__(self, nan_policy: str = "stop", checkpoints: Path | None = None) -> None:
+    def __init__(self, nan_policy: str = "stop", checkpoints: Path | None = None, defers: bool = False) -> None:
         self.nan_policy = nan_policy
+        self.defers = defers
+        """The gradient norm may be checked a step late (``fault_tolerance.nan_check=next_step``), where the
+        optimiser drops a non-finite step on the device."""
         self.checkpoints = checkpoints
         """The run's checkpoint folder, where a stop on non-finite numbers says which checkpoint it kept."""
         self.signalled: int | None = None

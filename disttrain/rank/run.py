@@ -48,7 +48,8 @@ def run_rank(run: RunConfig) -> float | None:
     """Train on this rank (the process group may already exist); rank 0 writes ``results.json``."""
     cfg = run.train
     quiet_noise()
-    agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints")
+    agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints",
+                              defers=cfg.fault_tolerance.nan_check == "next_step")
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
     watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
     kind = None

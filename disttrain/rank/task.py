@@ -73,8 +73,8 @@ class TrainTask(FastHookName, pl.LightningModule):
         self._epoch_batches: torch.Tensor | None = None
         """How many of them were finite (a tensor: counting needs no host sync)."""
         self._drops_on_device = False
-        """The optimiser drops a non-finite step on the device, so the gradient norm's check waits a step
-        (``configure_optimizers`` decides)."""
+        """The gradient norm's check waits a step (``fault_tolerance.nan_check=next_step``) and the optimiser
+        drops a non-finite step on the device (``configure_optimizers`` decides)."""
         self._dropped: torch.Tensor | None = None
         """The device flag of the step being taken: 1.0 where its optimiser dropped it (a deferred check)."""
         self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("train", "val", "test")})
@@ -292,6 +292,6 @@ class TrainTask(FastHookName, pl.LightningModule):
             optimizer = shard(optimizer)
         scheduler = build_scheduler(self.scheduler_cfg, optimizer, self.total_steps)
         # torch's GradScaler sets the optimiser's found_inf itself (16-bit mixed precision)
-        self._drops_on_device = drops_steps_on_device(optimizer) and getattr(
+        self._drops_on_device = self.agreement.defers and drops_steps_on_device(optimizer) and getattr(
             self.trainer.precision_plugin, "scaler", None) is None
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -86,6 +86,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         profiler=NoProfiler(),
     )
     skip_lightning_sigterm_broadcast(trainer)
+    pass_step_arguments_decided_once(trainer, task)
     place_logged_values_once()
     return trainer
 
