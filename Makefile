@@ -30,6 +30,7 @@ test-gpu: install
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest tests/test_cli.py -k readme -p no:xdist -o addopts= -q -rs
 	$(PY) benchmarks/throughput_mfu.py --device cuda $(if $(NANOGPT),--nanogpt $(NANOGPT)) --profile-dir outputs/gpu-profile
 	$(PY) benchmarks/overhead.py --device cuda --flavour mini --global-batch 64
+	$(PY) benchmarks/step_phases.py --device cuda --flavour mini --global-batch 64 --repeats 1
 
 lint: install
 	$(VENV)/bin/ruff check .

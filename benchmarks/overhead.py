@@ -129,7 +129,7 @@ def plain_loop(
         loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
         batches = iter(())
     epoch, start = 0, 0.0
-    clock = PhaseClock() if phases else None
+    clock = PhaseClock(synchronize=gpu is not None) if phases else None
     mark = clock.mark if clock else (lambda _name: None)
     for step in range(steps):
         if step == 1:
@@ -271,12 +271,17 @@ class PhaseClock:
 
     WARMUP = 5
 
-    def __init__(self) -> None:
+    def __init__(self, synchronize: bool = False) -> None:
         self.steps: list[dict[str, float]] = []
         self._last = 0.0
+        self.synchronize = synchronize
+        """Wait for the GPU at each mark, so that a phase holds the GPU work it queued (the marks then stop the
+        host from running ahead: a measured step is a serialised one)."""
 
     def mark(self, name: str) -> None:
         """Close the phase ``name`` (the time since the previous mark); ``step`` closes the time between steps."""
+        if self.synchronize:
+            torch.cuda.synchronize()
         now = time.perf_counter()
         if name == "step":
             self.steps.append({})

@@ -1,6 +1,7 @@
 """Where a training step's time goes, by phase, in disttrain and in the plain loop of ``overhead.py``, side by side.
 
     python benchmarks/step_phases.py [--flavour cnn] [--global-batch 64] [--steps 300] [--ranks 1] [--repeats 3]
+    python benchmarks/step_phases.py --device cuda --flavour mini      # on GPUs (a GPU per rank)
 
 Both sides train the same model on the same data with AdamW, clipping at 1.0 and a cosine schedule (the workload
 of ``overhead.py``). disttrain's phases are timed by a callback at Lightning's hooks, the plain loop's at the same
@@ -16,7 +17,8 @@ boundaries in its code:
   Lightning's optimiser and scheduler wrappers and the batch-end hooks).
 
 Each phase is the median over the measured steps of the best of ``--repeats`` alternating runs; the last row
-is the whole step. Prints a markdown table.
+is the whole step. Prints a markdown table. ``--device cuda``: every mark on both sides waits for the GPU first, so
+a phase holds the GPU work it queued; the host can then no longer run ahead, and the steps are serialised ones.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ class HookPhases(pl.Callback):
     """Marks a ``PhaseClock`` at the Lightning hooks that bound the plain loop's phases; rank 0 writes the
     medians to ``out`` (JSON) when training ends."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, synchronize: bool = False) -> None:
         self.out = out
-        self.clock = PhaseClock()
+        self.clock = PhaseClock(synchronize)
 
     def on_train_batch_start(self, *_: Any) -> None:
         """The batch is fetched: the step's forward begins."""
@@ -83,7 +85,7 @@ def by_phase(medians: dict[str, float]) -> dict[str, float]:
     return rows
 
 
-def disttrain_phases(flavour: str, steps: int, global_batch: int, ranks: int) -> dict[str, float]:
+def disttrain_phases(flavour: str, steps: int, global_batch: int, ranks: int, device: str) -> dict[str, float]:
     """Median milliseconds per phase of ``train()`` on ``ranks`` ranks (``overhead.py``'s run, plus the clock)."""
     from hydra import compose, initialize_config_dir
 
@@ -94,18 +96,19 @@ def disttrain_phases(flavour: str, steps: int, global_batch: int, ranks: int) ->
     with tempfile.TemporaryDirectory() as run_dir:
         out = Path(run_dir) / "phases.json"
         with initialize_config_dir(config_dir=str(HERE.parent / "conf"), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, ranks), "plots=false",
-                                              "+callbacks.phases._target_=step_phases.HookPhases",
+            cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, ranks, device=device),
+                                              "plots=false", "+callbacks.phases._target_=step_phases.HookPhases",
+                                              f"+callbacks.phases.synchronize={device == 'cuda'}",
                                               f"+callbacks.phases.out={out}", f"run_dir={run_dir}"])
         train(cfg)
         return by_phase(json.loads(out.read_text()))
 
 
-def plain_phases(flavour: str, steps: int, global_batch: int, ranks: int) -> dict[str, float]:
+def plain_phases(flavour: str, steps: int, global_batch: int, ranks: int, device: str) -> dict[str, float]:
     """Median milliseconds per phase of the plain loop (in-memory batches) on ``ranks`` ranks."""
     out: dict = {}
     if ranks == 1:
-        plain_loop(0, 1, 0, flavour, steps, global_batch, out, phases=True)
+        plain_loop(0, 1, 0, flavour, steps, global_batch, out, phases=True, device=device)
         return by_phase(out["phases"])
     import torch.multiprocessing as mp
 
@@ -114,7 +117,7 @@ def plain_phases(flavour: str, steps: int, global_batch: int, ranks: int) -> dic
     with mp.Manager() as manager:
         shared = manager.dict()
         mp.spawn(plain_loop, args=(ranks, free_port(), flavour, steps, global_batch, shared, "ddp_no_buffer_broadcast",
-                                   "memory", True), nprocs=ranks)
+                                   "memory", True, device), nprocs=ranks)
         return by_phase(shared["phases"])
 
 
@@ -125,17 +128,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; the fastest counts")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: a GPU per rank (NCCL), each mark after the GPU has finished")
     args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        sys.exit(f"Error: --device cuda --ranks {args.ranks}: torch sees {torch.cuda.device_count()} GPU(s) here, "
+                 "one per rank is needed")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     runs: dict[str, list[dict[str, float]]] = {"plain": [], "disttrain": []}
     for _ in range(args.repeats):
-        runs["plain"].append(plain_phases(args.flavour, args.steps, args.global_batch, args.ranks))
-        runs["disttrain"].append(disttrain_phases(args.flavour, args.steps, args.global_batch, args.ranks))
+        runs["plain"].append(plain_phases(args.flavour, args.steps, args.global_batch, args.ranks, args.device))
+        runs["disttrain"].append(disttrain_phases(args.flavour, args.steps, args.global_batch, args.ranks,
+                                                  args.device))
     plain, ours = (min(found, key=lambda phases: sum(phases.values())) for found in runs.values())
     workload = "digits CNN" if args.flavour == "cnn" else f"GPT {args.flavour}, pydocs"
     layout = "one process" if args.ranks == 1 else f"{args.ranks} ranks, DDP (no per-step buffer broadcast)"
-    print(f"\nCPU: {cpu_model()}; {workload}, global batch {args.global_batch}, {layout}, {args.steps} steps, "
+    where = (f"GPU: {torch.cuda.get_device_name()}, host CPU: {cpu_model()}" if args.device == "cuda" else
+             f"CPU: {cpu_model()}")
+    print(f"\n{where}; {workload}, global batch {args.global_batch}, {layout}, {args.steps} steps, "
           f"1 thread per rank, fastest of {args.repeats}, torch {torch.__version__}\n")
     print("| phase | plain loop, ms | disttrain, ms | disttrain - plain, ms |")
     print("|---|---:|---:|---:|")
