@@ -24,7 +24,7 @@ test: install
 # On a GPU machine (make install TORCH_SPEC=torch): the GPU's own tests; the README's commands on the GPU (those
 # that need more GPUs than the machine has skip with their one-line error); GPT-2 and a 1.2B Llama measured,
 # beside nanoGPT with NANOGPT=path/to/nanoGPT, each side profiled once more into outputs/gpu-profile; then the
-# framework's overhead over a plain loop on the GPU
+# framework's overhead over a plain loop on the GPU, and where its step's time goes by phase
 test-gpu: install
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest -m cuda tests/test_cuda.py -p no:xdist -o addopts= -q
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest tests/test_cli.py -k readme -p no:xdist -o addopts= -q -rs
