@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from disttrain.rank.progress import LOSS_KEY, LossBar
+from disttrain.rank.progress import LOSS_KEY, RichLossBar, TqdmLossBar
 
 
-def test_the_bar_reads_each_logged_loss_once_and_lightning_none(monkeypatch):
+@pytest.mark.parametrize("bar_class", [TqdmLossBar, RichLossBar])
+def test_the_bar_reads_each_logged_loss_once_and_lightning_none(monkeypatch, bar_class):
     reads = []
     item = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self) or item(self))
-    bar = LossBar()
+    bar = bar_class()
     first, second = torch.tensor(2.5), torch.tensor(1.25)
     trainer = SimpleNamespace(loggers=[], progress_bar_metrics={}, callback_metrics={LOSS_KEY: first})
     shown = [bar.get_metrics(trainer, None)[LOSS_KEY] for _ in range(3)]  # one logged value, three batches

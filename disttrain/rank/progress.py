@@ -7,7 +7,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 
 from disttrain.rank.callbacks import ThroughputMeter
 
@@ -15,27 +16,38 @@ LOSS_KEY = "train/loss"
 """The logged training loss that both displays show."""
 
 
-class LossBar(TQDMProgressBar):
-    """Lightning's bar, with the training loss read once per logged value.
+class LossShown:
+    """Mixin for one of Lightning's progress bars: the training loss read once per logged value.
 
     The task logs its loss off the progress bar: Lightning converts every progress-bar value to a Python number
     after every batch, a read of the GPU that stalls the host each step (0.8 host reads a step of GPT-2 on an
     H100). The bar reads the loss here instead, when the logged value is a new one.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._shown: tuple[torch.Tensor, float] | None = None  # the logged tensor and its value as read
+    _shown: tuple[torch.Tensor, float] | None = None  # the logged tensor and its value as read
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Lightning's values, with the loss of the newest logged step."""
-        items = super().get_metrics(trainer, pl_module)
+        items = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
         loss = trainer.callback_metrics.get(LOSS_KEY)
         if isinstance(loss, torch.Tensor):
             if self._shown is None or self._shown[0] is not loss:
                 self._shown = (loss, loss.item())
             items[LOSS_KEY] = f"{self._shown[1]:.4g}"
         return items
+
+
+class TqdmLossBar(LossShown, TQDMProgressBar):
+    """Lightning's tqdm bar, showing the training loss."""
+
+
+class RichLossBar(LossShown, RichProgressBar):
+    """Lightning's rich bar (its default where rich is installed), showing the training loss."""
+
+
+def loss_bar() -> pl.Callback:
+    """The bar Lightning would choose (rich where installed, else tqdm), showing the training loss."""
+    return RichLossBar() if _RICH_AVAILABLE else TqdmLossBar()
 
 
 class PlainProgress(pl.Callback):

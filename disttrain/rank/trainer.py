@@ -19,7 +19,7 @@ from disttrain.rank.callbacks import NewestAndBestCheckpoint, SummaryWithoutFlop
 from disttrain.rank.hook_dispatch import NoProfiler
 from disttrain.rank.kinds.base import RunKind
 from disttrain.rank.logged_values import place_logged_values_once
-from disttrain.rank.progress import LossBar, PlainProgress
+from disttrain.rank.progress import PlainProgress, loss_bar
 
 
 def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter: ThroughputMeter,
@@ -47,7 +47,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         *fault_callbacks,
     ]
     interactive = sys.stdout.isatty()
-    callbacks += [SummaryWithoutFlops(), LossBar()] if interactive else [PlainProgress(t.log_every_n_steps, meter)]
+    callbacks += [SummaryWithoutFlops(), loss_bar()] if interactive else [PlainProgress(t.log_every_n_steps, meter)]
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
     extra = [instantiate(node) for node in cfg.callbacks.values() if node]
     # a learning-rate monitor writes to loggers and refuses to run without one (logger=none)
