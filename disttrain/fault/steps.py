@@ -97,7 +97,9 @@ class StepAgreement:
         return packed[0] / divisor
 
     def check_finite(self, name: str, value: torch.Tensor, step: int) -> None:
-        """Act on a global value (identical on every rank) that is not finite: stop or skip, per the policy."""
+        """Act on a global value (identical on every rank) that is not finite: stop or skip, per the policy (a
+        deferred check of an earlier step is settled first, so a stop names the first step that was not finite)."""
+        self.settle()
         read = value.item()  # one host read, as bool(torch.isfinite(...)) makes, without the op
         if not math.isfinite(read):
             self._act_on_non_finite(name, read, step)

@@ -185,7 +185,8 @@ class TrainTask(FastHookName, pl.LightningModule):
         """
         if not self.logs_this_step():
             return
-        # off the progress bar: Lightning reads bar values back to the host after every batch (disttrain.rank.progress shows it)
+        # off the progress bar: Lightning reads its values back to the host after every batch (rank/progress.py
+        # shows the loss instead)
         self.log("train/loss", loss, on_step=True, on_epoch=False)
         self.log("train/lr", float(optimizer.param_groups[0]["lr"]), on_step=True, on_epoch=False)
         self._log_position(self.global_step + 1, on_step=True)
