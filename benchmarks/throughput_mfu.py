@@ -3,16 +3,17 @@ disttrain beside nanoGPT's ``train.py`` and a plain FSDP2 loop, and ``mode=plan`
 ``torch.cuda.max_memory_allocated``.
 
     python benchmarks/throughput_mfu.py --device cuda --nanogpt PATH [--steps 50] [--cases gpt2,llama1b]
-    python benchmarks/throughput_mfu.py --device cpu --steps 6      # the same table at test sizes (a check)
+    python benchmarks/throughput_mfu.py --device cpu --steps 20     # the same table at test sizes (a check)
 
 Every side trains the same model (bias-free GPT-2 at sequence 1024 and batch 12, nanoGPT's GPU defaults but
 gradient accumulation; a Llama of width 2048, 16 layers, 32 query and 8 key/value heads at sequence 2048 and
 batch 4), in bf16 autocast with fp32 weights, AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1), clipping at
 1.0, on the same token file (Python's documentation as bytes, vocabulary padded to 50304). Each run is its
-own process, one after the other. Tokens/s: over the steps after the first ``WARMUP`` (compilation and
-allocator warm-up left out), each side by its own clock: disttrain's ``results.json`` (from the end of step
-1), nanoGPT's per-iteration timer, the plain loop's wall clock (each of these steps ends in a host read of the
-loss, as nanoGPT's do at ``log_interval=1``).
+own process, one after the other. Tokens/s: over the steps after the first ``WARMUP`` (10: compilation,
+allocator warm-up and CUDA graphs' recording left out), each side by its own clock: disttrain's logged rows
+(each row's rate runs from the end of step 1, so two rows give the rate between them), nanoGPT's per-iteration
+timer, the plain loop's wall clock (each of these steps ends in a host read of the loss, as nanoGPT's do at
+``log_interval=1``).
 
 MFU = tokens/s x FLOPs per token / the device's dense bf16 peak, with nanoGPT's (PaLM's) count: 6 x the
 weights that multiply (all but the position embedding) + 12 x layers x width x sequence for attention (the
@@ -23,6 +24,7 @@ predicted: ``mode=plan``'s total for the same config on the device's stated prof
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import re
@@ -91,7 +93,8 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
     args = disttrain_overrides(w, data_dir, steps, parallel, compile_mode, checkpointing, device, log_every)
     run_train_py(args, run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
-    row = Row(w.name, label, tokens_per_s=results["tokens_per_sec"], loss=results["metrics"].get("train/loss"),
+    row = Row(w.name, label, tokens_per_s=windowed_tokens_per_s(run_dir, w.tokens_per_step, WARMUP),
+              loss=results["metrics"].get("train/loss"),
               peak_gb=(results.get("memory") or {}).get("max_allocated_gb"))
     if profile_dir is not None:
         profiling = ["callbacks=profile", "callbacks.profile.start_step=20", "callbacks.profile.with_stack=true",
@@ -103,6 +106,21 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
         run_train_py([*args, "mode=plan", "plan.profile=h100_sxm"], plan_dir, timeout)
         row.predicted_gb = json.loads((plan_dir / "plan.json").read_text())["total_bytes"] / 1e9
     return row
+
+
+def windowed_tokens_per_s(run_dir: Path, tokens_per_step: int, after_step: int) -> float:
+    """disttrain's tokens/s from the end of step ``after_step`` (or the first logged step after it) to its last
+    logged step. Each CSV row's ``train/tokens_per_sec`` runs from the end of step 1, so the row of step s was
+    logged (s - 1) x tokens per step / rate seconds after it."""
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        rows = sorted({int(float(row["step"])): float(row["train/tokens_per_sec"])
+                       for row in csv.DictReader(handle) if row.get("train/tokens_per_sec")}.items())
+    window = [(step, (step - 1) * tokens_per_step / rate) for step, rate in rows if step >= after_step]
+    if len(window) < 2:
+        raise RuntimeError(f"fewer than two rows logged from step {after_step} on: more --steps, or a smaller "
+                           "--log-every-n-steps")
+    (first, first_s), (last, last_s) = window[0], window[-1]
+    return (last - first) * tokens_per_step / (last_s - first_s)
 
 
 def run_nanogpt(nanogpt: Path, w: Workload, data_dir: Path, steps: int, device: str, scratch: Path,
@@ -215,8 +233,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("Error: --device cuda: torch sees no GPU here (--device cpu prints the table at test sizes)")
-    if args.steps <= WARMUP + 1:
-        sys.exit(f"Error: --steps {args.steps} must exceed {WARMUP + 1} (the first {WARMUP} are left out)")
+    if args.steps < WARMUP + args.log_every_n_steps:
+        sys.exit(f"Error: --steps {args.steps} is too few: the first {WARMUP} are left out and disttrain's rate needs "
+                 f"two logged rows after them (--steps >= {WARMUP + args.log_every_n_steps})")
     workloads = WORKLOADS_BY_DEVICE[args.device]
     unknown = [c for c in args.cases.split(",") if c not in workloads]
     if unknown:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WARMUP = 1
-"""Steps left out of every side's tokens/s (compilation, autotuning): disttrain's meter starts its clock at the
-end of the first optimiser step, so the other sides leave out the same one."""
+WARMUP = 10
+"""Steps left out of every side's tokens/s: compilation and autotuning in the first, and under CUDA graphs
+(``compile_mode=reduce-overhead``) the warm-up and recording runs in the steps after it. disttrain's rate over
+the steps after it comes from its logged rows (``windowed_tokens_per_s``)."""
 VOCAB = 50304
 """GPT-2's vocabulary padded to a multiple of 64, as nanoGPT does (the byte tokens use the first 256)."""
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
