@@ -7,6 +7,12 @@ from typing import Any
 from disttrain.errors import ConfigError
 
 
+def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """``value`` must be one of ``allowed`` (a setting that names a choice)."""
+    if value not in allowed:
+        raise ConfigError(key, value, f"one of {', '.join(allowed)}")
+
+
 def positive(key: str, value: float | None, optional: bool = False) -> None:
     """``value`` must be > 0 (or None when ``optional``): learning rates, sizes, counts."""
     if value is None and optional:

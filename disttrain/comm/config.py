@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 
 CODECS = ("none", "fp16", "bf16", "powersgd", "int8", "onebit")
@@ -42,8 +43,7 @@ class CommConfig:
 
     def validate(self) -> None:
         """Raise ConfigError for an unknown codec or an impossible option."""
-        if self.name not in CODECS:
-            raise ConfigError("comm.name", self.name, f"one of {', '.join(CODECS)}")
+        checks.one_of("comm.name", self.name, CODECS)
         if self.rank is not None and self.rank < 1:
             raise ConfigError("comm.rank", self.rank, "a positive rank, or null")
         if self.warmup_steps < 0:

@@ -32,8 +32,7 @@ def check_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.precision", t.precision,
                           f"one of {list(PRECISIONS)}, or auto (bf16-mixed where the device computes bf16 "
                           "natively and, on a CPU, measures faster)")
-    if t.matmul_precision not in MATMUL_PRECISIONS:
-        raise ConfigError("trainer.matmul_precision", t.matmul_precision, f"one of {', '.join(MATMUL_PRECISIONS)}")
+    checks.one_of("trainer.matmul_precision", t.matmul_precision, MATMUL_PRECISIONS)
     if t.rank_start not in RANK_STARTS:
         raise ConfigError("trainer.rank_start", t.rank_start, f"one of {list(RANK_STARTS)}")
     if t.rank_start == "fork_server" and not fork_server_available():
@@ -49,8 +48,7 @@ def check_compile_mode(trainer: TrainerConfig, world: int, zero_stage: int, accu
     record CUDA graphs run on one rank whose step launches no collective (a graph replays no communication) and
     takes one micro-batch (the next micro-batch's replay would write over the gradients being summed)."""
     mode = trainer.compile_mode
-    if mode not in COMPILE_MODES:
-        raise ConfigError("trainer.compile_mode", mode, f"one of {', '.join(COMPILE_MODES)}")
+    checks.one_of("trainer.compile_mode", mode, COMPILE_MODES)
     if mode != "default" and not trainer.compile:
         raise ConfigError("trainer.compile_mode", mode, "default unless trainer.compile=true")
     if mode in CUDA_GRAPH_MODES and (world > 1 or zero_stage):

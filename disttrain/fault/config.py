@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -80,8 +81,7 @@ class FaultToleranceConfig:
 
     def validate(self, collective_timeout_s: int) -> None:
         """Raise ConfigError on a value outside its range."""
-        if self.engine not in ENGINES:
-            raise ConfigError("fault_tolerance.engine", self.engine, f"one of {', '.join(ENGINES)}")
+        checks.one_of("fault_tolerance.engine", self.engine, ENGINES)
         if self.min_groups < 1:
             raise ConfigError("fault_tolerance.min_groups", self.min_groups, "1 or more replica groups")
         for key in ("heartbeat_timeout_s", "join_timeout_s", "quorum_timeout_s", "timeout_s"):
@@ -102,10 +102,8 @@ class FaultToleranceConfig:
             raise ConfigError("fault_tolerance.hang_timeout_s", self.hang_timeout_s,
                               f"below parallel.timeout_s={collective_timeout_s} (a hang would otherwise end "
                               "as a collective timeout first)")
-        if self.nan_policy not in NAN_POLICIES:
-            raise ConfigError("fault_tolerance.nan_policy", self.nan_policy, f"one of {', '.join(NAN_POLICIES)}")
-        if self.nan_check not in NAN_CHECKS:
-            raise ConfigError("fault_tolerance.nan_check", self.nan_check, f"one of {', '.join(NAN_CHECKS)}")
+        checks.one_of("fault_tolerance.nan_policy", self.nan_policy, NAN_POLICIES)
+        checks.one_of("fault_tolerance.nan_check", self.nan_check, NAN_CHECKS)
 
     def resolve_nan_check(self, uses_gpu: bool) -> None:
         """Decide ``nan_check=auto`` for the device the ranks train on (before they start)."""

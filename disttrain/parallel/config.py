@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.parallel.dims import ParallelDims
 
@@ -192,9 +193,7 @@ class ParallelConfig:
             raise ConfigError("parallel.zero_stage", self.zero_stage, "one of 0, 1, 2, 3")
         if self.accumulate_grads not in ACCUMULATE_GRADS:
             raise ConfigError("parallel.accumulate_grads", self.accumulate_grads, "auto, sharded or unsharded")
-        if self.activation_checkpoint not in ACTIVATION_CHECKPOINT:
-            raise ConfigError("parallel.activation_checkpoint", self.activation_checkpoint,
-                              f"one of {', '.join(ACTIVATION_CHECKPOINT)}")
+        checks.one_of("parallel.activation_checkpoint", self.activation_checkpoint, ACTIVATION_CHECKPOINT)
         if self.checkpoint_every_n_blocks < 1:
             raise ConfigError("parallel.checkpoint_every_n_blocks", self.checkpoint_every_n_blocks,
                               "a positive number of blocks (1: every block)")
