@@ -122,7 +122,8 @@ class TrainTask(FastHookName, pl.LightningModule):
         as NaN where it did, which the epoch's sums leave out (no host read)."""
         losses, self._unapplied_losses = self._unapplied_losses, []
         if dropped is not None:
-            losses = [loss.masked_fill(dropped.bool(), math.nan) for loss in losses]
+            was_dropped = dropped.bool()
+            losses = [loss.masked_fill(was_dropped, math.nan) for loss in losses]
         if applied:
             self._applied_losses += losses
             if len(self._applied_losses) >= FOLD_EVERY:
