@@ -156,6 +156,23 @@ def test_random_windows_cover_the_whole_range():
     assert offsets == set(range(91))  # 0 .. len - block_size - 1: every window has its target
 
 
+def test_a_batchs_offsets_are_the_windows_own_in_every_epoch(monkeypatch):
+    """A batch reads its offsets from its epoch's, drawn at once: the same as each window's own draw, within an
+    epoch, across an epoch boundary, after going back to an earlier epoch and where an epoch is too large to
+    draw at once."""
+    import disttrain.data.windows as windows_module
+
+    windows = TokenWindows(np.arange(5000, dtype=np.int64), block_size=10, num_windows=300, seed=3)
+    batches = [list(range(0, 32)), list(range(300, 332)), list(range(290, 310)), list(range(5, 37)),
+               list(range(900, 932))]
+    for indices in batches:
+        assert windows.offsets(indices).tolist() == [windows.offset(i) for i in indices]
+    monkeypatch.setattr(windows_module, "DRAWN_PER_EPOCH", 100)
+    unbuffered = TokenWindows(np.arange(5000, dtype=np.int64), block_size=10, num_windows=300, seed=3)
+    assert unbuffered.offsets(list(range(300, 332))).tolist() == windows.offsets(list(range(300, 332))).tolist()
+    assert unbuffered._drawn is None
+
+
 def test_validation_windows_are_consecutive_and_capped():
     data = np.arange(100, dtype=np.int64)
     windows = TokenWindows(data, block_size=10)

@@ -27,6 +27,7 @@ from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.rank.elastic import ElasticResume
 from disttrain.rank.energy import EnergyMeter
 from disttrain.rank.experts import ExpertBalance
+from disttrain.rank.host_memory import keep_freed_host_memory
 from disttrain.rank.kinds import KINDS
 from disttrain.rank.results import (
     Fitted,
@@ -48,6 +49,8 @@ def run_rank(run: RunConfig) -> float | None:
     """Train on this rank (the process group may already exist); rank 0 writes ``results.json``."""
     cfg = run.train
     quiet_noise()
+    if cfg.trainer.keep_freed_host_memory:
+        keep_freed_host_memory()
     agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints",
                               defers=cfg.fault_tolerance.nan_check == "next_step")
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death

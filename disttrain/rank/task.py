@@ -66,8 +66,13 @@ class TrainTask(FastHookName, pl.LightningModule):
         self._step_loss: list[torch.Tensor] = []
         self._unapplied_losses: list[torch.Tensor] = []
         """This rank's batch losses of the optimiser step being taken, until it is applied or skipped."""
-        self._applied_losses: list[torch.Tensor] = []
-        """Batch losses of applied steps not yet added to the epoch's sums."""
+        self._applied_losses: torch.Tensor | None = None
+        """``FOLD_EVERY`` slots for the batch losses of applied steps not yet added to the epoch's sums, allocated
+        once: each loss is copied in and freed with its step. On a CPU, 256 kept loss tensors pinned glibc's heap
+        between each step's activations, which then grew by 2 MB a step with a page fault per fresh 4 KB page
+        (GPT micro: 530-710 faults and ~1 ms of a 15 ms step)."""
+        self._applied_count = 0
+        """How many of those slots hold a loss."""
         self._epoch_loss_sum: torch.Tensor | None = None
         """Sum of this epoch's finite batch losses (None: no batch yet)."""
         self._epoch_batches: torch.Tensor | None = None
@@ -121,20 +126,25 @@ class TrainTask(FastHookName, pl.LightningModule):
         ``dropped``: the device flag of a step the optimiser may have dropped on the device; its losses are kept
         as NaN where it did, which the epoch's sums leave out (no host read)."""
         losses, self._unapplied_losses = self._unapplied_losses, []
-        if dropped is not None:
-            was_dropped = dropped.bool()
-            losses = [loss.masked_fill(was_dropped, math.nan) for loss in losses]
-        if applied:
-            self._applied_losses += losses
-            if len(self._applied_losses) >= FOLD_EVERY:
+        if not applied:
+            return
+        for loss in losses:
+            if self._applied_losses is None:
+                self._applied_losses = loss.new_empty(FOLD_EVERY, dtype=torch.float32)
+            slot = self._applied_losses[self._applied_count]
+            slot.copy_(loss)
+            if dropped is not None:
+                slot.masked_fill_(dropped.bool(), math.nan)
+            self._applied_count += 1
+            if self._applied_count == FOLD_EVERY:
                 self._fold_applied_losses()
 
     def _fold_applied_losses(self) -> None:
         """Add the kept losses' finite values and their count to the epoch's sums (tensors: no host sync)."""
-        if not self._applied_losses:
+        if not self._applied_count or self._applied_losses is None:
             return
-        stacked = torch.stack(self._applied_losses)
-        self._applied_losses = []
+        stacked = self._applied_losses[:self._applied_count]
+        self._applied_count = 0
         finite = torch.isfinite(stacked)
         value, count = torch.where(finite, stacked, torch.zeros_like(stacked)).sum(), finite.sum().to(stacked.dtype)
         if self._epoch_loss_sum is None or self._epoch_batches is None:
