@@ -3,6 +3,7 @@ they share, is in ``test_sampling.py``)."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +168,11 @@ def test_a_batchs_offsets_are_the_windows_own_in_every_epoch(monkeypatch):
                list(range(900, 932))]
     for indices in batches:
         assert windows.offsets(indices).tolist() == [windows.offset(i) for i in indices]
+        inputs, targets = windows.get_batch(indices)
+        assert torch.equal(inputs, torch.stack([windows[i][0] for i in indices]))
+        assert torch.equal(targets, torch.stack([windows[i][1] for i in indices]))
+    # a loader worker gets the tokens, not every window's row of the strided view nor the drawn offsets
+    assert len(pickle.dumps(windows)) < 2 * windows.data.nbytes
     monkeypatch.setattr(windows_module, "DRAWN_PER_EPOCH", 100)
     unbuffered = TokenWindows(np.arange(5000, dtype=np.int64), block_size=10, num_windows=300, seed=3)
     assert unbuffered.offsets(list(range(300, 332))).tolist() == windows.offsets(list(range(300, 332))).tolist()

@@ -104,6 +104,12 @@ class TokenWindows(Dataset):
             raise ValueError(f"num_windows must be positive, got {self.num_windows}")
         self._drawn: tuple[int, np.ndarray] | None = None
         """The last epoch whose offsets were all drawn, and those offsets (``epoch_offsets``)."""
+        self._window_rows: np.ndarray | None = None
+        """Every window of an in-memory ``data`` as a row of a read-only strided view (``get_batch``)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a loader worker draws and views for itself: the view would pickle as a copy of every window
+        return {**self.__dict__, "_drawn": None, "_window_rows": None}
 
     def __len__(self) -> int:
         return self.num_windows
@@ -129,11 +135,15 @@ class TokenWindows(Dataset):
         ``counter_random_array``)."""
         if self.seed is None or not indices:
             return np.fromiter(map(self.offset, indices), dtype=np.int64, count=len(indices))
-        if min(indices) < 0:
-            raise IndexError(min(indices))
+        lowest, highest = min(indices), max(indices)
+        if lowest < 0:
+            raise IndexError(lowest)
+        epoch = lowest // self.num_windows
+        if self.num_windows <= DRAWN_PER_EPOCH and highest // self.num_windows == epoch:
+            # few array operations: each costs tens of microseconds between a step's passes, its caches cold
+            first = epoch * self.num_windows
+            return self.epoch_offsets(epoch)[[index - first for index in indices] if first else indices]
         epochs, ks = np.divmod(np.asarray(indices, dtype=np.int64), self.num_windows)
-        if self.num_windows <= DRAWN_PER_EPOCH and epochs.min() == epochs.max():
-            return self.epoch_offsets(int(epochs[0]))[ks]
         return self._draw(epochs, ks)
 
     def epoch_offsets(self, epoch: int) -> np.ndarray:
@@ -151,10 +161,15 @@ class TokenWindows(Dataset):
 
     def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows of ``indices`` stacked, as a DataLoader would collate them (one gather from the tokens)."""
-        span = np.arange(self.block_size + 1)
-        rows = np.asarray(self.data[self.offsets(indices)[:, None] + span], dtype=np.int64)
-        chunk = torch.from_numpy(rows)
-        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        offsets = self.offsets(indices)
+        if isinstance(self.data, np.ndarray):  # every window is a row of one strided view: no index arithmetic
+            if self._window_rows is None:
+                self._window_rows = np.lib.stride_tricks.sliding_window_view(self.data, self.block_size + 1)
+            rows = self._window_rows[offsets]
+        else:
+            rows = self.data[offsets[:, None] + np.arange(self.block_size + 1)]
+        # each side converted straight from the gathered rows into its own contiguous array
+        return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
 
 
 def train_val_windows(train: Any, val: Any, block_size: int, samples_per_epoch: int | None,
