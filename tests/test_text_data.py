@@ -94,7 +94,8 @@ def test_the_windows_cover_the_tokenised_files_each_token_once(tmp_path, end_of_
 
     train_stream = np.asarray(train.data[:]).astype(np.int64)
     inputs, targets = train.get_batch(list(range(16)))
-    assert inputs.is_contiguous() and targets.is_contiguous() and str(inputs.dtype) == str(targets.dtype) == "torch.int64"
+    assert inputs.is_contiguous() and targets.is_contiguous()
+    assert str(inputs.dtype) == str(targets.dtype) == "torch.int64"
     for k in range(16):
         start = train.offset(k)
         assert inputs[k].tolist() == train_stream[start:start + 32].tolist()
