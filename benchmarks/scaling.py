@@ -17,7 +17,8 @@ import os
 
 import torch
 from machine import cpu_features, cpu_model
-from overhead import disttrain_steps_per_sec, plain_steps_per_sec
+from overhead import disttrain_steps_per_sec
+from reference_loops import plain_steps_per_sec
 
 BATCHES = {"cnn": (64, 256), "nano": (16, 64), "mini": (16, 64)}
 """Global batches per model: a small and a large one (GPT samples are 64-token windows)."""

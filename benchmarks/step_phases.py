@@ -39,7 +39,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from machine import cpu_model  # noqa: E402
-from overhead import PhaseClock, overrides, plain_loop  # noqa: E402
+from overhead import overrides  # noqa: E402
+from reference_loops import PhaseClock, plain_loop  # noqa: E402
 
 PHASES = ("data and loop", "forward", "backward", "after backward", "optimiser")
 

@@ -12,7 +12,8 @@ import argparse
 import os
 
 import torch
-from overhead import disttrain_steps_per_sec, plain_steps_per_sec
+from overhead import disttrain_steps_per_sec
+from reference_loops import plain_steps_per_sec
 
 
 def main() -> None:
