@@ -11,8 +11,9 @@ they run torch DDP as it comes (buffers broadcast before every forward) and with
 (``forward_sync_buffers=False``, which disttrain chooses for models whose only buffers are normalisation
 statistics). A last column runs the same step as the smallest LightningModule under Lightning's own Trainer:
 what a step inside Lightning's loop costs before any framework adds to it. Each reports optimiser steps per
-second measured after the first (warm-up) step, excluding validation. Prints a markdown table and, last, the
-headline ratio.
+second measured after the first (warm-up) step, excluding validation. ``--repeats N`` runs every side N
+times, alternating; each ratio is taken within a repeat (two runs made one after the other) and reported as the
+median over the repeats with its range. Prints a markdown table and, last, the headline ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +34,10 @@ sys.path.insert(0, str(ROOT))
 from fresh_process import in_fresh_process  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from reference_loops import lightning_steps_per_sec, plain_steps_per_sec  # noqa: E402
+
+SIDES = ("disttrain", "plain", "plain, DataLoader", "plain, no per-step buffer broadcast", "plain Lightning",
+         "plain, host memory kept")
+"""The loops measured, disttrain first (see the module's docstring)."""
 
 
 def overrides(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp",
@@ -83,7 +89,8 @@ def main() -> None:
     parser.add_argument("--flavour", default="nano")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each side; the best counts")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternating runs of each side; ratios are the median of the repeats' own")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: a GPU per rank (the 2-rank row needs 2 GPUs)")
     args = parser.parse_args()
@@ -94,48 +101,58 @@ def main() -> None:
     on = {"device": args.device}
     rows = []
     for devices in (1, 2) if args.device == "cpu" or torch.cuda.device_count() > 1 else (1,):
-        ours = plain = loader = quiet = peer = kept = 0.0
-        for _ in range(args.repeats):  # alternating, so a noisy stretch of the machine hits both sides
-            ours = max(ours, disttrain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
-            plain = max(plain, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
-            loader = max(loader, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices,
-                                                     source="loader", **on))
-            if devices > 1:
-                quiet = max(quiet, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices,
-                                                       wrap="ddp_no_buffer_broadcast", **on))
-            peer = max(peer, lightning_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
-            kept = max(kept, plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices,
-                                                 wrap="ddp" if devices == 1 else "ddp_no_buffer_broadcast",
-                                                 keep_memory=True, **on))
-        rows.append((devices, ours, plain, loader, quiet or plain, peer, kept))
+        runs: dict[str, list[float]] = {side: [] for side in SIDES}
+        for _ in range(args.repeats):  # alternating, so a noisy stretch of the machine hits every side
+            runs["disttrain"].append(disttrain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices,
+                                                             **on))
+            runs["plain"].append(plain_steps_per_sec(args.flavour, args.steps, args.global_batch, devices, **on))
+            runs["plain, DataLoader"].append(plain_steps_per_sec(args.flavour, args.steps, args.global_batch,
+                                                                 devices, source="loader", **on))
+            runs["plain, no per-step buffer broadcast"].append(plain_steps_per_sec(
+                args.flavour, args.steps, args.global_batch, devices, wrap="ddp_no_buffer_broadcast", **on)
+                if devices > 1 else runs["plain"][-1])
+            runs["plain Lightning"].append(lightning_steps_per_sec(args.flavour, args.steps, args.global_batch,
+                                                                   devices, **on))
+            runs["plain, host memory kept"].append(plain_steps_per_sec(
+                args.flavour, args.steps, args.global_batch, devices,
+                wrap="ddp" if devices == 1 else "ddp_no_buffer_broadcast", keep_memory=True, **on))
+        rows.append((devices, runs))
     workload = "digits CNN" if args.flavour == "cnn" else f"GPT {args.flavour}, pydocs"
     machine = f"GPU: {torch.cuda.get_device_name()}, host CPU: {cpu_model()}" if args.device == "cuda" else \
         f"CPU: {cpu_model()}"
     print(f"\n{machine}; {workload}, global batch {args.global_batch}, {args.steps} steps, "
-          f"{args.threads} thread(s) per rank, best of {args.repeats}, torch {torch.__version__}\n")
-    print("Plain loops read each step's batch out of in-memory tensors; the DataLoader column reads it through "
-          "torch's DataLoader and DistributedSampler. The goals compare with the plain loop that makes no "
+          f"{args.threads} thread(s) per rank, {args.repeats} alternating runs of each side, "
+          f"torch {torch.__version__}\n")
+    print("Steps/s: the median of a side's runs. Ratio: disttrain's steps/s over the side's, run by run (each "
+          "repeat runs every side once, one after the other), as the median and [lowest, highest] of the "
+          "repeats. Plain loops read each step's batch out of in-memory tensors; the DataLoader column reads it "
+          "through torch's DataLoader and DistributedSampler. The goals compare with the plain loop that makes no "
           "collective beyond DDP's gradient all-reduce (in one process: the plain loop). Plain Lightning: the "
           "same step as the smallest LightningModule under Lightning's own Trainer, in-memory batches (on 2 "
-          "ranks without the buffer broadcast). Host memory kept: the plain loop (no extra collective) with "
-          "glibc's thresholds set as disttrain's ranks set them (trainer.keep_freed_host_memory). Each "
-          "one-process run starts in a fresh process.\n")
-    print("| ranks | disttrain steps/s | plain steps/s | ratio | plain, DataLoader | ratio "
-          "| plain, no per-step buffer broadcast | ratio | plain Lightning | ratio | plain Lightning / plain "
-          "| plain, host memory kept | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for devices, ours, plain, loader, quiet, peer, kept in rows:
-        print(f"| {devices} | {ours:.2f} | {plain:.2f} | {ours / plain:.3f} | {loader:.2f} | {ours / loader:.3f} "
-              f"| {quiet:.2f} | {ours / quiet:.3f} | {peer:.2f} | {ours / peer:.3f} | {peer / quiet:.3f} "
-              f"| {kept:.2f} | {ours / kept:.3f} |")
-    ratios = [row[1] / row[4] for row in rows]
-    peers = [row[5] / row[4] for row in rows]
-    kept_ratios = [row[1] / row[6] for row in rows]
-    two = f", {ratios[1]:.3f}x on 2 ranks (goal >= 0.97x)" if len(rows) > 1 else ""
-    two_peer = f" and {peers[1]:.3f}x" if len(rows) > 1 else ""
-    print(f"\ndisttrain / plain PyTorch (in-memory batches, no extra collective) steps/s: {ratios[0]:.3f}x in one "
-          f"process (goal >= 0.99x){two}; plain Lightning reaches {peers[0]:.3f}x{two_peer}; against the plain "
-          f"loop with host memory kept as disttrain keeps it: {' and '.join(f'{r:.3f}x' for r in kept_ratios)}")
+          "ranks without the buffer broadcast). Host memory kept: that plain loop with glibc's thresholds set as "
+          "disttrain's ranks set them (trainer.keep_freed_host_memory). Each one-process run starts in a fresh "
+          "process.\n")
+    print("| ranks | disttrain steps/s | " + " | ".join(f"{side} | ratio" for side in SIDES[1:]) + " |")
+    print("|---|---:|" + "---:|---:|" * (len(SIDES) - 1))
+    for devices, runs in rows:
+        cells = [f"{statistics.median(runs[side]):.2f} | {paired(runs['disttrain'], runs[side])}"
+                 for side in SIDES[1:]]
+        print(f"| {devices} | {statistics.median(runs['disttrain']):.2f} | " + " | ".join(cells) + " |")
+    goal = "plain, no per-step buffer broadcast"
+    print("\ndisttrain / plain PyTorch (in-memory batches, no extra collective) steps/s, median over the repeats: "
+          + " and ".join(f"{paired(runs['disttrain'], runs[goal])} on {devices} rank(s)" for devices, runs in rows)
+          + " (goals: >= 0.99x in one process, >= 0.97x on 2 ranks); plain Lightning / plain: "
+          + " and ".join(paired(runs["plain Lightning"], runs[goal]) for _, runs in rows)
+          + "; against the plain loop with host memory kept as disttrain keeps it: "
+          + " and ".join(paired(runs["disttrain"], runs["plain, host memory kept"]) for _, runs in rows))
+
+
+def paired(ours: list[float], theirs: list[float]) -> str:
+    """``ours[i] / theirs[i]`` over the repeats, each a ratio of two runs made one after the other: the median and,
+    in brackets, the lowest and highest. Pairs cancel the machine's slow drifts, which on shared cores moved one
+    side's best-of-3 by up to 10% between invocations."""
+    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    return f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}, {ratios[-1]:.3f}]"
 
 
 if __name__ == "__main__":
