@@ -44,8 +44,8 @@ class FastHookName:
 
 
 def skip_step_hooks_left_alone(callbacks: list[pl.Callback], task: pl.LightningModule) -> None:
-    """Hide from Lightning each per-batch hook that a callback or the task inherits unchanged
-    from Lightning's base class, where it does nothing.
+    """Hide from Lightning each per-batch hook that a callback or the task inherits unchanged from Lightning's
+    base class, where it does nothing.
 
     Lightning calls a hook only where the attribute is callable, so a hook set to None on the instance is skipped
     outright. A called empty hook still costs Lightning a profiler context, the callback's ``state_key`` (a
@@ -53,9 +53,12 @@ def skip_step_hooks_left_alone(callbacks: list[pl.Callback], task: pl.LightningM
     ten callbacks, which took 60 hook calls per training step, of which nine did anything. A hook given on the
     instance (Lightning's ``LambdaCallback``) or overridden anywhere below the base class is left as it is.
     """
-    holders: list[tuple[object, type, tuple[str, ...]]] = [
-        (callback, pl.Callback, TRAIN_STEP_HOOKS + EVAL_BATCH_HOOKS) for callback in callbacks]
-    for holder, base, hooks in [*holders, (task, pl.LightningModule, TRAIN_STEP_HOOKS)]:
-        for hook in hooks:
-            if getattr(getattr(holder, hook, None), "__func__", None) is getattr(base, hook):
-                object.__setattr__(holder, hook, None)
+    for callback in callbacks:
+        _hide_inherited(callback, pl.Callback, TRAIN_STEP_HOOKS + EVAL_BATCH_HOOKS)
+    _hide_inherited(task, pl.LightningModule, TRAIN_STEP_HOOKS)
+
+
+def _hide_inherited(holder: object, base: type, hooks: tuple[str, ...]) -> None:
+    for hook in hooks:
+        if getattr(getattr(holder, hook, None), "__func__", None) is getattr(base, hook):
+            object.__setattr__(holder, hook, None)
