@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--steps 60] [--flavour nano]
     python benchmarks/overhead.py --flavour cnn --global-batch 64 --steps 320 --repeats 3   # the digits CNN
+    python benchmarks/overhead.py --flavour linear --global-batch 64 --steps 2000 --repeats 5   # the loops' own cost
     python benchmarks/overhead.py --device cuda --flavour mini --global-batch 64   # on GPUs (2 ranks: 2+ GPUs)
 
 Runs, in one process tree and one after the other: disttrain single-process, a plain loop
@@ -13,7 +14,10 @@ statistics). A last column runs the same step as the smallest LightningModule un
 what a step inside Lightning's loop costs before any framework adds to it. Each reports optimiser steps per
 second measured after the first (warm-up) step, excluding validation. ``--repeats N`` runs every side N
 times, alternating; each ratio is taken within a repeat (two runs made one after the other) and reported as the
-median over the repeats with its range. Prints a markdown table and, last, the headline ratios.
+median over the repeats with its range. Prints a markdown table and, last, the headline ratios and the time
+disttrain adds to each step (the difference of the two sides' times per step, paired the same way). The ``linear``
+flavour trains one linear layer, whose step computes next to nothing: there the added time is the framework's fixed
+cost per step, which divides any workload's ratio as ``step / (step + added)``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 from fresh_process import in_fresh_process  # noqa: E402
 from machine import cpu_model  # noqa: E402
-from reference_loops import lightning_steps_per_sec, plain_steps_per_sec  # noqa: E402
+from reference_loops import (  # noqa: E402
+    lightning_steps_per_sec,
+    plain_steps_per_sec,
+    workload_name,
+    workload_overrides,
+)
 
 SIDES = ("disttrain", "plain", "plain, DataLoader", "plain, no per-step buffer broadcast", "plain Lightning",
          "plain, host memory kept")
@@ -42,12 +51,10 @@ SIDES = ("disttrain", "plain", "plain, DataLoader", "plain, no per-step buffer b
 
 def overrides(flavour: str, steps: int, global_batch: int, devices: int, preset: str = "ddp",
               device: str = "cpu") -> list[str]:
-    """The disttrain run being measured: no logging, checkpoints, validation or test. ``flavour`` cnn: the
-    digits CNN; else a GPT flavour on pydocs. ``device``: cpu or cuda (a GPU per rank)."""
-    workload = ["model=cnn", "data=digits"] if flavour == "cnn" else ["model=gpt", f"model.flavour={flavour}",
-                                                                      "data=pydocs"]
+    """The disttrain run being measured: no logging, checkpoints, validation or test. ``flavour``: see
+    ``workload_configs``. ``device``: cpu or cuda (a GPU per rank)."""
     return [
-        *workload, f"batch.global_size={global_batch}", f"trainer.accelerator={device}",
+        *workload_overrides(flavour), f"batch.global_size={global_batch}", f"trainer.accelerator={device}",
         f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.run_test=false",
         "trainer.log_every_n_steps=1000000", "logger=none", "callbacks=none",
         "checkpoint.save_last=false", "checkpoint.save_top_k=0",
@@ -86,7 +93,8 @@ def disttrain_in_this_process(flavour: str, steps: int, global_batch: int, devic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--flavour", default="nano")
+    parser.add_argument("--flavour", default="nano",
+                        help="cnn (the digits CNN), linear (one linear layer on the digits) or a GPT flavour on pydocs")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--repeats", type=int, default=1,
@@ -117,7 +125,7 @@ def main() -> None:
                 args.flavour, args.steps, args.global_batch, devices,
                 wrap="ddp" if devices == 1 else "ddp_no_buffer_broadcast", keep_memory=True, **on))
         rows.append((devices, runs))
-    workload = "digits CNN" if args.flavour == "cnn" else f"GPT {args.flavour}, pydocs"
+    workload = workload_name(args.flavour)
     machine = f"GPU: {torch.cuda.get_device_name()}, host CPU: {cpu_model()}" if args.device == "cuda" else \
         f"CPU: {cpu_model()}"
     print(f"\n{machine}; {workload}, global batch {args.global_batch}, {args.steps} steps, "
@@ -145,6 +153,12 @@ def main() -> None:
           + " and ".join(paired(runs["plain Lightning"], runs[goal]) for _, runs in rows)
           + "; against the plain loop with host memory kept as disttrain keeps it: "
           + " and ".join(paired(runs["disttrain"], runs["plain, host memory kept"]) for _, runs in rows))
+    print("Time disttrain adds per step, over the plain loop and (after the slash) over plain Lightning, median "
+          "[lowest, highest] of the repeats: " + " and ".join(
+              f"{added_time(runs['disttrain'], runs[goal])} / {added_time(runs['disttrain'], runs['plain Lightning'])}"
+              f" on {devices} rank(s)" for devices, runs in rows)
+          + "; plain Lightning over the plain loop: "
+          + " and ".join(added_time(runs["plain Lightning"], runs[goal]) for _, runs in rows))
 
 
 def paired(ours: list[float], theirs: list[float]) -> str:
@@ -153,6 +167,13 @@ def paired(ours: list[float], theirs: list[float]) -> str:
     side's best-of-3 by up to 10% between invocations."""
     ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
     return f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}, {ratios[-1]:.3f}]"
+
+
+def added_time(ours: list[float], theirs: list[float]) -> str:
+    """``1 / ours[i] - 1 / theirs[i]`` in microseconds per step (both steps/s) over the repeats, paired as ``paired``
+    pairs them: the median and, in brackets, the lowest and highest."""
+    added = sorted(1e6 / a - 1e6 / b for a, b in zip(ours, theirs, strict=True))
+    return f"{statistics.median(added):.0f} us [{added[0]:.0f}, {added[-1]:.0f}]"
 
 
 if __name__ == "__main__":

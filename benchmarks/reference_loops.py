@@ -13,6 +13,45 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fresh_process import in_fresh_process
 
+LINEAR = "linear"
+"""The flavour whose model is one linear layer over the digits' 64 pixels: its step computes next to nothing, so a
+loop's time per step there is the loop's own (what a framework adds to every step, in microseconds)."""
+
+
+def linear_classifier(num_classes: int, in_channels: int, image_size: int) -> torch.nn.Module:
+    """The ``linear`` flavour's model; disttrain builds it by ``model._target_``, the data filling in the sizes."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(in_channels * image_size**2, num_classes))
+
+
+def workload_configs(flavour: str) -> tuple[Any, Any]:
+    """The data and model configs of ``flavour``: cnn, the digits CNN; linear, ``linear_classifier`` on the digits;
+    else that GPT flavour on pydocs."""
+    from disttrain.data.digits import DigitsConfig
+    from disttrain.data.text import PyDocsConfig
+    from disttrain.models.cnn import CNNConfig
+    from disttrain.models.gpt import GPTConfig
+    from disttrain.models.target import TargetModelConfig
+
+    if flavour == "cnn":
+        return DigitsConfig(), CNNConfig()
+    if flavour == LINEAR:
+        return DigitsConfig(), TargetModelConfig(f"{__name__}.linear_classifier")
+    return PyDocsConfig(), GPTConfig(flavour=flavour)
+
+
+def workload_overrides(flavour: str) -> list[str]:
+    """``workload_configs(flavour)`` as the overrides of a disttrain run."""
+    if flavour == "cnn":
+        return ["model=cnn", "data=digits"]
+    if flavour == LINEAR:
+        return ["model=custom", f"model._target_={__name__}.linear_classifier", "data=digits"]
+    return ["model=gpt", f"model.flavour={flavour}", "data=pydocs"]
+
+
+def workload_name(flavour: str) -> str:
+    """How tables name ``flavour``'s workload."""
+    return {"cnn": "digits CNN", LINEAR: "one linear layer on the digits"}.get(flavour, f"GPT {flavour}, pydocs")
+
 
 def plain_loop(
     rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict, wrap: str = "ddp",
@@ -30,11 +69,7 @@ def plain_loop(
     from torch.utils.data import DataLoader, DistributedSampler
 
     from disttrain.data import build_datamodule
-    from disttrain.data.digits import DigitsConfig
-    from disttrain.data.text import PyDocsConfig
     from disttrain.models import build_model
-    from disttrain.models.cnn import CNNConfig
-    from disttrain.models.gpt import GPTConfig
     from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
     from disttrain.parallel.apply import buffer_sync_option
 
@@ -50,11 +85,10 @@ def plain_loop(
                                 rank=rank, world_size=world)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
-    cnn = flavour == "cnn"
-    data_cfg = DigitsConfig() if cnn else PyDocsConfig()
+    data_cfg, model_cfg = workload_configs(flavour)
     datamodule = build_datamodule(data_cfg, micro_batch_size=global_batch // world, seed=0)
     datamodule.setup("fit")
-    model = build_model(CNNConfig() if cnn else GPTConfig(flavour=flavour), datamodule.spec).to(gpu or "cpu")
+    model = build_model(model_cfg, datamodule.spec).to(gpu or "cpu")
     if world > 1 and wrap.startswith("ddp"):
         model = DistributedDataParallel(model, device_ids=[rank] if gpu is not None else None,
                                         **buffer_sync_option(wrap == "ddp"))
@@ -140,11 +174,7 @@ def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, g
     from lightning.pytorch.strategies import DDPStrategy
 
     from disttrain.data import build_datamodule
-    from disttrain.data.digits import DigitsConfig
-    from disttrain.data.text import PyDocsConfig
     from disttrain.models import build_model
-    from disttrain.models.cnn import CNNConfig
-    from disttrain.models.gpt import GPTConfig
     from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
     from disttrain.parallel.apply import buffer_sync_option
 
@@ -153,9 +183,8 @@ def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, g
                           LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
-    cnn = flavour == "cnn"
-    datamodule = build_datamodule(DigitsConfig() if cnn else PyDocsConfig(), micro_batch_size=global_batch // world,
-                                  seed=0)
+    data_cfg, model_cfg = workload_configs(flavour)
+    datamodule = build_datamodule(data_cfg, micro_batch_size=global_batch // world, seed=0)
     datamodule.setup("fit")
     dataset = datamodule.datasets["train"]
     every_row = dataset.get_batch(list(range(len(dataset))))
@@ -177,7 +206,7 @@ def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, g
     class Task(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = build_model(CNNConfig() if cnn else GPTConfig(flavour=flavour), datamodule.spec)
+            self.model = build_model(model_cfg, datamodule.spec)
 
         def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
             inputs, targets = batch

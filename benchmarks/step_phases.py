@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from machine import cpu_model  # noqa: E402
 from overhead import overrides  # noqa: E402
-from reference_loops import PhaseClock, plain_loop  # noqa: E402
+from reference_loops import PhaseClock, plain_loop, workload_name  # noqa: E402
 
 PHASES = ("data and loop", "forward", "backward", "after backward", "optimiser")
 
@@ -124,7 +124,8 @@ def plain_phases(flavour: str, steps: int, global_batch: int, ranks: int, device
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavour", default="cnn", help="cnn (the digits CNN) or a GPT flavour on pydocs")
+    parser.add_argument("--flavour", default="cnn",
+                        help="cnn (the digits CNN), linear (one linear layer on the digits) or a GPT flavour on pydocs")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=1)
@@ -143,7 +144,7 @@ def main() -> None:
         runs["disttrain"].append(disttrain_phases(args.flavour, args.steps, args.global_batch, args.ranks,
                                                   args.device))
     plain, ours = (min(found, key=lambda phases: sum(phases.values())) for found in runs.values())
-    workload = "digits CNN" if args.flavour == "cnn" else f"GPT {args.flavour}, pydocs"
+    workload = workload_name(args.flavour)
     layout = "one process" if args.ranks == 1 else f"{args.ranks} ranks, DDP (no per-step buffer broadcast)"
     where = (f"GPU: {torch.cuda.get_device_name()}, host CPU: {cpu_model()}" if args.device == "cuda" else
              f"CPU: {cpu_model()}")

@@ -33,7 +33,7 @@ def test_accumulation_gives_the_same_steps_and_curve(tmp_path, capsys):
 
 
 CNN = ["logger=csv", "callbacks=none", "trainer.run_test=false", "trainer.max_steps=20",
-       "trainer.limit_val_batches=1"]
+       "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def cnn_runs(tmp_path_factory) -> dict[str, dict]:
         (step, logged), = logged_metric(run_dir, "val/loss")
         runs[name] = {"logged": logged, "exported": exported_val_loss(
             run_dir, run_dir / "checkpoints" / f"step{step}.ckpt", run_dir / "model.pt"),
-            "state": torch.load(run_dir / "model.pt", weights_only=True)}
+            "state": torch.load(run_dir / "model.pt", weights_only=True), "step_losses": step_losses(run_dir),
+            "epoch_losses": logged_metric(run_dir, "train/loss_epoch")}
     return runs
 
 
@@ -57,6 +58,17 @@ def cnn_runs(tmp_path_factory) -> dict[str, dict]:
 def test_exported_weights_reproduce_the_logged_validation_loss(cnn_runs, name):
     # one batch per rank (64 images in all), with every rank's BatchNorm statistics equal to the first's
     assert cnn_runs[name]["exported"] == pytest.approx(cnn_runs[name]["logged"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_the_epochs_mean_loss_counts_every_ranks_batches(cnn_runs, name):
+    # a step's logged loss is the mean over both ranks' halves of its batch; the epoch's, the mean of its steps'
+    # (19 steps an epoch; the second ends with the run after one)
+    epochs, losses = cnn_runs[name]["epoch_losses"], cnn_runs[name]["step_losses"]
+    assert [end for end, _ in epochs] == [19, 20] and len(losses) == 20
+    starts = [0, *(end for end, _ in epochs[:-1])]
+    for start, (end, mean) in zip(starts, epochs, strict=True):
+        assert mean == pytest.approx(sum(losses[start:end]) / (end - start), rel=1e-6)
 
 
 def test_sharding_keeps_buffers_as_ddp_does(cnn_runs):

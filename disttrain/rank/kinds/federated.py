@@ -122,7 +122,7 @@ class FederatedTask(TrainTask):
             if key in row:
                 self.log(f"fed/{key}", float(row[key]), on_step=True, on_epoch=False)
         self._log_position(self.global_step + 1, on_step=True)
-        self.losses["train_loss"].update(torch.tensor(stats.train_loss))
+        self._add_to_epoch_loss(torch.tensor([stats.train_loss], device=self.device))
         self.agreement.check_finite("the training loss", loss, self.global_step + 1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
