@@ -76,15 +76,16 @@ class ShardedCheckpoints:
             checkpoint["replicas"] = ranks.world_size
         if ranks.is_global_zero:
             torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
+        alone = ranks.world_size == 1  # planned without collectives: see ``disttrain.checkpoint.io.one_process``
         if self.async_save:
-            if self._group is None:  # its own group: background writes never interleave with training's
+            if self._group is None and not alone:  # its own group: background writes never interleave with training's
                 self._group = torch.distributed.new_group(backend="gloo")
             # the save plan is the same at every save of a run: cached, the planning collective runs once
-            future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._group,
+            future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._group, no_dist=alone,
                                     planner=DefaultSavePlanner(enable_plan_caching=True))
             self._pending = (future, staging, path)
         else:
-            dcp.save(shards, checkpoint_id=staging)
+            dcp.save(shards, checkpoint_id=staging, no_dist=alone)
             self._swap_in(staging, path)
         self.saves += 1
         self.blocking_s += time.perf_counter() - started
