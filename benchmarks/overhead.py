@@ -72,8 +72,8 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 
 
 def disttrain_in_this_process(flavour: str, steps: int, global_batch: int, device: str = "cpu", devices: int = 1,
-                              preset: str = "ddp") -> float:
-    """Steps/s of ``train()`` started from this process."""
+                              preset: str = "ddp", extra: tuple[str, ...] = ()) -> float:
+    """Steps/s of ``train()`` started from this process; ``extra``: more overrides of the run."""
     from hydra import compose, initialize_config_dir
 
     from disttrain.config import register
@@ -84,7 +84,7 @@ def disttrain_in_this_process(flavour: str, steps: int, global_batch: int, devic
     with tempfile.TemporaryDirectory() as run_dir:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices, preset, device),
-                                                     f"run_dir={run_dir}"])
+                                                     *extra, f"run_dir={run_dir}"])
         train(cfg)
         results = json.loads((Path(run_dir) / "results.json").read_text())
     return results["samples_per_sec"] / global_batch

@@ -139,3 +139,30 @@ def test_accumulation_is_left_to_lightning():
     assert direct["fallbacks"] == 15
     for key in ("weights", "optimizer", "loops"):
         assert_same(direct[key], lightning[key])
+
+
+def test_the_runner_takes_the_direct_step_unless_told_not_to(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config, logged_metric
+    from tests.test_run import step_losses
+
+    direct_batches = []
+    direct_call = DirectStep.__call__
+    monkeypatch.setattr(DirectStep, "__call__", lambda self, fetcher: (direct_batches.append(1),
+                                                                       direct_call(self, fetcher))[1])
+    cnn = ["logger=csv", "callbacks=none", "trainer.run_test=false", "trainer.max_steps=6",
+           "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
+    train(compose_config([*cnn, "trainer.direct_step=false"], tmp_path / "lightning"))
+    assert direct_batches == []
+    train(compose_config(cnn, tmp_path / "direct"))
+    assert len(direct_batches) == 6
+    assert step_losses(tmp_path / "direct") == step_losses(tmp_path / "lightning")
+    norms = [logged_metric(tmp_path / run, "train/grad_norm") for run in ("direct", "lightning")]
+    assert len(norms[0]) == 6 and norms[0] == norms[1]
+    states = []
+    for run in ("direct", "lightning"):
+        dcp_to_torch_save(tmp_path / run / "checkpoints" / "last.ckpt", tmp_path / f"{run}.pt")
+        states.append(torch.load(tmp_path / f"{run}.pt", weights_only=True))
+    assert_same(*states)  # weights and optimiser state

@@ -101,11 +101,15 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         step = trainer.global_step
         if step == 0 or trainer.sanity_checking or trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
             return
+        ranks = self.validated_step == step and self.ranked_step != step
+        writes_last = self.save_last and self.last_step_written != step
+        if not ranks and not writes_last:  # the candidates copy every logged value: 0.1 ms an epoch end
+            return
         candidates = self._monitor_candidates(trainer)
-        if self.validated_step == step and self.ranked_step != step:
+        if ranks:
             self.ranked_step = step
             self._save_topk_checkpoint(trainer, candidates)
-        if self.save_last and self.last_step_written != step:
+        if writes_last:
             self._save_last_checkpoint(trainer, candidates)
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:

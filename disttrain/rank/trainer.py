@@ -89,7 +89,8 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
     skip_lightning_sigterm_broadcast(trainer)
     takes_index = is_param_in_hook_signature(task.training_step, "batch_idx", min_args=2)
     pass_step_arguments_decided_once(trainer, takes_index)
-    run_batches_directly(trainer, task, takes_index)
+    if t.direct_step:
+        run_batches_directly(trainer, task, takes_index)
     place_logged_values_once()
     return trainer
 
