@@ -2,9 +2,9 @@
 
 Lightning's epoch loop runs a batch of automatic optimisation through a closure object built from three partials,
 and calls every hook through a dispatcher that formats a debug message, opens a profiler context and looks the hook
-up by name: about 20 dispatches per batch. One linear layer on the digits took 70 us less per step with them
-called directly (787 -> 714 us, against 398 us for a plain loop), and on the digits CNN, whose kernels leave the
-interpreter's caches cold, each step of that Python code costs about three times what it costs there.
+up by name: about 20 dispatches per batch. Called directly, one linear layer on the digits takes 37 us less per
+step (median step 734 -> 697 us, ``benchmarks/direct_step.py``; a plain loop takes about 400 us): 5% of a step
+that small. On the digits CNN's 14.8 ms step the difference is within what a shared machine varies.
 
 ``DirectStep`` takes the place of ``_TrainingEpochLoop.advance`` on one trainer: the same hooks in the same order
 with the same arguments, the same progress counts, closure result and logging, for the case disttrain's tasks
