@@ -103,7 +103,7 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
             return
         ranks = self.validated_step == step and self.ranked_step != step
         writes_last = self.save_last and self.last_step_written != step
-        if not ranks and not writes_last:  # the candidates copy every logged value: 0.1 ms an epoch end
+        if not ranks and not writes_last:  # the candidates copy every logged value: built for nothing otherwise
             return
         candidates = self._monitor_candidates(trainer)
         if ranks:
