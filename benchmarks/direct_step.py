@@ -2,6 +2,7 @@
 
     python benchmarks/direct_step.py [--flavour linear] [--global-batch 64] [--steps 2000] [--repeats 6]
     python benchmarks/direct_step.py --flavour cnn --steps 300 --repeats 6
+    python benchmarks/direct_step.py --device cuda --flavour mini --steps 300   # on a GPU
 
 ``trainer.direct_step=true`` runs each training batch with Lightning's hooks called directly
 (``disttrain.rank.direct_step``); false leaves the batch to Lightning's own loop. Everything else is
@@ -54,11 +55,12 @@ class StepPeriods(pl.Callback):
         Path(self.out).write_text(json.dumps([b - a for a, b in zip(self.starts[:-1], self.starts[1:], strict=True)]))
 
 
-def one_run(flavour: str, steps: int, global_batch: int, direct: bool) -> dict[str, float]:
-    """One disttrain run in this process: its median and 20th-percentile step period (seconds) and its steps/s."""
+def one_run(flavour: str, steps: int, global_batch: int, direct: bool, device: str = "cpu") -> dict[str, float]:
+    """One disttrain run in this process: its median and 20th-percentile step period (seconds) and its steps/s.
+    On a GPU the host queues steps ahead, so a period is the GPU's step once the queue is full."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "periods.json"
-        steps_per_sec = disttrain_in_this_process(flavour, steps, global_batch, extra=(
+        steps_per_sec = disttrain_in_this_process(flavour, steps, global_batch, device, extra=(
             f"trainer.direct_step={str(direct).lower()}", f"+callbacks.periods._target_={__name__}.StepPeriods",
             f"+callbacks.periods.out={out}"))
         periods = sorted(json.loads(out.read_text())[WARMUP:])
@@ -71,14 +73,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("Error: --device cuda: torch sees no GPU here")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for repeat in range(args.repeats):
         for direct in (False, True) if repeat % 2 == 0 else (True, False):  # either side goes first half the time
-            runs[direct].append(in_fresh_process(one_run, args.flavour, args.steps, args.global_batch, direct))
-    print(f"\nCPU: {cpu_model()}; {workload_name(args.flavour)}, global batch {args.global_batch}, {args.steps} steps, "
+            runs[direct].append(in_fresh_process(one_run, args.flavour, args.steps, args.global_batch, direct,
+                                                 args.device))
+    machine = f"GPU: {torch.cuda.get_device_name()}, host CPU: {cpu_model()}" if args.device == "cuda" else \
+        f"CPU: {cpu_model()}"
+    print(f"\n{machine}; {workload_name(args.flavour)}, global batch {args.global_batch}, {args.steps} steps, "
           f"one process, one thread, {args.repeats} alternating runs of each side, torch {torch.__version__}\n")
     print("| measure | Lightning's batch loop | direct step | direct - Lightning's, paired: median [lowest, highest] |")
     print("|---|---:|---:|---:|")
