@@ -108,27 +108,24 @@ def load_sharded(state: dict[str, Any], checkpoint: Path) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` in place from ``checkpoint``, safely."""
     import torch.distributed.checkpoint as dcp
 
-    alone = one_process()
-    if alone:
-        hide_single_process_notice()
     with reading(checkpoint):
         dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=SafeLoadPlanner(),
-                 no_dist=alone)
+                 no_dist=one_process())
 
 
 def one_process() -> bool:
     """No other rank shares this checkpoint: it is planned without collectives. Given a one-rank group,
     torch.distributed.checkpoint gathers its plan on gloo's own threads anyway, whose copies start OpenMP thread
     teams of their own; with more torch threads than one, every later training step of the digits CNN then ran
-    1.7x slower (10.2 -> 17.7 ms with 2 threads on 2 cores, from the first checkpoint on)."""
-    return not (dist.is_initialized() and dist.get_world_size() > 1)
+    1.7x slower (10.2 -> 17.7 ms with 2 threads on 2 cores, from the first checkpoint on).
 
-
-def hide_single_process_notice() -> None:
-    """Hide torch.distributed.checkpoint's notice that it saves or loads in a single process, which
-    ``one_process()`` chose on purpose: it printed at every run's first save and load. A filter for the whole
-    process, since an asynchronous save plans on a thread of its own after the call returns."""
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    Where it answers yes, torch's notice that it saves or loads in a single process (printed at every run's first
+    save and load) is hidden, for the whole process: an asynchronous save plans on a thread of its own after the
+    call returns."""
+    alone = not (dist.is_initialized() and dist.get_world_size() > 1)
+    if alone:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    return alone
 
 
 def saved_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from disttrain.checkpoint.io import METADATA_FILE, hide_single_process_notice, load_metadata, load_sharded, one_process
+from disttrain.checkpoint.io import METADATA_FILE, load_metadata, load_sharded, one_process
 from disttrain.checkpoint.optimizer_state import load_optimizer_state, optimizer_template
 
 
@@ -77,8 +77,6 @@ class ShardedCheckpoints:
         if ranks.is_global_zero:
             torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
         alone = one_process()
-        if alone:
-            hide_single_process_notice()
         if self.async_save:
             if self._group is None and not alone:  # its own group: background writes never interleave with training's
                 self._group = torch.distributed.new_group(backend="gloo")
