@@ -8,8 +8,8 @@ process. A training loader with per-rank batch ``B`` on ``R`` ranks gives rank `
 takes samples in order, rank ``r`` the samples ``r::R``, each counted once.
 
 A training dataset that offers ``get_batch(indices)`` (the in-memory images, the token windows) is read one
-micro-batch per call: the loader's sampler yields the same indices grouped into batches, and the dataset
-indexes them at once instead of fetching and stacking sample by sample (about 0.2 ms of a small CNN's 10 ms
+micro-batch per call: the loader's sampler yields the same indices grouped into batches (one tensor each), and
+the dataset indexes them at once instead of fetching and stacking sample by sample (about 0.2 ms of a small CNN's 10 ms
 step on this path). The batches are the same tensors, in the same order.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -31,6 +31,17 @@ from disttrain.errors import ConfigError
 
 IGNORE_INDEX = -100
 """Target of an evaluation sample that only pads a rank's share (skipped by the loss and the metrics)."""
+
+BatchIndices = torch.Tensor | Sequence[int]
+"""The samples of one micro-batch read by a dataset's ``get_batch``: a 1-D integer tensor (what ``BatchReader``
+passes) or a sequence of ints."""
+
+
+def index_tensor(indices: BatchIndices) -> torch.Tensor:
+    """``indices`` as a 1-D int64 tensor (a tensor passes unchanged). Read with ``index_select``, which rejects
+    negative and too-large indices alike with an ``IndexError``, and copies rows faster than ``tensor[rows]``
+    (4 against 10 us for the digits' 64 images)."""
+    return torch.as_tensor(indices, dtype=torch.long)
 
 
 class EpochDistributedSampler(DistributedSampler):
@@ -106,9 +117,19 @@ class BatchedSampler(BatchSampler):
         """Forwarded to the wrapped sampler."""
         self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
+    def index_tensors(self) -> Iterator[torch.Tensor]:
+        """This epoch's micro-batches, each as one int64 tensor of indices: the epoch's indices converted at once,
+        then split into views (a list of 64 indices converted per batch took 17 us, a view takes 2)."""
+        order = torch.tensor(list(self.sampler), dtype=torch.long)
+        batches = order.split(self.batch_size)
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches = batches[:-1]
+        return iter(batches)
+
 
 class WholeBatches(Dataset):
-    """A dataset indexed by a list of indices (one micro-batch), answered by its ``get_batch``."""
+    """A dataset indexed by a list of indices (one micro-batch), answered by its ``get_batch``: the lists a
+    DataLoader's sampler hands its workers (tensors would each travel through a shared-memory file)."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -135,7 +156,7 @@ class BatchReader:
         """The micro-batches' indices, epoch by epoch."""
 
     def __iter__(self) -> Iterator[Any]:
-        return map(self.dataset.get_batch, self.sampler)  # type: ignore[attr-defined]
+        return map(self.dataset.get_batch, self.sampler.index_tensors())  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -144,10 +165,10 @@ class BatchReader:
 class InMemoryTensors(TensorDataset):
     """A ``TensorDataset`` that is also read a micro-batch per call."""
 
-    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+    def get_batch(self, indices: BatchIndices) -> tuple[torch.Tensor, ...]:
         """The samples of ``indices`` stacked, as a DataLoader would collate them."""
-        rows = torch.as_tensor(indices)
-        return tuple(tensor[rows] for tensor in self.tensors)
+        rows = index_tensor(indices)
+        return tuple(tensor.index_select(0, rows) for tensor in self.tensors)
 
 
 class DataModule(pl.LightningDataModule):

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset, default_collate
 
 from disttrain import checks
 from disttrain.counter_random import counter_random
-from disttrain.data.base import DataModule
+from disttrain.data.base import BatchIndices, DataModule, index_tensor
 from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
 
@@ -96,14 +96,13 @@ class ImageDataset(Dataset):
         height, width = self.images.shape[-2:]
         return self.padded[i, :, dy:dy + height, dx:dx + width], self.labels[i]
 
-    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples of ``indices`` stacked, as a DataLoader would collate them (unshifted: one index op)."""
+    def get_batch(self, indices: BatchIndices) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples of ``indices`` stacked, as a DataLoader would collate them (unshifted: one index op per
+        tensor, which also rejects an index out of range)."""
         if self.shift:
-            return default_collate([self[i] for i in indices])
-        if indices and not 0 <= min(indices) <= max(indices) < len(self.labels):  # on the list: no tensor ops
-            raise IndexError(indices)
-        rows = torch.as_tensor(indices)
-        return self.images[rows], self.labels[rows]
+            return default_collate([self[i] for i in index_tensor(indices).tolist()])
+        rows = index_tensor(indices)
+        return self.images.index_select(0, rows), self.labels.index_select(0, rows)
 
 
 @DATA.register("digits", DigitsConfig)

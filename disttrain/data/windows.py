@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from disttrain.counter_random import counter_random, counter_random_array
+from disttrain.data.base import BatchIndices, index_tensor
 
 
 class MemmapTokens:
@@ -130,20 +131,21 @@ class TokenWindows(Dataset):
         chunk = torch.from_numpy(np.asarray(self.data[start:start + self.block_size + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
 
-    def offsets(self, indices: list[int]) -> np.ndarray:
+    def offsets(self, indices: BatchIndices) -> np.ndarray:
         """``offset`` of each of ``indices``, as one array (random windows: drawn together, see
         ``counter_random_array``)."""
-        if self.seed is None or not indices:
-            return np.fromiter(map(self.offset, indices), dtype=np.int64, count=len(indices))
-        lowest, highest = min(indices), max(indices)
+        indices = index_tensor(indices).numpy()  # a view of the tensor's memory: no copy
+        if self.seed is None or not len(indices):
+            return np.fromiter(map(self.offset, indices.tolist()), dtype=np.int64, count=len(indices))
+        lowest, highest = int(indices.min()), int(indices.max())
         if lowest < 0:
             raise IndexError(lowest)
         epoch = lowest // self.num_windows
         if self.num_windows <= DRAWN_PER_EPOCH and highest // self.num_windows == epoch:
             # few array operations: each costs tens of microseconds between a step's passes, its caches cold
             first = epoch * self.num_windows
-            return self.epoch_offsets(epoch)[[index - first for index in indices] if first else indices]
-        epochs, ks = np.divmod(np.asarray(indices, dtype=np.int64), self.num_windows)
+            return self.epoch_offsets(epoch)[indices - first if first else indices]
+        epochs, ks = np.divmod(indices, self.num_windows)
         return self._draw(epochs, ks)
 
     def epoch_offsets(self, epoch: int) -> np.ndarray:
@@ -159,7 +161,7 @@ class TokenWindows(Dataset):
         draws = counter_random_array(self.seed, epochs, ks)
         return (draws % np.uint64(len(self.data) - self.block_size)).astype(np.int64)
 
-    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: BatchIndices) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows of ``indices`` stacked, as a DataLoader would collate them (one gather from the tokens)."""
         offsets = self.offsets(indices)
         if isinstance(self.data, np.ndarray):  # every window is a row of one strided view: no index arithmetic

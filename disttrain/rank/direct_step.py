@@ -29,7 +29,7 @@ def run_batches_directly(trainer: pl.Trainer, task: pl.LightningModule, takes_in
     ``takes_index``: whether ``task.training_step`` takes the batch index (decided once by the caller). Tasks that
     optimise manually, or a Lightning whose epoch loop lacks what ``DirectStep`` drives, keep Lightning's loop."""
     loop = trainer.fit_loop.epoch_loop
-    needs = ("batch_progress", "automatic_optimization", "val_loop", "update_lr_schedulers",
+    needs = ("batch_progress", "automatic_optimization", "val_loop", "scheduler_progress",
              "_num_ready_batches_reached", "batch_idx")
     if not task.automatic_optimization or not all(hasattr(loop, name) for name in needs):
         return
@@ -80,9 +80,9 @@ class DirectStep:
                 progress.increment_started()
                 output = self._optimise(trainer, task, batch, batch_idx)
         progress.increment_processed()
-        loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+        self._step_schedules(task, "step", loop.batch_idx)
         if loop._num_ready_batches_reached():
-            loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+            self._step_schedules(task, "epoch", trainer.current_epoch)
         if skip_rest_of_epoch:
             raise StopIteration
         call_callbacks(trainer, task, "on_train_batch_end", output, batch, batch_idx)
@@ -90,6 +90,17 @@ class DirectStep:
         trainer._logger_connector.on_batch_end()
         progress.increment_completed()
         trainer._logger_connector.update_train_step_metrics()
+
+    def _step_schedules(self, task: pl.LightningModule, interval: str, index: int) -> None:
+        """Step the schedules of ``interval`` (step or epoch; ``index``: of the batch or epoch, from 0) whose
+        frequency divides ``index + 1``, as ``update_lr_schedulers(interval, update_plateau_schedulers=False)`` does
+        without accumulation; plateau schedules wait for the metrics that Lightning's loop steps them on."""
+        loop = self.loop
+        for config in loop.trainer.lr_scheduler_configs:
+            if not config.reduce_on_plateau and config.interval == interval and (index + 1) % config.frequency == 0:
+                loop.scheduler_progress.increment_ready()
+                call_task(task, "lr_scheduler_step", config.scheduler, None)
+                loop.scheduler_progress.increment_completed()
 
     def _optimise(self, trainer: pl.Trainer, task: pl.LightningModule, batch: Any, batch_idx: int) -> dict[str, Any]:
         """The training step, zeroing, backward and optimiser step of Lightning's automatic optimisation: the task's
