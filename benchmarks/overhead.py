@@ -74,6 +74,13 @@ def disttrain_steps_per_sec(flavour: str, steps: int, global_batch: int, devices
 def disttrain_in_this_process(flavour: str, steps: int, global_batch: int, device: str = "cpu", devices: int = 1,
                               preset: str = "ddp", extra: tuple[str, ...] = ()) -> float:
     """Steps/s of ``train()`` started from this process; ``extra``: more overrides of the run."""
+    results = disttrain_results(flavour, steps, global_batch, device, devices, preset, extra)
+    return results["samples_per_sec"] / global_batch
+
+
+def disttrain_results(flavour: str, steps: int, global_batch: int, device: str = "cpu", devices: int = 1,
+                      preset: str = "ddp", extra: tuple[str, ...] = ()) -> dict:
+    """The results.json of ``train()`` started from this process; ``extra``: more overrides of the run."""
     from hydra import compose, initialize_config_dir
 
     from disttrain.config import register
@@ -86,8 +93,7 @@ def disttrain_in_this_process(flavour: str, steps: int, global_batch: int, devic
             cfg = compose("train", overrides=[*overrides(flavour, steps, global_batch, devices, preset, device),
                                                      *extra, f"run_dir={run_dir}"])
         train(cfg)
-        results = json.loads((Path(run_dir) / "results.json").read_text())
-    return results["samples_per_sec"] / global_batch
+        return json.loads((Path(run_dir) / "results.json").read_text())
 
 
 def main() -> None:

@@ -86,3 +86,19 @@ def test_only_hooks_inherited_unchanged_are_hidden():
     assert callable(task.training_step) and callable(task.configure_optimizers)  # not per-batch hooks: untouched
     # Lightning reads the signature of the module's evaluation batch hooks before it evaluates
     assert all(callable(getattr(task, hook)) for hook in EVAL_BATCH_HOOKS)
+
+
+def test_each_task_class_declares_its_own_training_step_signature_as_lightning_reads_it():
+    """Lightning asks on every ``self.log`` whether ``training_step`` takes the batch iterator: a subclass whose
+    step does must answer yes, the task's own step no, each from the signature its class declares."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    from disttrain.rank.task import TrainTask
+
+    class IteratorTask(TrainTask):
+        def training_step(self, dataloader_iter: object) -> torch.Tensor:  # type: ignore[override]
+            raise NotImplementedError
+
+    for task, takes_iterator in ((TrainTask, False), (IteratorTask, True)):
+        assert "__signature__" in vars(task.training_step)
+        assert is_param_in_hook_signature(task.training_step, "dataloader_iter", explicit=True) is takes_iterator

@@ -119,12 +119,15 @@ class BatchedSampler(BatchSampler):
 
     def index_tensors(self) -> Iterator[torch.Tensor]:
         """This epoch's micro-batches, each as one int64 tensor of indices: the epoch's indices converted at once,
-        then split into views (a list of 64 indices converted per batch took 17 us, a view takes 2)."""
+        then split into views (a list of 64 indices converted per batch took 17 us, a view takes 2). A generator,
+        so the indices are drawn when the first batch is read, not when the iterator is made, as a ``BatchSampler``
+        draws them: Lightning makes a loader's iterator (``setup_data``) before it sets the sampler's epoch. Drawn
+        eagerly, a run resumed at an epoch's end trained no batch in the next epoch (``test_pipeline_run``)."""
         order = torch.tensor(list(self.sampler), dtype=torch.long)
         batches = order.split(self.batch_size)
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches = batches[:-1]
-        return iter(batches)
+        yield from batches
 
 
 class WholeBatches(Dataset):

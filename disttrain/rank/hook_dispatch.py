@@ -8,6 +8,7 @@ optimiser step. It also calls every callback's per-batch hooks, the empty ones o
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import Any
 
@@ -32,9 +33,17 @@ class NoProfiler(PassThroughProfiler):
         return _NO_PROFILING
 
 
-class FastHookName:
-    """Mixin for a LightningModule: Lightning sets ``_current_fx_name`` twice around every hook call, and
-    ``nn.Module.__setattr__`` checks parameters, buffers and submodules each time; a string needs none of it."""
+class LeanHookBookkeeping:
+    """Mixin for a LightningModule. Lightning sets ``_current_fx_name`` twice around every hook call, and
+    ``nn.Module.__setattr__`` checks parameters, buffers and submodules each time; a string needs none of it.
+    Lightning also inspects ``training_step``'s signature on every ``self.log`` during training (does it take the
+    batch iterator?): derived afresh by ``inspect`` that took 35 us of a log's 154 (three logs at every epoch's end,
+    six on a logged step), read from the ``__signature__`` that each class here declares, 14."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "training_step" in cls.__dict__:
+            cls.training_step.__signature__ = inspect.signature(cls.training_step)  # type: ignore[attr-defined]
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "_current_fx_name":

@@ -22,7 +22,7 @@ from disttrain.optim.groups import drops_steps_on_device
 from disttrain.optim.scheduler import apply_rate_of_current_step
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
-from disttrain.rank.hook_dispatch import FastHookName
+from disttrain.rank.hook_dispatch import LeanHookBookkeeping
 from disttrain.rank.loss import loss_function
 
 FOLD_EVERY = 256
@@ -33,7 +33,7 @@ LN2 = math.log(2.0)
 warnings.filterwarnings("ignore", message=r".*It is recommended to use `self.log\(.*sync_dist=True")
 
 
-class TrainTask(FastHookName, pl.LightningModule):
+class TrainTask(LeanHookBookkeeping, pl.LightningModule):
     """Trains ``net`` on image classification or next-token prediction, as ``spec.kind`` says.
 
     The parallel strategy replaces ``self.net`` with its wrapped form before the optimiser is built,
