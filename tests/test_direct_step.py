@@ -54,7 +54,7 @@ class Task(pl.LightningModule):
         self.events = events
         self.stop_at = stop_at
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
         inputs, targets = batch
         loss = torch.nn.functional.mse_loss(self.net(inputs), targets)
         self.log("train/loss", loss, on_step=True, on_epoch=True)
@@ -83,10 +83,22 @@ class Task(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def fit(direct: bool, stop_at: int | None = None, accumulate: int = 1) -> dict[str, Any]:
+class TensorTask(Task):
+    """Returns the loss itself, and halves the inputs before the batch moves to the device."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        return super().training_step(batch, batch_idx)["loss"]
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.events.append(("task", "on_before_batch_transfer", self._current_fx_name, describe(batch)))
+        inputs, targets = batch
+        return inputs / 2, targets
+
+
+def fit(direct: bool, stop_at: int | None = None, accumulate: int = 1, task_class: type = Task) -> dict[str, Any]:
     """Three epochs of five batches, validated every third batch; what each run leaves to compare."""
     events: list = []
-    task = Task(events, stop_at)
+    task = task_class(events, stop_at)
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(20, 4, generator=generator), torch.randn(20, 1, generator=generator))
     trainer = pl.Trainer(max_epochs=3, callbacks=[Recorder(events)], logger=False, enable_checkpointing=False,
@@ -124,11 +136,14 @@ def assert_same(ours: Any, theirs: Any) -> None:
         assert ours == theirs
 
 
-@pytest.mark.parametrize("stop_at", [None, 2], ids=["whole_epochs", "epoch_ended_by_a_hook"])
-def test_a_direct_batch_is_lightnings_batch(stop_at):
-    lightning, direct = fit(False, stop_at), fit(True, stop_at)
+@pytest.mark.parametrize(("stop_at", "task_class"), [(None, Task), (2, Task), (None, TensorTask)],
+                         ids=["whole_epochs", "epoch_ended_by_a_hook", "loss_returned_and_batch_transformed"])
+def test_a_direct_batch_is_lightnings_batch(stop_at, task_class):
+    lightning, direct = fit(False, stop_at, task_class=task_class), fit(True, stop_at, task_class=task_class)
     assert direct["fallbacks"] == 0
     assert lightning["global_step"] == (15 if stop_at is None else 12)
+    transforms = [event for event in lightning["events"] if event[1] == "on_before_batch_transfer"]
+    assert len(transforms) == (15 + 6 if task_class is TensorTask else 0)  # training batches, validation batches
     assert [event[:3] for event in direct["events"]] == [event[:3] for event in lightning["events"]]
     for key in ("events", "weights", "optimizer", "logged", "loops", "global_step"):
         assert_same(direct[key], lightning[key])
