@@ -1,6 +1,7 @@
-"""``DirectStep`` runs a training batch as Lightning's epoch loop does: the same hooks in the same order, with the
-same arguments and hook names, the same weights, optimiser state, logged values and loop progress (what a
-checkpoint saves), across epoch ends, validation and a batch-start hook that ends the epoch early."""
+"""``DirectStep`` (with ``DirectHookPrecision``) runs a training batch as Lightning's epoch loop and precision plugin
+do: the same hooks in the same order, with the same arguments and hook names, the same weights, optimiser state,
+logged values and loop progress (what a checkpoint saves), across epoch ends, validation and a batch-start hook that
+ends the epoch early."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from disttrain.rank.direct_step import DirectStep, run_batches_directly
+from disttrain.rank.direct_step import DirectHookPrecision, DirectStep, precision_arguments, run_batches_directly
 
 BATCH_HOOKS = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
                "on_before_optimizer_step", "on_train_batch_end")
@@ -104,7 +105,7 @@ def fit(direct: bool, stop_at: int | None = None, accumulate: int = 1, task_clas
     trainer = pl.Trainer(max_epochs=3, callbacks=[Recorder(events)], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                          gradient_clip_val=0.5, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0,
-                         accumulate_grad_batches=accumulate)
+                         accumulate_grad_batches=accumulate, **precision_arguments("32-true", direct))
     if direct:
         run_batches_directly(trainer, task, takes_index=True)
         step = trainer.fit_loop.epoch_loop.advance
@@ -165,14 +166,14 @@ def test_the_runner_takes_the_direct_step_unless_told_not_to(tmp_path, monkeypat
 
     direct_batches = []
     direct_call = DirectStep.__call__
-    monkeypatch.setattr(DirectStep, "__call__", lambda self, fetcher: (direct_batches.append(1),
-                                                                       direct_call(self, fetcher))[1])
+    monkeypatch.setattr(DirectStep, "__call__", lambda self, fetcher: (
+        direct_batches.append(type(self.loop.trainer.precision_plugin)), direct_call(self, fetcher))[1])
     cnn = ["logger=csv", "callbacks=none", "trainer.run_test=false", "trainer.max_steps=6",
            "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
     train(compose_config([*cnn, "trainer.direct_step=false"], tmp_path / "lightning"))
     assert direct_batches == []
     train(compose_config(cnn, tmp_path / "direct"))
-    assert len(direct_batches) == 6
+    assert direct_batches == [DirectHookPrecision] * 6
     assert step_losses(tmp_path / "direct") == step_losses(tmp_path / "lightning")
     norms = [logged_metric(tmp_path / run, "train/grad_norm") for run in ("direct", "lightning")]
     assert len(norms[0]) == 6 and norms[0] == norms[1]

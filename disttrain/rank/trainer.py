@@ -16,7 +16,7 @@ from disttrain.config.validation import RunConfig
 from disttrain.parallel.process_group import rank_layout
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.callbacks import NewestAndBestCheckpoint, SummaryWithoutFlops, ThroughputMeter
-from disttrain.rank.direct_step import run_batches_directly
+from disttrain.rank.direct_step import precision_arguments, run_batches_directly
 from disttrain.rank.hook_dispatch import NoProfiler
 from disttrain.rank.kinds.base import RunKind
 from disttrain.rank.logged_values import place_logged_values_once
@@ -67,7 +67,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         max_steps=t.max_steps,
         # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
         max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),
-        precision=t.precision,
+        **precision_arguments(t.precision, t.direct_step),
         gradient_clip_val=plan.trainer_clip,
         accumulate_grad_batches=plan.trainer_accumulation,
         inference_mode=plan.inference_mode,
