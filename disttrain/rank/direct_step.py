@@ -209,7 +209,8 @@ class DirectHookPrecision(Precision):
 
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         """The ``on_before_optimizer_step`` hooks, then (automatic optimisation) the task's clipping hook with the
-        trainer's clipping settings."""
+        trainer's clipping settings. A private method of Lightning 2.5-2.6's plugin (between the closure and the
+        optimiser's step): a Lightning without it runs its own, with its dispatchers."""
         trainer = model.trainer
         call_callbacks(trainer, model, "on_before_optimizer_step", optimizer)
         call_task(model, "on_before_optimizer_step", optimizer)
