@@ -20,7 +20,7 @@ def _peak_rss_mib() -> float:
 
 def _rounds_with(clients: int, count: int = 3) -> dict[str, float]:
     """``count`` rounds of ``clients`` clients (100 per round) on this rank: the rank's peak RSS before and
-    after, and the mean wall time of a round."""
+    after, and the mean CPU time of a round."""
     import torch.distributed as dist
 
     from disttrain.data.digits import ImageDataset
@@ -41,14 +41,16 @@ def _rounds_with(clients: int, count: int = 3) -> dict[str, float]:
     rounds = FederatedRounds(net, dataset, partition(SAMPLES, clients, "iid", 0), fed,
                              SGDConfig(lr=0.05, momentum=0.0), None, 0, dist.group.WORLD, torch.device("cpu"))
     server = ServerOptimizer(list(net.parameters()), "avg", 1.0)
-    started = time.perf_counter()
+    # CPU time, not wall time: beside the suite's other worker on 2 cores, a neighbour's burst stretched a round's
+    # wall time 2.7x (0.25 -> 0.67 s); a rank waiting for its peer in a collective adds next to none
+    started = time.process_time()
     for r in range(count):
         update, stats = rounds.run(r)
         assert len(stats.clients) == 100
         rounds.apply(update, server)
         server.step()
     return {"before_mib": before, "peak_mib": _peak_rss_mib(),
-            "round_s": (time.perf_counter() - started) / count}
+            "round_cpu_s": (time.process_time() - started) / count}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,8 @@ def test_ten_thousand_clients_take_the_memory_of_a_hundred(measured):
 
 
 def test_a_round_costs_the_same_with_100_and_10000_clients(measured):
-    # the same 100 clients' work per round; measured 0.65 s (100 clients, the first run warms up) and 0.45 s
-    few = max(rank["round_s"] for rank in measured[100])
-    many = max(rank["round_s"] for rank in measured[10_000])
+    # the same 100 clients' work per round; measured CPU time per round 0.091-0.095 s with 100 clients and
+    # 0.095-0.098 s with 10,000 (with two CPU-bound neighbours on the 2 cores: 0.096-0.110 s and 0.107-0.110 s)
+    few = max(rank["round_cpu_s"] for rank in measured[100])
+    many = max(rank["round_cpu_s"] for rank in measured[10_000])
     assert many < 2 * few + 0.1, (few, many)
