@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -163,7 +164,7 @@ def device_description(device: str) -> tuple[str, float | None]:
     return f"{name} (CUDA {torch.version.cuda}), host CPU: {cpu_model()}", peak
 
 
-def print_table(rows: list[Row], device: str, steps: int) -> None:
+def print_table(rows: list[Row], workloads: list[Workload], device: str, steps: int) -> None:
     """The markdown table, with MFU and prediction error where they apply, and the headline ratios."""
     described, peak = device_description(device)
     precision = ("bf16 autocast, fp32 weights" if device == "cuda" else
@@ -173,7 +174,7 @@ def print_table(rows: list[Row], device: str, steps: int) -> None:
     print("| model | trainer | tokens/s | MFU | loss at last step | peak allocated GB | plan's GB (error) | note |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        w = next(v for v in WORKLOADS_BY_DEVICE[device].values() if v.name == r.workload)
+        w = next(v for v in workloads if v.name == r.workload)
         mfu = f"{r.tokens_per_s * w.flops_per_token() / peak:.1%}" if peak and r.tokens_per_s else "-"
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
         loss = f"{r.loss:.3f}" if r.loss is not None else "-"
@@ -223,6 +224,8 @@ def main() -> None:
                              "reduce-overhead), zero3, zero3-compile (disttrain), "
                              "ac (single, full activation checkpointing), plain (plain FSDP2 loop, "
                              "compiled on a GPU), nanogpt (GPT-2 only)")
+    parser.add_argument("--batch", type=int, help="sequences per step for every case and side, in place of the "
+                                                  "workload's own (12 for GPT-2, 4 for the Llama)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no run after this many seconds")
     parser.add_argument("--log-every-n-steps", type=int, default=10,
                         help="disttrain's trainer.log_every_n_steps (its default; nanoGPT reads its loss every step)")
@@ -244,13 +247,18 @@ def main() -> None:
     unknown = [s for s in args.sides.split(",") if s not in sides]
     if unknown:
         sys.exit(f"Error: --sides {','.join(unknown)} unknown; from {', '.join(sides)}")
+    if args.batch is not None and args.batch < 1:
+        sys.exit(f"Error: --batch {args.batch}: a step needs at least one sequence")
+    chosen = {case: workloads[case] for case in args.cases.split(",")}
+    if args.batch is not None:
+        chosen = {case: dataclasses.replace(w, name=f"{w.name} batch {args.batch}", batch=args.batch)
+                  for case, w in chosen.items()}
     began = time.perf_counter()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
         write_corpus(scratch / "tokens", vocab_size=None)  # GPT-2's padded vocabulary, as disttrain's
-        for case in args.cases.split(","):
-            w = workloads[case]
+        for case, w in chosen.items():
             for side in args.sides.split(","):
                 if side == "nanogpt" and (case != "gpt2" or args.nanogpt is None):
                     continue
@@ -267,7 +275,7 @@ def main() -> None:
                 if args.jsonl:
                     with args.jsonl.open("a") as handle:
                         handle.write(json.dumps(row.__dict__) + "\n")
-    print_table(rows, args.device, args.steps)
+    print_table(rows, list(chosen.values()), args.device, args.steps)
 
 
 if __name__ == "__main__":

@@ -255,7 +255,8 @@ class ParallelConfig:
                               "2 or 3 with tp > 1 and cp > 1 (DDP cannot average tensor-parallel parameters' gradients "
                               "over the cp ranks; FSDP shards them over dp_shard x cp)")
         if self.sequence_parallel and not dims.tp_enabled:
-            raise ConfigError("parallel.sequence_parallel", True, "false unless parallel.tp > 1")
+            raise ConfigError("parallel.sequence_parallel", True, f"false unless parallel.tp > 1 (tp={dims.tp} of "
+                              f"{dims.world_size} rank(s) here)")
         if dims.dp_shard > 1 and self.zero_stage == 0:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")
         # one rank under ZeRO-2/3 is FSDP2 with nothing to shard: still its mixed-precision policy and CPU offload
