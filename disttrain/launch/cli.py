@@ -105,7 +105,9 @@ def _may_start_ranks(cfg: DictConfig) -> bool:
     parallel, devices = OmegaConf.select(cfg, "parallel.name"), OmegaConf.select(cfg, "trainer.devices")
     if parallel == "auto" or OmegaConf.select(cfg, "trainer.precision") == "auto":
         return False
-    return parallel != "single" or devices not in ("auto", 1, "1")
+    if devices in (1, "1"):  # one rank trains in this process, whatever the layout: a server's imports only slow it
+        return False
+    return parallel != "single" or devices != "auto"
 
 
 def discard_job_dir() -> None:
