@@ -118,6 +118,9 @@ def test_readme_own_model_example_trains_as_typed(tmp_path):
         assert f"Run complete: 2 steps on {ranks} rank(s)" in proc.stdout, proc.stdout[-2000:]
 
 
+# the same command runs in this process among the README's (composition, ranks, summary), and a new interpreter
+# starting ranks runs in test_worker_start.py's script test: this adds only the shell's start of train.py
+@pytest.mark.slow
 def test_the_headline_command_starts_the_ranks_it_needs(tmp_path):
     proc = run_cli(["parallel=zero3", "optim=lamb", *SHORT, "hydra.run.dir=run"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
