@@ -62,8 +62,12 @@ def test_a_fit_that_ends_inside_the_window_writes_what_ran(tmp_path):
     fit(tmp_path, profiler, max_steps=5)
     assert profiler.summary["steps"] == 3
     assert calls((tmp_path / "here" / "rank0_ops.txt").read_text(), "Optimizer.step#SGD.step") == 3
-    # with_stack: the timeline names the Python line that ran each operator (here the module's training_step)
+    # with_stack: the timeline names the Python line that ran each operator (here the module's training_step),
+    # and the stacks table puts the host's time on the lines that spent it
     assert "training_step" in (tmp_path / "here" / "rank0_trace.json").read_text()
+    stacks = (tmp_path / "here" / "rank0_host_stacks.txt").read_text()
+    assert "Source Location" in stacks and "test_step_profile.py" in stacks, stacks[:2000]
+    assert not (tmp_path / "here" / "rank0_host_ops.txt").exists()  # on a CPU the ops table is the host's already
 
 
 def test_a_window_that_cannot_open_is_refused_by_its_values():

@@ -1,9 +1,11 @@
 """A window of training steps under ``torch.profiler``: where a step's time goes, on the host and the device.
 
 Added with ``callbacks=profile``. Each rank writes ``profile/rank<R>_ops.txt`` (the operators and kernels,
-slowest first), ``profile/rank<R>_trace.json`` (a timeline for chrome://tracing or Perfetto) and, on a GPU,
-``profile/rank<R>_host_reads.txt`` (each line of Python that made the host wait for the GPU, with its stack) under
-the run folder, and rank 0 says in one line how long a profiled step took and how much of it the device was busy: a
+slowest first), ``profile/rank<R>_trace.json`` (a timeline for chrome://tracing or Perfetto), on a GPU
+``profile/rank<R>_host_reads.txt`` (each line of Python that made the host wait for the GPU, with its stack) and
+``profile/rank<R>_host_ops.txt`` (the operators by host time), and with ``with_stack``
+``profile/rank<R>_host_stacks.txt`` (the operators by the Python lines that ran them, by host time) under the run
+folder, and rank 0 says in one line how long a profiled step took and how much of it the device was busy: a
 device idle between steps waits on the host (data, Python, a host read).
 """
 
@@ -16,9 +18,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from disttrain.rank.host_reads import HostReads
+
+STACK_FRAMES = 6
+"""Python frames that key an operator's row in the stacks table (``with_stack``)."""
 
 
 class StepProfiler(pl.Callback):
@@ -40,7 +45,8 @@ class StepProfiler(pl.Callback):
         """Rows of the operator table."""
         self.with_stack = with_stack
         """Record the Python stack of every operator in the timeline (which line read a value back to the host,
-        say); the profiled steps run slower still."""
+        say), and write ``rank<R>_host_stacks.txt``: the operators by the Python lines that ran them, by host
+        time; the profiled steps run slower still."""
         self._profiler: profile | None = None
         self._host_reads = HostReads()
         self._started_at = 0.0
@@ -56,7 +62,9 @@ class StepProfiler(pl.Callback):
         self._device = pl_module.device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._device.type == "cuda" else [])
         self._synchronize()
-        self._profiler = profile(activities=activities, with_stack=self.with_stack)
+        # verbose: without it torch records stacks for the timeline only, not on the events the tables group by
+        verbose = {"experimental_config": _ExperimentalConfig(verbose=True)} if self.with_stack else {}
+        self._profiler = profile(activities=activities, with_stack=self.with_stack, **verbose)
         self._profiler.start()
         self._host_reads.start(cuda=self._device.type == "cuda")
         self._started_at = time.perf_counter()
@@ -89,6 +97,13 @@ class StepProfiler(pl.Callback):
         on_device = self._device.type != "cpu"
         sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
         (folder / f"rank{rank}_ops.txt").write_text(averages.table(sort_by=sort_by, row_limit=self.row_limit))
+        if on_device:  # a host-bound step shows in the host's own time, which the device-sorted table hides
+            (folder / f"rank{rank}_host_ops.txt").write_text(
+                averages.table(sort_by="self_cpu_time_total", row_limit=self.row_limit))
+        if self.with_stack:  # the Python lines whose operators took the host's time
+            (folder / f"rank{rank}_host_stacks.txt").write_text(profiler.key_averages(group_by_stack_n=STACK_FRAMES)
+                                                                .table(sort_by="cpu_time_total",
+                                                                       row_limit=self.row_limit))
         profiler.export_chrome_trace(str(folder / f"rank{rank}_trace.json"))
         steps = max(steps, 1)
         self.summary = {"steps": steps, "step_ms": 1e3 * wall_s / steps}
