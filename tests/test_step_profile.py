@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -67,6 +68,9 @@ def test_a_fit_that_ends_inside_the_window_writes_what_ran(tmp_path):
     assert "training_step" in (tmp_path / "here" / "rank0_trace.json").read_text()
     stacks = (tmp_path / "here" / "rank0_host_stacks.txt").read_text()
     assert "Source Location" in stacks and "test_step_profile.py" in stacks, stacks[:2000]
+    width = len(stacks.splitlines()[0].split()[0])  # the Name column's, as its rule of dashes
+    names = [line[:width].strip() for line in stacks.splitlines()[3:] if line[:width].strip()]
+    assert "aten::addmm" in names and not [name for name in names if re.search(r"\(\d+\): ", name)], names
     assert not (tmp_path / "here" / "rank0_host_ops.txt").exists()  # on a CPU the ops table is the host's already
 
 

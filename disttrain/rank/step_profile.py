@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from disttrain.rank.host_reads import HostReads
@@ -101,9 +102,8 @@ class StepProfiler(pl.Callback):
             (folder / f"rank{rank}_host_ops.txt").write_text(
                 averages.table(sort_by="self_cpu_time_total", row_limit=self.row_limit))
         if self.with_stack:  # the Python lines whose operators took the host's time
-            (folder / f"rank{rank}_host_stacks.txt").write_text(profiler.key_averages(group_by_stack_n=STACK_FRAMES)
-                                                                .table(sort_by="cpu_time_total",
-                                                                       row_limit=self.row_limit))
+            (folder / f"rank{rank}_host_stacks.txt").write_text(
+                operators_by_stack(profiler.events(), self.row_limit, self._device.type if on_device else None))
         profiler.export_chrome_trace(str(folder / f"rank{rank}_trace.json"))
         steps = max(steps, 1)
         self.summary = {"steps": steps, "step_ms": 1e3 * wall_s / steps}
@@ -118,6 +118,15 @@ class StepProfiler(pl.Callback):
             line += f", {self.summary['host_reads']:.1f} host reads a step"
         if rank == 0:
             print(f"{line}; operators and timeline in {folder}", flush=True)
+
+
+def operators_by_stack(events: EventList, row_limit: int, device: str | None) -> str:
+    """The operators and annotated ranges by the innermost ``STACK_FRAMES`` Python frames that ran them, most host
+    time first; the Python functions the verbose tracer also records (every thread's) are left out as rows.
+    ``device``: the profiled device's type, for its time columns (None: the host only)."""
+    python_functions = {event.key for event in events if event.is_python_function}
+    rows = [row for row in events.key_averages(group_by_stack_n=STACK_FRAMES) if row.key not in python_functions]
+    return EventList(rows, use_device=device).table(sort_by="cpu_time_total", row_limit=row_limit)
 
 
 def busy_us(events: list[Any]) -> float:
