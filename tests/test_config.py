@@ -236,6 +236,13 @@ def test_accumulation_with_batchnorm_is_announced(make_config):
     assert not any("BatchNorm" in n for n in validate(make_config([*GPT_TEXT, "batch.accumulation=2"])).notices)
 
 
+def test_sharding_on_one_rank_is_announced(make_config):
+    one = validate(make_config(["parallel=zero3", "trainer.devices=1"]))
+    assert any(n.startswith("parallel.zero_stage=3 on 1 rank: nothing to shard") for n in one.notices), one.notices
+    two = validate(make_config(["parallel=zero3", "trainer.devices=2"]))
+    assert not any("nothing to shard" in n for n in two.notices), two.notices
+
+
 def test_a_config_error_crosses_processes_whole():
     import pickle
 
