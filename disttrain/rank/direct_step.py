@@ -176,15 +176,15 @@ def call_callbacks(trainer: pl.Trainer, task: pl.LightningModule, hook: str, *ar
     task._current_fx_name = before
 
 
-def call_task(task: pl.LightningModule, hook: str, *args: Any, through: Any = None) -> Any:
-    """The task's ``hook`` (or ``through``, the strategy's method of that name) with the hook's name set; None where
-    the task hides the hook."""
+def call_task(task: pl.LightningModule, hook: str, *args: Any, through: Any = None, **kwargs: Any) -> Any:
+    """The task's ``hook`` (or ``through``, the strategy's method of that name) on ``args`` and ``kwargs``, with the
+    hook's name set; None where the task hides the hook."""
     method = through or getattr(task, hook)
     if method is None:
         return None
     before = task._current_fx_name
     task._current_fx_name = hook
-    output = method(*args)
+    output = method(*args, **kwargs)
     task._current_fx_name = before
     return output
 
@@ -215,8 +215,5 @@ class DirectHookPrecision(Precision):
         call_callbacks(trainer, model, "on_before_optimizer_step", optimizer)
         call_task(model, "on_before_optimizer_step", optimizer)
         if isinstance(model, pl.LightningModule) and model.automatic_optimization:
-            before = model._current_fx_name
-            model._current_fx_name = "configure_gradient_clipping"
-            model.configure_gradient_clipping(optimizer, gradient_clip_val=trainer.gradient_clip_val,
-                                              gradient_clip_algorithm=trainer.gradient_clip_algorithm)
-            model._current_fx_name = before
+            call_task(model, "configure_gradient_clipping", optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                      gradient_clip_algorithm=trainer.gradient_clip_algorithm)
