@@ -66,11 +66,9 @@ def plain_loop(
     copied there as Lightning copies disttrain's, the clock read after the GPU has finished. ``keep_memory``: set
     glibc's thresholds as disttrain's ranks do (``trainer.keep_freed_host_memory``) before anything is built."""
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from disttrain.data import build_datamodule
     from disttrain.models import build_model
-    from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
     from disttrain.parallel.apply import buffer_sync_option
 
     if keep_memory:
@@ -100,19 +98,8 @@ def plain_loop(
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh, reshard_after_forward=wrap == "fsdp")
         fully_shard(model, mesh=mesh, reshard_after_forward=wrap == "fsdp")
-    optimizer = build_optimizer(AdamWConfig(lr=3e-3), model)
-    scheduler = build_scheduler(SchedulerConfig(warmup_fraction=0.05), optimizer, steps)
-    dataset = datamodule.datasets["train"]
-    micro = global_batch // world
-    if source == "memory":
-        every_row = dataset.get_batch(list(range(len(dataset))))
-        steps_per_epoch = len(dataset) // global_batch
-        batches = iter(())
-    else:
-        sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
-        loader = DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True)
-        batches = iter(())
-    epoch, start = 0, 0.0
+    stepper = PlainStepper(model, datamodule.datasets["train"], steps, global_batch, world, rank, source, gpu)
+    start = 0.0
     clock = PhaseClock(synchronize=gpu is not None) if phases else None
     mark = clock.mark if clock else (lambda _name: None)
     for step in range(steps):
@@ -121,34 +108,7 @@ def plain_loop(
                 torch.cuda.synchronize()
             start = time.perf_counter()
         mark("step")
-        if source == "memory":
-            within = step % steps_per_epoch
-            if within == 0:  # a new epoch: one permutation, the same on every rank (the digits hold 19 steps of 64)
-                order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(step))
-            rows = order[within * global_batch + rank * micro: within * global_batch + (rank + 1) * micro]
-            inputs, targets = every_row[0][rows], every_row[1][rows]
-        else:
-            try:
-                inputs, targets = next(batches)
-            except StopIteration:
-                sampler.set_epoch(epoch)
-                epoch += 1
-                batches = iter(loader)
-                inputs, targets = next(batches)
-        if gpu is not None:
-            inputs, targets = inputs.to(gpu), targets.to(gpu)
-        mark("data")
-        logits = model(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        mark("forward")
-        loss.backward()
-        mark("backward")
-        mark("after backward")  # nothing runs here in a plain loop; Lightning's hooks and the loss logging do
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        mark("optimiser")
+        stepper.step(step, mark)
     if gpu is not None:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -160,8 +120,75 @@ def plain_loop(
         # drain gloo's queue and drop DDP's reducer while the group lives: freeing both at once at exit
         # deadlocked here (the group's destructor waited on its worker thread, which waited for the GIL)
         dist.barrier()
-        del model, optimizer, scheduler
+        del model, stepper
         dist.destroy_process_group()
+
+
+class PlainStepper:
+    """The plain loop's step, one call per optimiser step: AdamW (lr 3e-3), clipping at 1.0 and a cosine schedule
+    with 5% warm-up over ``steps``. ``source`` memory: each step indexes this rank's rows of the epoch's permutation
+    out of tensors holding ``dataset`` (the digits hold 19 steps of 64); loader: a DataLoader over a
+    DistributedSampler. ``gpu``: the device each batch is copied to, or None."""
+
+    def __init__(self, model: torch.nn.Module, dataset: Any, steps: int, global_batch: int, world: int = 1,
+                 rank: int = 0, source: str = "memory", gpu: torch.device | None = None) -> None:
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        from disttrain.optim import AdamWConfig, SchedulerConfig, build_optimizer, build_scheduler
+
+        self.model, self.gpu, self.source = model, gpu, source
+        self.optimizer = build_optimizer(AdamWConfig(lr=3e-3), model)
+        self.scheduler = build_scheduler(SchedulerConfig(warmup_fraction=0.05), self.optimizer, steps)
+        self.global_batch, self.micro, self.rank = global_batch, global_batch // world, rank
+        self.size = len(dataset)
+        if source == "memory":
+            self.every_row = dataset.get_batch(list(range(len(dataset))))
+            self.steps_per_epoch = len(dataset) // global_batch
+        else:
+            self.sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0, drop_last=True)
+            self.loader = DataLoader(dataset, batch_size=self.micro, sampler=self.sampler, drop_last=True)
+        self.batches: Any = iter(())
+        self.epoch = 0
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``step``'s inputs and targets on this rank."""
+        if self.source == "memory":
+            within = step % self.steps_per_epoch
+            if within == 0:  # a new epoch: one permutation, the same on every rank
+                self.order = torch.randperm(self.size, generator=torch.Generator().manual_seed(step))
+            first = within * self.global_batch + self.rank * self.micro
+            rows = self.order[first: first + self.micro]
+            return self.every_row[0][rows], self.every_row[1][rows]
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.sampler.set_epoch(self.epoch)
+            self.epoch += 1
+            self.batches = iter(self.loader)
+            return next(self.batches)
+
+    def step(self, step: int, mark: Any = None) -> None:
+        """One optimiser step; ``mark(phase)`` is called at the end of each phase (see ``PhaseClock``)."""
+        mark = mark or _no_mark
+        inputs, targets = self.batch(step)
+        if self.gpu is not None:
+            inputs, targets = inputs.to(self.gpu), targets.to(self.gpu)
+        mark("data")
+        logits = self.model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        mark("forward")
+        loss.backward()
+        mark("backward")
+        mark("after backward")  # nothing runs here in a plain loop; Lightning's hooks and the loss logging do
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        mark("optimiser")
+
+
+def _no_mark(_phase: str) -> None:
+    """A phase mark that times nothing."""
 
 
 def lightning_loop(rank: int, world: int, port: int, flavour: str, steps: int, global_batch: int, out: dict,
