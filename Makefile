@@ -3,8 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is installed first, so that no other requirement pulls a multi-GB CUDA build.
 # On a GPU machine: make TORCH_SPEC=torch
-# The rest goes through uv, which keeps the torch already there and installs the ~140 others in about
-# 10 s where pip takes about 110 s (the same versions: both resolve the newest releases pyproject.toml admits).
+# The rest goes through uv, which keeps the torch already there and installs the ~140 others in about 30 s where
+# pip takes about 110 s (the same versions: both resolve the newest releases pyproject.toml admits). Compiled to
+# bytecode at install, as pip does: uv leaves it to the first import, and where bytecode is never written
+# (PYTHONDONTWRITEBYTECODE) every process then compiles what it imports (importing Lightning: 14.6 s, not 8.6).
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install train test test-gpu lint clean
@@ -13,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet uv
-	$(VENV)/bin/uv pip install --python $(PY) --quiet -e ".[dev]"
+	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
