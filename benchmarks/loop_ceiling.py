@@ -41,8 +41,10 @@ SIDES = ("plain", "disttrain", "bare loop")
 class BareEpoch:
     """Takes the place of ``_TrainingEpochLoop.run``: one epoch of the bare loop; notes when steps end."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_batch: Any = None) -> None:
         self.step_ends: list[float] = []
+        self.before_batch = before_batch
+        """Called with the trainer before each batch is read (``interleaved.py --loop bare``), or None."""
 
     def __call__(self, loop: Any, data_fetcher: Any) -> None:
         """Train on the epoch's batches until the epoch or ``max_steps`` ends."""
@@ -56,6 +58,8 @@ class BareEpoch:
         steps = loop.automatic_optimization.optim_progress.optimizer.step
         logging = trainer._logger_connector
         while not loop.done:
+            if self.before_batch is not None:
+                self.before_batch(trainer)
             batch = next(batches, None)
             if batch is None:
                 break
