@@ -85,3 +85,40 @@ def test_the_graph_sees_deferred_and_package_imports():
     assert graph.has_edge("disttrain.launch.cli", "disttrain.launch.job")  # deferred, inside train_from_cli
     assert graph.has_edge("disttrain.rank.run", "disttrain.rank.kinds")
     assert graph.has_edge("disttrain.rank.kinds", "disttrain.rank.kinds.federated")
+
+
+CONFIG_ERROR_WITHOUT_LIGHTNING = """
+import sys
+from hydra import compose, initialize_config_dir
+from disttrain.config import register
+from disttrain.config.validation import validate
+from disttrain.errors import ConfigError
+from disttrain.launch.cli import train_from_cli
+from disttrain.launch.job import train
+
+register()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    good = compose("train", overrides=["parallel=zero3", "trainer.devices=2", "model=gpt", "data=pydocs",
+                                       f"run_dir={sys.argv[2]}"])
+    bad = compose("train", overrides=["optim.lr=-1", f"run_dir={sys.argv[2]}"])
+run = validate(good)
+try:
+    train(bad)
+except ConfigError as err:
+    print("error:", err)
+print("lightning imported:", sorted({name.split(".")[0] for name in sys.modules} & {"lightning", "torchmetrics"}))
+"""
+
+
+def test_the_job_process_validates_and_refuses_a_config_without_importing_lightning(tmp_path):
+    """Importing Lightning takes seconds (torchmetrics imports transformers and scipy): the job process validates
+    a run and prints a config error before it, and only a rank imports it."""
+    import subprocess
+    import sys
+
+    conf = ROOT.parent / "conf"
+    done = subprocess.run([sys.executable, "-c", CONFIG_ERROR_WITHOUT_LIGHTNING, str(conf), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "error: optim.lr=-1.0 is invalid: a positive number" in done.stdout
+    assert "lightning imported: []" in done.stdout, done.stdout

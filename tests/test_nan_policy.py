@@ -174,7 +174,8 @@ def test_a_steps_losses_are_released_with_it_and_still_counted(monkeypatch):
 
 
 def test_a_stop_before_any_save_point_does_not_promise_a_checkpoint(tmp_path):
-    from disttrain.fault.steps import NonFiniteStep, StepAgreement
+    from disttrain.fault.steps import StepAgreement
+    from disttrain.fault.stops import NonFiniteStep
 
     with pytest.raises(NonFiniteStep, match="at step 2: the run stops, before any checkpoint was saved"):
         StepAgreement("stop", tmp_path / "checkpoints").check_finite("the training loss", torch.tensor(math.nan), 2)

@@ -21,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
@@ -174,8 +173,10 @@ class InMemoryTensors(TensorDataset):
         return tuple(tensor.index_select(0, rows) for tensor in self.tensors)
 
 
-class DataModule(pl.LightningDataModule):
-    """Base of the registered data modules.
+class DataModule:
+    """Base of the registered data modules: Lightning's data module hooks (``setup``, the three loaders,
+    ``state_dict``), without Lightning, so that the job process validates a config without importing it; the
+    ranks hand it to Lightning's Trainer as ``disttrain.rank.lightning_data.LightningData``.
 
     Subclasses set ``spec`` (a ``DataSpec``, available right after construction), ``num_train_samples``
     (samples per training epoch over all ranks) and build their splits in ``_datasets()``, which returns
@@ -183,7 +184,9 @@ class DataModule(pl.LightningDataModule):
     """
 
     def __init__(self, micro_batch_size: int, seed: int, num_workers: int = 0) -> None:
-        super().__init__()
+        self.trainer: Any = None
+        """The Lightning Trainer this module's loaders feed, once it is attached (its ranks and training position);
+        None before, and in the job process."""
         if micro_batch_size < 1:
             raise ConfigError("batch.micro_size", micro_batch_size, "a positive number of samples per rank")
         self.micro_batch_size = micro_batch_size

@@ -35,7 +35,7 @@ from disttrain.fault.replica_groups import (
     LIGHTHOUSE_VAR,
     MEMBERSHIP_FILE,
 )
-from disttrain.fault.steps import Preempted
+from disttrain.fault.stops import Preempted
 from disttrain.launch.supervisor import (
     POLL_S,
     Failure,

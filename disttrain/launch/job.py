@@ -7,11 +7,11 @@ Under torchrun or SLURM the ranks already exist: each joins the others and train
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,10 +20,11 @@ from disttrain.config.validation import validate
 from disttrain.launch.fork_server import forks_ranks
 from disttrain.launch.group_supervisor import GroupSupervisor
 from disttrain.launch.supervisor import Supervisor
-from disttrain.parallel.process_group import external_environment, free_port, init_process_group
-from disttrain.rank.results import RESULTS_FILE
-from disttrain.rank.run import run_rank
+from disttrain.report.results_file import objective_of
 from disttrain.report.timing import record_command_start
+
+# The ranks' modules (rank.run, parallel.process_group) import Lightning, seconds of imports: they are imported
+# where this process becomes a rank, so that a config error prints before them.
 
 CONFIG_FILE = "config.yaml"
 """In the run directory: the resolved config, which every worker rank reads."""
@@ -35,8 +36,11 @@ def train(cfg: DictConfig) -> float | None:
 
     Called by ``train.py`` in the Hydra job process. Every check happens here, before any worker starts.
     """
-    env = external_environment()
+    env = _external_environment()
     if env is not None:  # torchrun / SLURM started every rank, and each of them composed the config
+        from disttrain.parallel.process_group import init_process_group
+        from disttrain.rank.run import run_rank
+
         parallel = parallel_options(cfg)
         init_process_group(env, parallel.backend, parallel.timeout_s)
         OmegaConf.update(cfg, "run_dir", str(_agree_on_run_dir(Path(cfg.run_dir))))  # before the one validation
@@ -62,14 +66,16 @@ def train(cfg: DictConfig) -> float | None:
         groups = run.dims.dp_replicate
         GroupSupervisor(groups, run.dims.world_size // groups, config_path, run_dir / "logs", run.train.fault_tolerance,
                         forks_ranks(run.train.trainer.rank_start)).run()
-        return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
+        return objective_of(run_dir)
     if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
+        from disttrain.rank.run import run_rank
+
         with rank_environment(single_rank_environment()):
             return run_rank(run)
     # the job hosts the rendezvous store, shows rank 0's output as its own and restarts failed ranks
     Supervisor(run.dims.world_size, config_path, run_dir / "logs", restarts,
                forks_ranks(run.train.trainer.rank_start), run.world_sizes).run()
-    return json.loads((run_dir / RESULTS_FILE).read_text())["objective"]
+    return objective_of(run_dir)
 
 
 @contextmanager
@@ -87,8 +93,20 @@ def rank_environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _external_environment() -> Any:
+    """The cluster environment of a launcher that started the ranks (torchrun, SLURM), else None: Lightning's
+    detection (``process_group.external_environment``), asked only where such a launcher's variables are set."""
+    if "LOCAL_RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return None
+    from disttrain.parallel.process_group import external_environment
+
+    return external_environment()
+
+
 def single_rank_environment() -> dict[str, str]:
     """Rank variables of a one-process run (the process group still needs an address)."""
+    from disttrain.parallel.process_group import free_port
+
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "NODE_RANK": "0",
             "LOCAL_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
 

@@ -27,7 +27,7 @@ from disttrain.fault.config import (
     PREEMPTION_SIGNALS,
     RESTARTS_FILE,
 )
-from disttrain.fault.steps import Preempted
+from disttrain.fault.stops import Preempted
 from disttrain.launch.fork_server import ForkedRank
 
 RankProcess = subprocess.Popen | ForkedRank

@@ -14,8 +14,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
 from disttrain.checkpoint.elastic import reopen_cut_epoch, rewrite_batch_progress
-from disttrain.data.base import DataModule
 from disttrain.data.position import batches_done
+from disttrain.rank.lightning_data import data_module_of
 
 
 class ElasticResume(pl.Callback):
@@ -35,8 +35,8 @@ class ElasticResume(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Note this run's world and data-parallel size (the mesh exists by now)."""
         self.world = trainer.world_size
-        datamodule = trainer.datamodule
-        self.dp = datamodule.replicas(train=True)[0] if isinstance(datamodule, DataModule) else trainer.world_size
+        data = data_module_of(trainer)
+        self.dp = data.replicas(train=True)[0] if data is not None else trainer.world_size
 
     def state_dict(self) -> dict[str, Any]:
         """The ranks this checkpoint was written by and the changes before it."""
@@ -61,11 +61,11 @@ class ElasticResume(pl.Callback):
             return
         saved = checkpoint.get("callbacks", {}).get(self.state_key) or {}
         self.changes = list(saved.get("changes", []))
-        datamodule = trainer.datamodule
-        if not isinstance(datamodule, DataModule):
+        data = data_module_of(trainer)
+        if data is None:
             return
-        position = checkpoint.get(type(datamodule).__qualname__) or {}
-        micro, accumulation, dp = datamodule.micro_batch_size, datamodule.accumulation, self.dp
+        position = checkpoint.get(type(trainer.datamodule).__qualname__) or {}
+        micro, accumulation, dp = data.micro_batch_size, data.accumulation, self.dp
         batches = batches_done(position, micro, dp)
         if batches is not None and "accumulation" in position:
             rewrite_batch_progress(checkpoint.get("loops", {}).get("fit_loop", {}), batches,

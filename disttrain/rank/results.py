@@ -18,9 +18,7 @@ from disttrain.fault.config import RESTARTS_FILE
 from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.report.console import run_summary, skipped_steps_warning
 from disttrain.report.plots import write_run_plots
-
-RESULTS_FILE = "results.json"
-"""In the run directory: the run's figures (metrics, throughput, checkpoints, faults, each kind's section)."""
+from disttrain.report.results_file import RESULTS_FILE
 
 
 @dataclass

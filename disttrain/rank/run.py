@@ -19,7 +19,8 @@ from disttrain.config.validation import RunConfig, validate
 from disttrain.fault.config import LOST_PEER_EXIT, restart_count
 from disttrain.fault.replica_groups import group_view, job_world_size
 from disttrain.fault.rng import RandomStates
-from disttrain.fault.steps import NonFiniteStep, Preempted, StepAgreement, StepDecisions
+from disttrain.fault.steps import StepAgreement, StepDecisions
+from disttrain.fault.stops import NonFiniteStep, Preempted
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
 from disttrain.parallel.process_group import shutdown_process_group
@@ -30,6 +31,7 @@ from disttrain.rank.experts import ExpertBalance
 from disttrain.rank.hook_dispatch import skip_step_hooks_left_alone
 from disttrain.rank.host_memory import keep_freed_host_memory
 from disttrain.rank.kinds import KINDS
+from disttrain.rank.lightning_data import lightning_data
 from disttrain.rank.results import (
     Fitted,
     close_loggers,
@@ -80,10 +82,11 @@ def run_rank(run: RunConfig) -> float | None:
         restart = restart_count()
         resume = kind.resume_from(trainer) or resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir),
                                                           announce=trainer.is_global_zero)
-        trainer.fit(task, datamodule=datamodule, ckpt_path=resume)
+        data_view = lightning_data(datamodule)
+        trainer.fit(task, datamodule=data_view, ckpt_path=resume)
         trainer.strategy.wait_for_checkpoint()  # the last save lands before testing from it
         fitted = Fitted.of(trainer, meter)
-        test_s = test_best(trainer, task, datamodule, fitted) if cfg.trainer.run_test else 0.0
+        test_s = test_best(trainer, task, data_view, fitted) if cfg.trainer.run_test else 0.0
         close_loggers(trainer)
         results = run_results(run, trainer, fitted, meter, test_s)
         if cfg.energy:

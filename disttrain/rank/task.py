@@ -15,7 +15,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
-from disttrain.fault.steps import SkippedStep, StepAgreement
+from disttrain.fault.steps import StepAgreement
+from disttrain.fault.stops import SkippedStep
 from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.optim.groups import drops_steps_on_device

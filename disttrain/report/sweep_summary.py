@@ -12,6 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.report.plots import pyplot, save
+from disttrain.report.results_file import RESULTS_FILE
 
 TABLE_FILE = "summary.csv"
 MARKDOWN_FILE = "summary.md"
@@ -22,7 +23,7 @@ def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per finished job: its number, its overrides and its results' objective."""
     rows = []
     for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
-        results, overrides = job / "results.json", job / ".hydra" / "overrides.yaml"
+        results, overrides = job / RESULTS_FILE, job / ".hydra" / "overrides.yaml"
         if not results.is_file():
             continue  # a job that failed leaves no results
         given = OmegaConf.load(overrides) if overrides.is_file() else []

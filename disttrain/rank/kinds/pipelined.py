@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from disttrain.fault.steps import SkippedStep
+from disttrain.fault.stops import SkippedStep
 from disttrain.parallel.clip import clip_grad_norm
 from disttrain.parallel.pipeline.runtime import PipelineSlot, scaled_cross_entropy
 from disttrain.rank.kinds.base import RunKind

@@ -22,7 +22,8 @@ from disttrain.fault.replica_groups import replica_group
 from disttrain.fault.replica_report import fault_tolerance_section, summary_line
 from disttrain.fault.replica_state import PEER_CHECKPOINT, load_peer_state, peer_state
 from disttrain.fault.replica_steps import ReplicaSteps
-from disttrain.fault.steps import SkippedStep, StepAgreement
+from disttrain.fault.steps import StepAgreement
+from disttrain.fault.stops import SkippedStep
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.kinds.base import RunKind
