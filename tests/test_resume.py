@@ -70,7 +70,12 @@ def test_last_checkpoint_is_the_final_state_when_the_metric_stops_improving(tmp_
 def test_a_run_ending_between_save_points_saves_its_last_step(tmp_path):
     run_dir = tmp_path / "run"
     train(compose_config([*RUN, f"trainer.max_steps={STEPS + 2}"], run_dir))
-    assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == STEPS + 2
+    saved = load_metadata(run_dir / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == STEPS + 2
+    # the data's position is filed under the data module's own class name, as in checkpoints written before the
+    # Trainer was handed a view of the module (disttrain.rank.lightning_data): those resume mid-epoch too
+    assert {key: saved["PyDocsDataModule"][key] for key in ("micro_size", "accumulation", "dp")} == \
+        {"micro_size": 8, "accumulation": 1, "dp": 1}
 
 
 def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
