@@ -8,13 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, train_cli
+from tests.conftest import ROOT, train_cli, train_cli_in_process
 
 FAST = ["trainer.max_epochs=1", "trainer.run_test=false", "logger=csv", "callbacks=none"]
 
 
-def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    proc = train_cli(args, cwd)
+def run_cli(args: list[str], cwd: Path, in_process: bool = True) -> subprocess.CompletedProcess:
+    """``python train.py *args`` in ``cwd``, which must succeed: in this process (Hydra's basic launcher runs the
+    jobs here one after the other, their ranks forked from the warm fork server), or where ``in_process`` is False
+    in an interpreter of its own."""
+    proc = train_cli_in_process(args, cwd) if in_process else train_cli(args, cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -70,7 +73,7 @@ def test_submitit_local_sweep_leaves_one_directory_per_job(tmp_path):
     run_cli(["-m", "hydra/launcher=submitit_local", "optim.lr=1e-3,3e-3", "parallel=ddp", "trainer.devices=2",
              "model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", "batch.global_size=8",
              "trainer.max_steps=4", "trainer.limit_val_batches=1", "trainer.run_test=false", "logger=csv",
-             "callbacks=none", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+             "callbacks=none", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, in_process=False)
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert jobs == ["0", "1"]
     hashes = set()

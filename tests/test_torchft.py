@@ -12,7 +12,7 @@ import pytest
 
 from disttrain.config import validate
 from disttrain.errors import ConfigError
-from tests.conftest import ROOT, train_cli
+from tests.conftest import ROOT, train_cli_in_process
 from tests.fault_runs import assert_no_orphans
 from tests.replica_probe import DIGESTS
 
@@ -50,7 +50,7 @@ def signal_group(group: int, signum: int) -> list[str]:
 
 def run(args: list[str], run_dir: Path, timeout_s: float = 10):
     """``train.py`` with ``RUN``, ``args`` and the cross-group ``timeout_s`` into ``run_dir``."""
-    return train_cli([*RUN, *args, f"fault_tolerance.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}"], ROOT)
+    return train_cli_in_process([*RUN, *args, f"fault_tolerance.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}"], ROOT)
 
 
 def digests(run_dir: Path) -> list[dict]:
