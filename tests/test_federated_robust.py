@@ -115,7 +115,8 @@ def test_robust_settings_are_refused_through_the_config(make_config):
 
 # ---- whole trainings under attack -------------------------------------------------------------------------
 
-ROUNDS = 30
+ROUNDS = 15
+"""Half the 30 rounds of ``benchmarks/federated.py``'s table: the rules' margins hold at 15 (below), in half the time."""
 ATTACKED = ("mean", "median", "trimmed_mean", "multi_krum")
 
 
@@ -172,8 +173,8 @@ def attacked() -> dict[str, float]:
 
 
 def test_sign_flipping_clients_wreck_the_mean_and_robust_rules_withstand_them(attacked):
-    # 4 of 20 clients send -10x their update. Measured: clean 0.961; under attack mean 0.100, median 0.936,
-    # trimmed mean 0.955, multi-Krum 0.958
+    # 4 of 20 clients send -10x their update. Measured at 15 rounds: clean 0.936; under attack mean 0.097, median
+    # 0.916, trimmed mean 0.916, multi-Krum 0.933 (at 30: 0.961; 0.100, 0.936, 0.955, 0.958)
     clean = attacked["clean"]
     assert clean > 0.9
     assert attacked["mean"] <= clean - 0.20
