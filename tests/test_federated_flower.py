@@ -62,10 +62,18 @@ def _simulated(config: Path) -> dict[str, torch.Tensor]:
 
     rounds = FlowerClient(load_run(config)).rounds  # the same initial model as the ServerApp's
     server = ServerOptimizer([p for p in rounds.net.parameters() if p.requires_grad], "avg", 1.0)
-    for r in range(ROUNDS):
-        update, _ = rounds.run(r)
-        rounds.apply(update, server)
-        server.step()
+    # one thread, as the deployed apps run (OMP_NUM_THREADS=1): with two, the convolutions' sums are ordered
+    # differently, and six SGD steps carried that to 2.2e-4, past the bound below, where the test's process was
+    # started without the variable
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for r in range(ROUNDS):
+            update, _ = rounds.run(r)
+            rounds.apply(update, server)
+            server.step()
+    finally:
+        torch.set_num_threads(threads)
     return rounds.net.state_dict()
 
 
