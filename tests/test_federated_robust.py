@@ -116,7 +116,8 @@ def test_robust_settings_are_refused_through_the_config(make_config):
 # ---- whole trainings under attack -------------------------------------------------------------------------
 
 ROUNDS = 15
-"""Half the 30 rounds of ``benchmarks/federated.py``'s table: the rules' margins hold at 15 (below), in half the time."""
+"""Half the 30 rounds of ``benchmarks/federated.py``'s table: the rules' margins hold at 15 (below), in half the
+time."""
 ATTACKED = ("mean", "median", "trimmed_mean", "multi_krum")
 
 
