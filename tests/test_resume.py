@@ -67,6 +67,23 @@ def test_last_checkpoint_is_the_final_state_when_the_metric_stops_improving(tmp_
     assert load_metadata(Path(best))["global_step"] < 190  # otherwise this run would not test anything
 
 
+def test_the_end_of_run_test_scores_the_best_checkpoints_weights(tmp_path):
+    # digits at a constant rate high enough that validation scores swing (8 steps apart, they moved by 0.1 and more
+    # when written): the best comes before the last step; a run stopped at that step ranks nothing (save_top_k=0) and
+    # tests the weights it holds, the same weights
+    run = ["logger=csv", "callbacks=none", "optim.lr=0.1", "scheduler=constant", "scheduler.warmup_fraction=null",
+           "scheduler.warmup_steps=0", "trainer.val_check_interval=8", "trainer.check_val_every_n_epoch=null"]
+    train(compose_config([*run, "trainer.max_steps=40"], tmp_path / "ranked"))
+    ranked = json.loads((tmp_path / "ranked" / "results.json").read_text())
+    best_step = load_metadata(Path(ranked["best_checkpoint"]))["global_step"]
+    assert best_step < 40  # otherwise the best weights are those in memory, and this would test nothing
+    train(compose_config([*run, f"trainer.max_steps={best_step}", "checkpoint.save_top_k=0"], tmp_path / "held"))
+    held = json.loads((tmp_path / "held" / "results.json").read_text())
+    assert held["best_checkpoint"] is None and held["global_steps"] == best_step
+    assert ranked["metrics"]["test/acc"] == held["metrics"]["test/acc"]
+    assert ranked["metrics"]["test/loss"] == pytest.approx(held["metrics"]["test/loss"], rel=1e-6)
+
+
 def test_a_run_ending_between_save_points_saves_its_last_step(tmp_path):
     run_dir = tmp_path / "run"
     train(compose_config([*RUN, f"trainer.max_steps={STEPS + 2}"], run_dir))

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from disttrain.checkpoint.io import load_metadata
+from disttrain.checkpoint.folders import damage
+from disttrain.checkpoint.io import INDEX_FILE, METADATA_FILE, load_metadata
 from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config, train_cli
-from tests.test_run import GPT_FAST
+from tests.test_run import GPT_FAST, step_losses
 
 
 def _validation_losses(run_dir: Path) -> dict[int, float]:
@@ -33,6 +35,33 @@ def test_step_save_points_save_before_the_first_validation(tmp_path):
     assert load_metadata(checkpoints / "last.ckpt")["global_step"] == 8
     assert load_metadata(checkpoints / "last-step4.ckpt")["global_step"] == 4
     assert not list(checkpoints.glob("step*.ckpt"))  # nothing was scored, so nothing is ranked
+
+
+def _checkpoint_state(folder: Path) -> dict:
+    """The checkpoint callback's own state as saved in ``folder``."""
+    return next(v for k, v in load_metadata(folder)["callbacks"].items() if k.startswith("NewestAndBestCheckpoint"))
+
+
+def test_a_ranked_save_point_writes_its_state_once_and_each_folder_stands_alone(tmp_path):
+    # a constant rate, so that the schedule does not depend on max_steps and the runs compare step by step
+    constant = [*GPT_FAST, "scheduler=constant", "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0",
+                "trainer.val_check_interval=6", "trainer.check_val_every_n_epoch=null"]
+    train(compose_config([*constant, "trainer.max_steps=10"], tmp_path / "straight"))
+    train(compose_config([*constant, "trainer.max_steps=6"], tmp_path / "first"))
+    checkpoints = tmp_path / "first" / "checkpoints"
+    ranked, last = checkpoints / "step6.ckpt", checkpoints / "last.ckpt"
+    shards = sorted(p.name for p in ranked.iterdir() if p.name != METADATA_FILE)
+    assert INDEX_FILE in shards and len(shards) > 1
+    assert sorted(p.name for p in last.iterdir() if p.name != METADATA_FILE) == shards
+    assert all((last / name).samefile(ranked / name) for name in shards)  # linked, not written a second time
+    # each has its own metadata: the newest save point's records itself as the newest
+    assert _checkpoint_state(last)["last_model_path"] == str(last)
+    assert _checkpoint_state(ranked)["last_model_path"] != str(last)
+    assert json.loads((tmp_path / "first" / "results.json").read_text())["checkpoints"]["saves"] == 2
+    shutil.rmtree(ranked)  # as when a better score pushes it out of the top k: the newest save point stays whole
+    assert damage(last) is None
+    train(compose_config([*constant, "trainer.max_steps=10", f"resume={tmp_path / 'first'}"], tmp_path / "more"))
+    assert step_losses(tmp_path / "more") == pytest.approx(step_losses(tmp_path / "straight")[6:], rel=1e-6)
 
 
 def test_only_validated_steps_are_ranked_and_by_their_own_score(tmp_path):

@@ -4,8 +4,10 @@ swapped in whole, optionally in the background, and read back into an already pa
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +35,16 @@ class Ranks(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SameStateAs:
+    """A save's storage option: its model and optimiser state are those of ``folder``, a checkpoint completed at the
+    same save point (the ranked ``step<N>.ckpt`` of the step ``last.ckpt`` is written at). Its shards and index are
+    then linked from there, and only the small metadata is written."""
+
+    folder: str
+    """The complete checkpoint folder whose shards hold this save's state."""
+
+
 class ShardedCheckpoints:
     """Saves and loads the checkpoints of one Trainer. ``per_replica``: data-parallel replicas hold different
     parameters between exchanges (Local SGD, DiLoCo, an asynchronous parameter server), so each rank's state is
@@ -52,10 +64,11 @@ class ShardedCheckpoints:
         self._pending: tuple[Any, Path, Path] | None = None
         self._group: Any = None
 
-    def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: Any, same_state_as: SameStateAs | None = None) -> None:
         """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write never
         damages the previous checkpoint at ``filepath``. Asynchronously, the swap happens when the next save
-        begins or fit ends (``wait``)."""
+        begins or fit ends (``wait``). ``same_state_as``: the shards are already on disk there (see
+        ``SameStateAs``); they are hard-linked, never rewritten."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -77,7 +90,11 @@ class ShardedCheckpoints:
         if ranks.is_global_zero:
             torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
         alone = one_process()
-        if self.async_save:
+        if same_state_as is not None:  # wait() above has swapped the source in, complete
+            if ranks.is_global_zero:
+                link_shards(Path(same_state_as.folder), staging)
+            self._swap_in(staging, path)
+        elif self.async_save:
             if self._group is None and not alone:  # its own group: background writes never interleave with training's
                 self._group = torch.distributed.new_group(backend="gloo")
             # the save plan is the same at every save of a run: cached, the planning collective runs once
@@ -130,6 +147,21 @@ class ShardedCheckpoints:
         for idx, optimizer in enumerate(optimizers):
             load_optimizer_state(model, optimizer, state[f"optimizer_{idx}"])
         return metadata
+
+
+def link_shards(source: Path, staging: Path) -> None:
+    """Hard-link every file of the checkpoint folder ``source`` but its metadata into ``staging`` (copied where
+    the file system has no hard links). A checkpoint's files are written once and never changed in place, so the
+    two folders share them safely, and either may be deleted or retired without touching the other."""
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, staging, copy_function=link_or_copy, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(METADATA_FILE))
 
 
 def count_steps_in_both_loops(metadata: dict[str, Any]) -> None:

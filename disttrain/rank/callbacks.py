@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+
+from disttrain.checkpoint.sharded import SameStateAs
 
 
 class NewestAndBestCheckpoint(ModelCheckpoint):
@@ -25,6 +28,8 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
     Ranking (``step<N>.ckpt``, the ``save_top_k`` best) happens only at a save point right after a validation,
     by the score that validation measured on the weights being saved. A step save point between validations
     has no score of its own and is not ranked (Lightning would rank it by the previous validation's score).
+    Where that save point also writes ``last.ckpt``, the state is the one just ranked: its shards are linked from
+    ``step<N>.ckpt``, not written again (``SameStateAs``).
     """
 
     def __init__(self, *args: Any, keep_last: int = 1, **kwargs: Any) -> None:
@@ -40,6 +45,8 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         """The global step of the newest checkpoint this run ranked (-1: none yet)."""
         self.blocking_s = 0.0
         """Seconds this process's saves held training up (gathering the state and writing or staging it)."""
+        self._same_state_as: str | None = None
+        """The checkpoint this save point has already written (the ranked one), while it writes ``last.ckpt``."""
         self._state_key = super().state_key
         self._step_at_batch_end = 0
 
@@ -51,7 +58,15 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         started = time.perf_counter()
-        super()._save_checkpoint(trainer, filepath)
+        if self._same_state_as is None:
+            super()._save_checkpoint(trainer, filepath)
+        else:  # Lightning's own steps, with the option that links the shards already written
+            trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=SameStateAs(self._same_state_as))
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.after_save_checkpoint(proxy(self))
         self.blocking_s += time.perf_counter() - started
 
     def save_newest(self, trainer: pl.Trainer) -> None:
@@ -106,11 +121,19 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         if not ranks and not writes_last:  # the candidates copy every logged value: built for nothing otherwise
             return
         candidates = self._monitor_candidates(trainer)
+        ranked = None
         if ranks:
             self.ranked_step = step
+            saved_before = self._last_checkpoint_saved
             self._save_topk_checkpoint(trainer, candidates)
+            # written now only where the score made the top k; nothing changes the state between the two saves
+            ranked = self._last_checkpoint_saved if self._last_checkpoint_saved != saved_before else None
         if writes_last:
-            self._save_last_checkpoint(trainer, candidates)
+            self._same_state_as = ranked
+            try:
+                self._save_last_checkpoint(trainer, candidates)
+            finally:
+                self._same_state_as = None
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         gate = getattr(trainer.strategy, "checkpoint_gate", None)  # one of several replica groups writes
