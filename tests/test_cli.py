@@ -104,6 +104,17 @@ def test_readme_command_runs_as_typed(tmp_path, args):
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 
 
+def test_help_is_hydras_own_help_composed_once(tmp_path, monkeypatch):
+    import disttrain.launch.help
+
+    args = ["parallel=zero3", "optim=lamb", "--help"]
+    ours = run_here(args, tmp_path)
+    assert ours.returncode == 0 and "name: lamb" in ours.stdout  # the composed config, with the overrides
+    monkeypatch.setattr(disttrain.launch.help, "help_overrides", lambda argv: None)  # Hydra's own path
+    hydras = run_here(args, tmp_path)
+    assert hydras.returncode == 0 and ours.stdout == hydras.stdout
+
+
 def test_readme_own_model_example_trains_as_typed(tmp_path):
     section = (ROOT / "README.md").read_text().split("## Your own model", 1)[1]
     module = section.split("```python", 1)[1].split("```", 1)[0]

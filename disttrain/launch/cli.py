@@ -39,22 +39,28 @@ class _Composing:
             cls.flag_set = False
 
 
-def main_with_one_line_errors(hydra_main: Callable[[], Any], argv: list[str] | None = None) -> None:
+def main_with_one_line_errors(hydra_main: Callable[[], Any], argv: list[str] | None = None,
+                              config_name: str | None = None) -> None:
     """Run Hydra's decorated entry point so that a mistake Hydra finds while composing the config (an unknown
     key, a value of the wrong type, a missing group option, an override it cannot parse) is one ``Error:`` line
-    and exit status 2, as the framework's own checks are. ``HYDRA_FULL_ERROR=1`` keeps Hydra's traceback."""
+    and exit status 2, as the framework's own checks are. ``HYDRA_FULL_ERROR=1`` keeps Hydra's traceback.
+    ``config_name``: the entry point's config, whose help ``--help`` then prints without Hydra's own slow path
+    (``disttrain.launch.help``)."""
     from disttrain.config.composition_errors import COMPOSITION_ERRORS, composition_error_line
+    from disttrain.launch.help import help_overrides, print_help
 
+    args = sys.argv[1:] if argv is None else argv
     # Hydra reads the flag when it catches an error, so only errors raised while composing come back here
     _Composing.wrapped = True
     _Composing.begin()
     try:
-        hydra_main()
+        overrides = help_overrides(args) if config_name else None
+        if overrides is None or not print_help(config_name, overrides):
+            hydra_main()
     except COMPOSITION_ERRORS as err:
         if not _Composing.flag_set:
             raise
-        print(f"Error: {composition_error_line(err, sys.argv[1:] if argv is None else argv)}", file=sys.stderr,
-              flush=True)
+        print(f"Error: {composition_error_line(err, args)}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         _Composing.end()
