@@ -1,0 +1,8 @@
+"""Imported last by the fork server, after torch and Lightning: moves every object alive there out of the garbage
+collector's reach (``gc.freeze``), so that a forked rank's collections never walk, and so never write to and copy,
+the memory it shares with the server."""
+
+import gc
+
+gc.collect()
+gc.freeze()
