@@ -116,6 +116,32 @@ def test_a_run_that_max_steps_ended_inside_an_epoch_goes_on_from_there_with_more
     assert json.loads((tmp_path / "more" / "results.json").read_text())["global_steps"] == 18
 
 
+def test_optimiser_hyper_parameters_are_one_item_per_parameter_and_older_checkpoints_still_resume(
+        tmp_path, monkeypatch):
+    import disttrain.checkpoint.sharded as sharded
+    from disttrain.checkpoint.io import load_index
+
+    constant = [*RUN, "scheduler=constant", "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0"]
+    train(compose_config([*constant, "trainer.max_steps=18"], tmp_path / "straight"))
+
+    def items(run: str) -> tuple[int, int]:
+        """Non-tensor items of the optimiser's state in the run's last.ckpt, and its parameters."""
+        index = load_index(tmp_path / run / "checkpoints" / "last.ckpt").state_dict_metadata
+        groups = [key for key in index if key.startswith("optimizer_0.param_groups.")]
+        return len(groups), len({key.rsplit(".", 1)[0] for key in index if key.startswith("optimizer_0.state.")})
+
+    # written as before: every hyper-parameter an item of its own, and no mark in the metadata
+    with monkeypatch.context() as before:
+        before.setattr(sharded, "pack_param_groups", lambda state: state)
+        before.setattr(sharded, "PACKED_GROUPS", "not_the_mark")
+        train(compose_config([*constant, "trainer.max_steps=10"], tmp_path / "first"))
+    groups, params = items("first")
+    assert groups >= 10 * params  # AdamW: a dozen each
+    train(compose_config([*constant, "trainer.max_steps=18", f"resume={tmp_path / 'first'}"], tmp_path / "more"))
+    assert step_losses(tmp_path / "more") == pytest.approx(step_losses(tmp_path / "straight")[10:], rel=1e-6)
+    assert items("more") == (params, params) and params > 10  # written now: one each (resumed across the suite)
+
+
 def test_a_run_resumed_with_more_steps_follows_the_longer_schedule_from_its_first_step(tmp_path):
     from tests.conftest import logged_metric
 

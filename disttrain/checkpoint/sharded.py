@@ -16,7 +16,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from disttrain.checkpoint.io import METADATA_FILE, load_metadata, load_sharded, one_process
-from disttrain.checkpoint.optimizer_state import load_optimizer_state, optimizer_template
+from disttrain.checkpoint.optimizer_state import (
+    PACKED_GROUPS,
+    load_optimizer_state,
+    optimizer_template,
+    pack_param_groups,
+    unpack_param_groups,
+)
 
 
 class Ranks(Protocol):
@@ -82,8 +88,10 @@ class ShardedCheckpoints:
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
         ranks.barrier()
+        optimizers = checkpoint.pop("optimizer_states", [])
         shards = {"state_dict": checkpoint.pop("state_dict"),
-                  **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}}
+                  **{f"optimizer_{i}": pack_param_groups(state) for i, state in enumerate(optimizers)}}
+        checkpoint[PACKED_GROUPS] = True
         if self.per_replica:
             shards = {f"replica{ranks.global_rank}": shards}
             checkpoint["replicas"] = ranks.world_size
@@ -137,15 +145,23 @@ class ShardedCheckpoints:
         metadata = load_metadata(path)
         count_steps_in_both_loops(metadata)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        packed_keys: list[set[str]] = []
         for idx, optimizer in enumerate(optimizers):
-            state[f"optimizer_{idx}"] = optimizer_template(model, optimizer)
+            template = optimizer_template(model, optimizer)
+            if metadata.get(PACKED_GROUPS):  # checkpoints written before hold each hyper-parameter apart
+                flat_keys, template = set(template), pack_param_groups(template)
+                packed_keys.append(set(template) - flat_keys)
+            else:
+                packed_keys.append(set())
+            state[f"optimizer_{idx}"] = template
         if self.per_replica:
             load_sharded({f"replica{self.ranks.global_rank % metadata.get('replicas', 1)}": state}, path)
         else:
             load_sharded(state, path)
         set_model_state_dict(model, state["state_dict"])
         for idx, optimizer in enumerate(optimizers):
-            load_optimizer_state(model, optimizer, state[f"optimizer_{idx}"])
+            loaded = unpack_param_groups(state[f"optimizer_{idx}"], packed_keys[idx])
+            load_optimizer_state(model, optimizer, loaded)
         return metadata
 
 
