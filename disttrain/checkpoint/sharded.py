@@ -148,7 +148,8 @@ class ShardedCheckpoints:
         packed_keys: list[set[str]] = []
         for idx, optimizer in enumerate(optimizers):
             template = optimizer_template(model, optimizer)
-            if metadata.get(PACKED_GROUPS):  # checkpoints written before hold each hyper-parameter apart
+            # packed as saved: checkpoints written before the mark hold each hyper-parameter apart, and load so
+            if metadata.get(PACKED_GROUPS):
                 flat_keys, template = set(template), pack_param_groups(template)
                 packed_keys.append(set(template) - flat_keys)
             else:
