@@ -74,8 +74,7 @@ def test_only_validated_steps_are_ranked_and_by_their_own_score(tmp_path):
     assert sorted(validated) == [6, 12]
     # step 4 and step 8 were save points between validations: last.ckpt, not ranked by an older score
     assert sorted(p.name for p in checkpoints.glob("step*.ckpt")) == ["step12.ckpt", "step6.ckpt"]
-    meta = load_metadata(checkpoints / "last.ckpt")
-    state = next(v for k, v in meta["callbacks"].items() if k.startswith("NewestAndBestCheckpoint"))
+    state = _checkpoint_state(checkpoints / "last.ckpt")
     scores = {int(Path(path).stem.removeprefix("step")): float(score) for path, score in state["best_k_models"].items()}
     assert scores == pytest.approx(validated, rel=1e-6)
     results = json.loads((run_dir / "results.json").read_text())
