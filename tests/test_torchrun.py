@@ -1,5 +1,5 @@
-"""Under torchrun: ``--max-restarts`` restarts resume from the newest checkpoint, and two launchers acting as
-two nodes train together into one run directory."""
+"""Under torchrun: ``--max-restarts`` restarts resume from the newest checkpoint and write nothing outside the run
+directory, and two launchers acting as two nodes train together into one run directory."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def torchrun(launcher: list[str], args: list[str], run_dir: Path, background: bo
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "train.py"), *RUN, *args,
                f"hydra.run.dir={run_dir}"]
+    cwd = run_dir.parent  # where nothing but the run directory may appear
     if background:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_torchrun_max_restarts_resumes_bitwise(reference, tmp_path):
     assert logged_losses(run_dir) == logged_losses(reference)
     assert_same_weights(run_dir, reference)
     assert_no_orphans(run_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the workers wrote nothing outside it
 
 
 def test_two_launchers_as_two_nodes_train_one_run(reference, tmp_path):
