@@ -139,7 +139,7 @@ def test_optimiser_hyper_parameters_are_one_item_per_parameter_and_older_checkpo
     assert groups >= 10 * params  # AdamW: a dozen each
     train(compose_config([*constant, "trainer.max_steps=18", f"resume={tmp_path / 'first'}"], tmp_path / "more"))
     assert step_losses(tmp_path / "more") == pytest.approx(step_losses(tmp_path / "straight")[10:], rel=1e-6)
-    assert items("more") == (params, params) and params > 10  # written now: one each (resumed across the suite)
+    assert items("more") == (params, params) and params > 10  # the resumed run's own checkpoint: one each
 
 
 def test_a_run_resumed_with_more_steps_follows_the_longer_schedule_from_its_first_step(tmp_path):

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
-from tests.conftest import train_cli, train_cli_in_process
+from tests.conftest import train_cli_in_process
 
 FAST = ["trainer.max_epochs=1", "trainer.run_test=false", "logger=csv", "callbacks=none"]
 
 
-def run_cli(args: list[str], cwd: Path, in_process: bool = True) -> subprocess.CompletedProcess:
-    """``python train.py *args`` in ``cwd``, which must succeed: in this process (Hydra's basic launcher runs the
-    jobs here one after the other, their ranks forked from the warm fork server), or where ``in_process`` is False
-    in an interpreter of its own."""
-    proc = train_cli_in_process(args, cwd) if in_process else train_cli(args, cwd)
+def run_cli(args: list[str], cwd: Path) -> SimpleNamespace:
+    """``python train.py *args`` in ``cwd`` run in this process, which must succeed (Hydra's basic launcher runs the
+    jobs here one after the other, their ranks forked from the warm fork server; submitit's launcher starts a
+    process per job)."""
+    proc = train_cli_in_process(args, cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
