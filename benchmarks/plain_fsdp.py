@@ -13,10 +13,15 @@ import torch
 from throughput_workloads import VOCAB, WARMUP, Row, Workload
 
 
-def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, out: Path) -> None:
+def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, out: Path,
+                    autocast: bool = False) -> None:
     """A hand-written FSDP2 loop on one rank (this process): the same model class and optimiser, each block
     ``fully_shard``-ed with bf16 parameters and fp32 gradient reduction, compiled block by block as torchtitan
-    does; random windows of the token file, read as nanoGPT reads them. Writes its Row as JSON to ``out``."""
+    does; random windows of the token file, read as nanoGPT reads them. ``autocast``: the forward and loss also
+    run under bf16 autocast, as a ``bf16-mixed`` disttrain run's do (norms, softmax and the residual stream's
+    sums in fp32); without it every operator runs in the parameters' bf16, as torchtitan's do. On a GPU with
+    NVML, the energy of the steps after the first ``WARMUP`` is read off the GPU's counter. Writes its Row as
+    JSON to ``out``."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -58,11 +63,16 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
 
     times, loss_value = [], float("nan")
     torch.cuda.reset_peak_memory_stats() if gpu else None
-    for _ in range(steps):
+    energy = gpu_energy_counter() if gpu else None
+    joules_at_warmup = None
+    for step in range(steps):
+        if step == WARMUP and energy is not None:
+            joules_at_warmup = energy()
         start = time.perf_counter()
         x, y = batch()
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -70,20 +80,36 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
         loss_value = loss.item()  # a host sync per step, as nanoGPT's log_interval=1 has
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else None
+    joules_per_token = ((energy() - joules_at_warmup) / ((steps - WARMUP) * w.tokens_per_step)
+                        if joules_at_warmup is not None else None)
     dist.destroy_process_group()
-    row = Row(w.name, "plain FSDP2" + (" compile" if compiled else ""),
-              tokens_per_s=w.tokens_per_step / statistics.mean(times[WARMUP:]), loss=loss_value, peak_gb=peak)
+    row = Row(w.name, "plain FSDP2" + (" compile" if compiled else "") + (" autocast" if autocast else ""),
+              tokens_per_s=w.tokens_per_step / statistics.mean(times[WARMUP:]), loss=loss_value, peak_gb=peak,
+              joules_per_token=joules_per_token)
     out.write_text(json.dumps(row.__dict__))
 
 
+def gpu_energy_counter():
+    """A function returning the joules this process's GPU has used since NVML counts, or None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # no nvidia-ml-py, or a GPU without the energy counter
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+
+
 def run_plain(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, scratch: Path,
-              timeout: float) -> Row:
+              timeout: float, autocast: bool = False) -> Row:
     """``plain_fsdp_loop`` in a process of its own (its own CUDA context and peak-memory counter)."""
     import multiprocessing
 
-    out = scratch / f"plain-{w.name.replace(' ', '-')}-{compiled}.json"
+    out = scratch / f"plain-{w.name.replace(' ', '-')}-{compiled}-{autocast}.json"
     process = multiprocessing.get_context("spawn").Process(target=plain_fsdp_loop,
-                                                           args=(w, data_dir, steps, device, compiled, out))
+                                                           args=(w, data_dir, steps, device, compiled, out, autocast))
     process.start()
     process.join(timeout)
     if process.is_alive():

@@ -18,7 +18,9 @@ timer, the plain loop's wall clock (each of these steps ends in a host read of t
 MFU = tokens/s x FLOPs per token / the device's dense bf16 peak, with nanoGPT's (PaLM's) count: 6 x the
 weights that multiply (all but the position embedding) + 12 x layers x width x sequence for attention (the
 full square, as both papers count it). Peak memory: ``torch.cuda.max_memory_allocated`` after the run;
-predicted: ``mode=plan``'s total for the same config on the device's stated profile.
+predicted: ``mode=plan``'s total for the same config on the device's stated profile. Energy (mJ/token): the
+GPU's NVML counter over the same steps after the first ``WARMUP`` (disttrain's ``energy.per_step_after`` in
+results.json, the plain loop's own readings).
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
     args = disttrain_overrides(w, data_dir, steps, parallel, compile_mode, checkpointing, device, log_every)
     run_train_py(args, run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
+    energy = results.get("energy") or {}
+    measured_after = energy.get("source") == "nvml" and energy.get("after_step") == log_every
     row = Row(w.name, label, tokens_per_s=windowed_tokens_per_s(run_dir, w.tokens_per_step, WARMUP),
               loss=results["metrics"].get("train/loss"),
-              peak_gb=(results.get("memory") or {}).get("max_allocated_gb"))
+              peak_gb=(results.get("memory") or {}).get("max_allocated_gb"),
+              joules_per_token=energy["per_step_after"] / w.tokens_per_step if measured_after else None)
     if profile_dir is not None:
         profiling = ["callbacks=profile", "callbacks.profile.start_step=20", "callbacks.profile.with_stack=true",
                      f"callbacks.profile.dirpath={profile_dir / run_dir.name}"]
@@ -171,8 +176,9 @@ def print_table(rows: list[Row], workloads: list[Workload], device: str, steps: 
                  "disttrain in bf16 autocast, the other sides in fp32: a check of the script, not a comparison")
     print(f"\n{described}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; {steps} steps, the first "
           f"{WARMUP} left out; {precision}\n")
-    print("| model | trainer | tokens/s | MFU | loss at last step | peak allocated GB | plan's GB (error) | note |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+    print("| model | trainer | tokens/s | MFU | loss at last step | peak allocated GB | plan's GB (error) | mJ/token "
+          "| note |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         w = next(v for v in workloads if v.name == r.workload)
         mfu = f"{r.tokens_per_s * w.flops_per_token() / peak:.1%}" if peak and r.tokens_per_s else "-"
@@ -181,12 +187,14 @@ def print_table(rows: list[Row], workloads: list[Workload], device: str, steps: 
         peak_gb = f"{r.peak_gb:.2f}" if r.peak_gb else "-"
         predicted = (f"{r.predicted_gb:.2f} ({r.predicted_gb / r.peak_gb - 1:+.0%})"
                      if r.predicted_gb and r.peak_gb else "-")
-        print(f"| {r.workload} | {r.side} | {tps} | {mfu} | {loss} | {peak_gb} | {predicted} | {r.note} |")
+        energy = f"{r.joules_per_token * 1e3:.3f}" if r.joules_per_token else "-"
+        print(f"| {r.workload} | {r.side} | {tps} | {mfu} | {loss} | {peak_gb} | {predicted} | {energy} | {r.note} |")
     for name in {r.workload for r in rows}:
         by_side = {r.side: r.tokens_per_s for r in rows if r.workload == name and r.tokens_per_s}
         ours = max((v, k) for k, v in by_side.items() if k.startswith("disttrain")) if any(
             k.startswith("disttrain") for k in by_side) else None
-        for peer in ("nanoGPT compile", "nanoGPT", "plain FSDP2 compile", "plain FSDP2"):
+        for peer in ("nanoGPT compile", "nanoGPT", "plain FSDP2 compile", "plain FSDP2 compile autocast",
+                     "plain FSDP2", "plain FSDP2 autocast"):
             if ours and peer in by_side:
                 print(f"{name}: fastest disttrain ({ours[1]}) vs {peer}: {ours[0] / by_side[peer]:.3f}x tokens/s")
 
@@ -201,8 +209,9 @@ DISTTRAIN_SIDES = {"single": ("single", None, "none"), "single-compile": ("singl
 def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) -> Row:
     """One run of ``w`` by ``--sides`` name."""
     tokens = scratch / "tokens"
-    if side == "plain":
-        return run_plain(w, tokens, args.steps, args.device, args.device == "cuda", scratch, args.run_timeout_s)
+    if side in ("plain", "plain-autocast"):
+        return run_plain(w, tokens, args.steps, args.device, args.device == "cuda", scratch, args.run_timeout_s,
+                         autocast=side == "plain-autocast")
     if side == "nanogpt":
         return run_nanogpt(args.nanogpt, w, tokens, args.steps, args.device, scratch, args.run_timeout_s)
     parallel, compile_mode, checkpointing = DISTTRAIN_SIDES[side]
@@ -223,7 +232,8 @@ def main() -> None:
                         help="what runs of each workload: single, single-compile, single-cudagraphs (compile_mode="
                              "reduce-overhead), zero3, zero3-compile (disttrain), "
                              "ac (single, full activation checkpointing), plain (plain FSDP2 loop, "
-                             "compiled on a GPU), nanogpt (GPT-2 only)")
+                             "compiled on a GPU, bf16 parameters), plain-autocast (the same under bf16 autocast, "
+                             "as disttrain's bf16-mixed), nanogpt (GPT-2 only)")
     parser.add_argument("--batch", type=int, help="sequences per step for every case and side, in place of the "
                                                   "workload's own (12 for GPT-2, 4 for the Llama)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no run after this many seconds")
@@ -243,7 +253,7 @@ def main() -> None:
     unknown = [c for c in args.cases.split(",") if c not in workloads]
     if unknown:
         sys.exit(f"Error: --cases {','.join(unknown)} unknown; from {', '.join(workloads)}")
-    sides = [*DISTTRAIN_SIDES, "plain", "nanogpt"]
+    sides = [*DISTTRAIN_SIDES, "plain", "plain-autocast", "nanogpt"]
     unknown = [s for s in args.sides.split(",") if s not in sides]
     if unknown:
         sys.exit(f"Error: --sides {','.join(unknown)} unknown; from {', '.join(sides)}")

@@ -82,4 +82,6 @@ class Row:
     loss: float | None = None
     peak_gb: float | None = None
     predicted_gb: float | None = None
+    joules_per_token: float | None = None
+    """The GPU's energy per token after the first ``WARMUP`` steps (NVML's counter; None where unread)."""
     note: str = ""

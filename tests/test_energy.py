@@ -114,9 +114,9 @@ def test_a_run_reports_its_energy_per_step_and_sample(make_config, tmp_path, mon
     train(make_config(["trainer.max_steps=6", "trainer.log_every_n_steps=2", "trainer.run_test=false",
                        "trainer.limit_val_batches=1", "logger=none"], run_dir))
     result = json.loads((run_dir / "results.json").read_text())["energy"]
-    # readings: open, steps 2, 4, 6, finish: four increments of 0.5 J
+    # readings: open, steps 2, 4, 6, finish: four increments of 0.5 J, three of them after the first logged step
     assert result == {"joules": 2.0, "per_step": pytest.approx(2.0 / 6), "per_sample": pytest.approx(2.0 / (6 * 64)),
-                      "source": "rapl", "estimated": False}
+                      "source": "rapl", "estimated": False, "after_step": 2, "per_step_after": pytest.approx(1.5 / 4)}
 
 
 def test_energy_off_leaves_it_out(make_config, tmp_path):

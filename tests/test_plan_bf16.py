@@ -14,10 +14,11 @@ from omegaconf import OmegaConf
 from disttrain.config.typed import model_typed
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.models import MODELS, build_model
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import ParallelConfig
 from disttrain.plan.hardware import PROFILES
 from disttrain.plan.layout import Layout
-from disttrain.plan.measure import measured_activations
+from disttrain.plan.measure import LiveStorages, measured_activations
 from disttrain.plan.planner import plan_inputs
 
 LARGE_VOCAB = 50304
@@ -127,3 +128,37 @@ def test_an_fp32_plan_is_the_fp32_pass() -> None:
     stats = plan_inputs(net, spec, 2, ParallelConfig(), None, "32-true", GPU).stats
     assert stats.autocast is None and not any(stats.weight_copy_bytes.values())
     assert stats.output_bytes == 2 * 32 * LARGE_VOCAB * 4
+
+
+def _step_peak(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """The most bytes alive at once in a training step's forward, loss and backward under CPU autocast, starting
+    with no gradients (as a step does once the last one's are freed): activations and gradients together."""
+    inputs, targets = batch
+    for p in net.parameters():
+        p.grad = None
+    with LiveStorages() as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+    return live.peak
+
+
+WIDE_LLAMA = {"name": "llama", "n_layer": 4, "n_embd": 256, "n_head": 8, "n_kv_head": 2, "mlp_hidden": 1024}
+"""A Llama whose blocks' gradients weigh as much as what a checkpointed step recomputes of a block."""
+
+
+def test_a_checkpointed_step_peaks_with_the_gradients_beside_the_first_blocks_backward() -> None:
+    """Under full checkpointing the activations are small, and the step's peak comes when backward reaches the
+    first block: every other block's gradients exist beside its recomputed activations. Measured here
+    (predicted / measured, activations and gradients): 0.88 (a GPT of the same width 0.91); without that moment
+    (the larger of the activations' peak and the gradients) 0.65 (0.65). On one H200 a 1.2B Llama under full
+    checkpointing: 19.97 GB predicted for 19.79 GB measured."""
+    spec = DataSpec("text", vocab_size=96, block_size=256)
+    torch.manual_seed(0)
+    net = build_model(model_typed(OmegaConf.create({**WIDE_LLAMA, "attention_fp32": False}), MODELS), spec)
+    micro = 4
+    _, e = _planned(net, spec, micro, CPU, Layout(micro_size=micro, activation_checkpoint="full"))
+    apply_activation_checkpointing(net)
+    measured = _step_peak(net, example_batch(spec, micro))
+    predicted = max(e.phases.values()) - e.memory["params"] - e.memory["optimizer"]
+    assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)

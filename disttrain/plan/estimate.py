@@ -29,8 +29,16 @@ from disttrain.plan.layout import (
     rank_expert_params,
     rank_params,
     rank_units,
+    within,
 )
-from disttrain.plan.memory import activations, activations_by_length, model_state, state_peak, transient
+from disttrain.plan.memory import (
+    ActivationBytes,
+    activations,
+    activations_by_length,
+    model_state,
+    state_peak,
+    transient,
+)
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.step_time import bubble_fraction, compute_seconds, power
 from disttrain.plan.units import human_bytes
@@ -158,7 +166,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     policies = {policy: activations(stats, ranks[0], replace(layout, activation_checkpoint=policy), scale * act_dtype,
                                     copies) for policy in CHECKPOINT_POLICIES}
     mine = policies[layout.activation_checkpoint]
-    memory, phases = _memory(stats, layout, state, params, experts, mine.peak)
+    memory, phases = _memory(stats, layout, state, params, experts, mine)
     # the rows experts exchange are the normalised residual stream, which autocast leaves in fp32 (and on a CPU the
     # grouped product returns fp32 too): the pass's bytes under bf16-mixed as well
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
@@ -190,14 +198,21 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
 
 
 def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float, experts: float,
-            activation_peak: float) -> tuple[dict[str, float], dict[str, float]]:
+            acts: ActivationBytes) -> tuple[dict[str, float], dict[str, float]]:
     """Per-rank memory terms and the bytes in use at the moments memory peaks (``Estimate.memory`` and
-    ``Estimate.phases``)."""
+    ``Estimate.phases``): after forward, when backward reaches the first block (every later unit's gradient
+    exists beside that block's activations) and after backward."""
     memory = model_state(params, layout, state, experts)
-    memory["activations"] = activation_peak
+    memory["activations"] = acts.peak
     memory["transient"] = transient(stats, layout, state)
     phases = state_peak(params, layout, state, experts)
     phases["after_forward"] += memory["activations"] + memory["transient"]
+    if acts.first_block is not None:
+        first = sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
+                    if within(stats.param_unit[name], acts.first_block))
+        pending = memory["grads"] * min(first / params, 1.0) if params else 0.0
+        phases["in_first_block"] = (memory["params"] + memory["grads"] - pending + memory["optimizer"]
+                                    + acts.in_first_block + memory["transient"])
     return memory, phases
 
 
@@ -206,7 +221,7 @@ def _at_ep(stats: ModelStats, layout: Layout, state: StateBytes, ranks: list[lis
     """``Estimate.by_ep``'s figures of ``layout`` (as ``estimate`` reckons them)."""
     params, experts = busiest_params(stats, layout, ranks)
     memory, phases = _memory(stats, layout, state, params, experts, activations(
-        stats, ranks[0], layout, scale * act_dtype, weight_copies(layout, gather_bf16)).peak)
+        stats, ranks[0], layout, scale * act_dtype, weight_copies(layout, gather_bf16)))
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
                           scale)
     return {**{term: memory[term] for term in ("params", "grads", "optimizer", "transient")},

@@ -73,6 +73,12 @@ class ActivationBytes:
     gradient of its widest activation), whichever is more; under cp also a layer's attention backward (the
     whole sequence's keys and values, their gradient and the parts' gradients); under ep also, in a mixture of
     experts' backward, the buffer its all-to-all receives."""
+    in_first_block: float = 0.0
+    """When backward reaches the first block, last of all: what the units before the blocks keep, that block's
+    kept and recomputed activations and the gradient of its widest. Small beside ``peak``, but every other
+    block's gradients exist by then: under checkpointing this moment can be the step's peak."""
+    first_block: str | None = None
+    """That block (None: the rank has no blocks)."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
@@ -108,6 +114,8 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
 
     held = outside = recompute = gradient = 0.0
     copies_held = copies_outside = 0.0  # in bytes of the run, not of the pass
+    first_block = next((u for u in stats.units if u in blocks and unit_on_rank(stats, u, units)), None)
+    first_block_bytes = 0.0  # its kept, recomputed and widest gradient's bytes
     # what runs after the last block (the head, the loss) is freed before backward reaches the blocks; what
     # runs before them (a CNN's stem) stays until the end
     order = stats.pipeline_units
@@ -139,6 +147,8 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         held += kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
+        if unit == first_block:
+            first_block_bytes = kept + again + stats.largest_saved.get(unit, 0) * split
     # stats measured without the loss's backward (built by hand) fall back to the logits' gradient alone
     output_grad = (stats.loss_grad_bytes or stats.output_bytes) if last_stage else 0
     # what expert parallelism's all-to-all receives in backward, beside the gradient it sends
@@ -157,8 +167,12 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     # back and the gradient of its widest activation lives beside them
     start = (held + output_grad) * share + copies_held
     in_blocks = (held - outside + recompute + gradient + exchange) * share + copies_held - copies_outside
+    before_blocks = sum(saved for unit, saved in stats.saved_bytes.items()
+                        if unit not in blocks and unit not in after_blocks and unit_on_rank(stats, unit, units))
+    in_first_block = (before_blocks + first_block_bytes + exchange) * share + copies_held - copies_outside
     return ActivationBytes(held * share + copies_held,
-                           max(start, in_blocks, in_attention + copies_held - copies_outside))
+                           max(start, in_blocks, in_attention + copies_held - copies_outside),
+                           in_first_block, first_block)
 
 
 def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:

@@ -80,6 +80,10 @@ class RaplMeter:
         self.update()
         return self.joules
 
+    def so_far(self) -> float:
+        """The joules since the meter opened; the meter keeps counting."""
+        return self.finish()
+
 
 class NvmlMeter:
     """Joules from NVML's total-energy counter of one GPU (Volta and later; millijoules, 64-bit: no wrap)."""
@@ -101,6 +105,10 @@ class NvmlMeter:
     def finish(self) -> float:
         """The joules since the meter opened."""
         return (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start) / 1e3
+
+    def so_far(self) -> float:
+        """The joules since the meter opened, the meter left open (a host read of the driver's counter)."""
+        return self.finish()
 
 
 class CodeCarbonEstimate:
@@ -151,7 +159,8 @@ def open_meter(device: Any, root: Path = POWERCAP) -> Any:
 class EnergyMeter(pl.Callback):
     """Meters the energy of ``fit`` (training, validation, checkpoints) on every rank that has a meter and sums
     it over ranks at the end (one all-reduce). RAPL counters are read on every logged step, so a wrap between
-    two readings is counted."""
+    two readings is counted. Where the meter can be read mid-run (RAPL, NVML), the energy after the first logged
+    step is kept apart too: the steady state, without the first steps' compilation and warm-up."""
 
     def __init__(self, log_every_n_steps: int, root: Path | None = None) -> None:
         self.log_every_n_steps = log_every_n_steps
@@ -160,6 +169,10 @@ class EnergyMeter(pl.Callback):
         self.meter: Any = None
         self.joules: float | None = None
         """The run's joules over all ranks (None: no rank could measure or estimate)."""
+        self.at_first_log: float | None = None
+        """This rank's joules at the end of the first logged step (None: not reached, or not readable mid-run)."""
+        self.after_first_log: float | None = None
+        """The joules over all ranks from the end of the first logged step to the end of fit."""
         self.source: str | None = None
         self.estimated = False
 
@@ -168,8 +181,12 @@ class EnergyMeter(pl.Callback):
         self.meter = open_meter(trainer.strategy.root_device, self.root or POWERCAP)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        """Read wrapping counters now and then."""
-        if self.meter is not None and trainer.global_step % self.log_every_n_steps == 0:
+        """Read wrapping counters now and then, and the meter at the first logged step."""
+        if self.meter is None or trainer.global_step % self.log_every_n_steps:
+            return
+        if trainer.global_step == self.log_every_n_steps and hasattr(self.meter, "so_far"):
+            self.at_first_log = self.meter.so_far()
+        else:
             self.meter.update()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,11 +195,15 @@ class EnergyMeter(pl.Callback):
         import torch.distributed as dist
 
         own = self.meter.finish() if self.meter is not None else 0.0
-        total = torch.tensor([own, float(self.meter is not None)], dtype=torch.float64)
+        steady = own - self.at_first_log if self.at_first_log is not None else 0.0
+        total = torch.tensor([own, float(self.meter is not None), steady, float(self.at_first_log is not None)],
+                             dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         if total[1] > 0:
             self.joules = float(total[0])
+        if total[3] > 0 and total[3] == total[1]:  # every metered rank read its meter at the first logged step
+            self.after_first_log = float(total[2])
         if self.meter is not None:
             self.source, self.estimated = self.meter.source, self.meter.estimated
 
@@ -191,6 +212,10 @@ class EnergyMeter(pl.Callback):
         if self.joules is None:
             return {"joules": None, "source": None, "why": "no readable RAPL counters, no GPU energy counter, and "
                     "codecarbon (pip install 'disttrain[energy]') not installed for an estimate"}
-        return {"joules": round(self.joules, 3), "per_step": round(self.joules / max(steps, 1), 6),
-                "per_sample": round(self.joules / max(steps * global_batch, 1), 9), "source": self.source,
-                "estimated": self.estimated}
+        entry = {"joules": round(self.joules, 3), "per_step": round(self.joules / max(steps, 1), 6),
+                 "per_sample": round(self.joules / max(steps * global_batch, 1), 9), "source": self.source,
+                 "estimated": self.estimated}
+        if self.after_first_log is not None and steps > self.log_every_n_steps:
+            entry["after_step"] = self.log_every_n_steps
+            entry["per_step_after"] = round(self.after_first_log / (steps - self.log_every_n_steps), 6)
+        return entry
