@@ -228,7 +228,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--cases", default="gpt2,llama1b", help="workloads, from gpt2, llama1b")
     parser.add_argument("--sides",
-                        default="single,single-compile,single-cudagraphs,zero3,zero3-compile,ac,plain,nanogpt",
+                        default="single,single-compile,single-cudagraphs,zero3,zero3-compile,ac,plain,plain-autocast,"
+                                "nanogpt",
                         help="what runs of each workload: single, single-compile, single-cudagraphs (compile_mode="
                              "reduce-overhead), zero3, zero3-compile (disttrain), "
                              "ac (single, full activation checkpointing), plain (plain FSDP2 loop, "
