@@ -104,6 +104,31 @@ def test_readme_command_runs_as_typed(tmp_path, args):
         assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
 
 
+def test_lightning_lines_print_once_where_the_job_logs_through_the_root_logger():
+    # the ``lightning`` package's logger has a console handler of its own and propagates too; Hydra's job logging
+    # gives the root logger the console and train.log (a test's in-process run cannot show it: Lightning's handler
+    # writes to the stream it found at import, not to what the test captures)
+    import io
+    import logging
+
+    import lightning
+
+    from disttrain.report.console import quiet_noise
+
+    package, root, console = logging.getLogger("lightning"), logging.getLogger(), lightning._console
+    handlers, root_handlers, console_stream = list(package.handlers), list(root.handlers), console.stream
+    stream = io.StringIO()
+    try:
+        console.setStream(stream)
+        root.handlers[:] = [logging.StreamHandler(stream)]
+        quiet_noise()
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
+        assert stream.getvalue().count("GPU available") == 1, stream.getvalue()
+    finally:
+        package.handlers[:], root.handlers[:] = handlers, root_handlers
+        console.setStream(console_stream)
+
+
 def test_help_is_hydras_own_help_composed_once(tmp_path, monkeypatch):
     import disttrain.launch.help
 
