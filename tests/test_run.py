@@ -158,3 +158,20 @@ def test_the_training_steps_signature_is_inspected_once_and_not_per_batch(make_c
                       tmp_path / "run"))
     assert json.loads((tmp_path / "run" / "results.json").read_text())["global_steps"] == 6
     assert inspected == []  # Lightning's loop asked before each of the six batches
+
+
+@pytest.mark.parametrize("accumulation", [1, 2], ids=["direct_step", "lightnings_accumulation"])
+def test_gradients_are_freed_once_the_optimiser_has_stepped(make_config, tmp_path, monkeypatch, accumulation):
+    # Lightning zeroes them in the next step's closure after its forward (under accumulation, after the next
+    # window's first forward): that forward would run beside a model's worth of stale gradients (on one H200, a
+    # 1.2B Llama under full checkpointing peaked at 23.6 GB with them, 19.8 GB without)
+    from disttrain.rank.task import TrainTask
+
+    held = []  # parameters holding a gradient as each micro-batch starts, before its forward
+    monkeypatch.setattr(TrainTask, "on_train_batch_start", lambda self, batch, batch_idx: held.append(
+        sum(p.grad is not None for p in self.parameters())), raising=False)
+    train(make_config([*GPT_FAST, "trainer.max_steps=4", "trainer.limit_val_batches=0",
+                       f"batch.accumulation={accumulation}"], tmp_path / "run"))
+    # the first micro-batch of each step starts with none; the second of a window with the first one's
+    expected = [0] * 4 if accumulation == 1 else [0, max(held)] * 4
+    assert held == expected and (accumulation == 1 or max(held) > 0), held

@@ -13,9 +13,7 @@ accumulation switched on by a callback, a callback skipping backward) goes to Li
 nothing overrides a hook, its call is left out (the batch transform before transfer); a loss returned as a tensor
 is not divided by an accumulation count of 1; ``DirectHookPrecision`` calls the hooks around backward and before
 the optimiser step of a 32-bit run directly. These, with the batch read's tensor indices (``disttrain.data.base``),
-took one linear layer's median step from 671 to 579 us (``benchmarks/README.md``). One difference is not of
-speed: gradients are freed as soon as the optimiser has stepped, where Lightning keeps them through the next
-forward (unless the task zeroes them its own way).
+took one linear layer's median step from 671 to 579 us (``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ def run_batches_directly(trainer: pl.Trainer, task: pl.LightningModule, takes_in
              "_num_ready_batches_reached", "batch_idx")
     if not task.automatic_optimization or not all(hasattr(loop, name) for name in needs):
         return
-    loop.advance = DirectStep(loop, takes_index, frees_gradients=not is_overridden("optimizer_zero_grad", task))
+    loop.advance = DirectStep(loop, takes_index)
 
 
 def precision_arguments(precision: str, direct: bool) -> dict[str, Any]:
@@ -54,13 +52,11 @@ class DirectStep:
     """One training batch of automatic optimisation, as ``_TrainingEpochLoop.advance`` runs it (Lightning 2.5-2.6),
     with hooks called directly."""
 
-    def __init__(self, loop: Any, takes_index: bool, frees_gradients: bool = True) -> None:
+    def __init__(self, loop: Any, takes_index: bool) -> None:
         self.loop = loop
         self.lightning_advance = loop.advance
         """Lightning's own ``advance``, for the batches this does not run."""
         self.takes_index = takes_index
-        self.frees_gradients = frees_gradients
-        """Whether gradients are freed as soon as the optimiser has stepped (not where the task zeroes its own way)."""
         self.transforms_before_transfer: bool | None = None
         """Whether the task or the data module overrides ``on_before_batch_transfer``; where neither does, Lightning's
         dispatch to the default (which returns the batch) is skipped: 11 us a step with one linear layer."""
@@ -164,11 +160,6 @@ class DirectStep:
         counts.step.increment_completed()
         if not results:
             raise MisconfigurationException("The closure hasn't been executed: the optimiser's step must call it.")
-        if self.frees_gradients:
-            # Lightning zeroes gradients in the next step's closure, after its forward: the gradients of this step
-            # would sit beside the next forward's activations (a 1.2B Llama under full checkpointing on one GPU:
-            # 4.7 GB of a 23.6 GB peak). The hook's own call there then finds nothing to zero.
-            optimizer.zero_grad(set_to_none=True)
         result = results[-1]
         return {} if result.loss is None else result.asdict()
 

@@ -178,14 +178,18 @@ class TrainTask(LeanHookBookkeeping, pl.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Lightning's step, except that a step whose closure found non-finite numbers (``nan_policy=skip``)
-        leaves parameters and optimiser state as they were."""
+        leaves parameters and optimiser state as they were; then the gradients are freed."""
         try:
             optimizer.step(closure=optimizer_closure)
         except SkippedStep:
             self._count_applied_step(False)
-            return
-        dropped, self._dropped = self._dropped, None
-        self._count_applied_step(True, dropped)
+        else:
+            dropped, self._dropped = self._dropped, None
+            self._count_applied_step(True, dropped)
+        # Lightning zeroes gradients in the next step's closure after its forward (under accumulation, after the
+        # next window's first forward): they would sit beside those activations (a 1.2B Llama under full
+        # checkpointing on one GPU: 4.7 GB of a 23.6 GB peak). Lightning's own call then finds nothing to zero.
+        optimizer.zero_grad(set_to_none=True)
 
     def logs_this_step(self) -> bool:
         """Whether the optimiser step being taken writes a log row: every ``trainer.log_every_n_steps`` steps
