@@ -27,6 +27,7 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
 
     from disttrain.models.gpt import GPT, GPTDims
     from disttrain.models.llama import Llama, LlamaDims
+    from disttrain.rank.energy import NvmlMeter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
                       WORLD_SIZE="1")
@@ -63,11 +64,14 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
 
     times, loss_value = [], float("nan")
     torch.cuda.reset_peak_memory_stats() if gpu else None
-    energy = gpu_energy_counter() if gpu else None
+    try:  # the GPU's own energy counter, read by disttrain's meter as its runs read it
+        energy = NvmlMeter(dev.index or 0) if gpu else None
+    except Exception:  # no nvidia-ml-py, or a GPU without the counter
+        energy = None
     joules_at_warmup = None
     for step in range(steps):
         if step == WARMUP and energy is not None:
-            joules_at_warmup = energy()
+            joules_at_warmup = energy.so_far()
         start = time.perf_counter()
         x, y = batch()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -80,26 +84,13 @@ def plain_fsdp_loop(w: Workload, data_dir: Path, steps: int, device: str, compil
         loss_value = loss.item()  # a host sync per step, as nanoGPT's log_interval=1 has
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else None
-    joules_per_token = ((energy() - joules_at_warmup) / ((steps - WARMUP) * w.tokens_per_step)
+    joules_per_token = ((energy.so_far() - joules_at_warmup) / ((steps - WARMUP) * w.tokens_per_step)
                         if joules_at_warmup is not None else None)
     dist.destroy_process_group()
     row = Row(w.name, "plain FSDP2" + (" compile" if compiled else "") + (" autocast" if autocast else ""),
               tokens_per_s=w.tokens_per_step / statistics.mean(times[WARMUP:]), loss=loss_value, peak_gb=peak,
               joules_per_token=joules_per_token)
     out.write_text(json.dumps(row.__dict__))
-
-
-def gpu_energy_counter():
-    """A function returning the joules this process's GPU has used since NVML counts, or None without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception:  # no nvidia-ml-py, or a GPU without the energy counter
-        return None
-    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
 
 
 def run_plain(w: Workload, data_dir: Path, steps: int, device: str, compiled: bool, scratch: Path,

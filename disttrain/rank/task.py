@@ -188,8 +188,12 @@ class TrainTask(LeanHookBookkeeping, pl.LightningModule):
             self._count_applied_step(True, dropped)
         # Lightning zeroes gradients in the next step's closure after its forward (under accumulation, after the
         # next window's first forward): they would sit beside those activations (a 1.2B Llama under full
-        # checkpointing on one GPU: 4.7 GB of a 23.6 GB peak). Lightning's own call then finds nothing to zero.
+        # checkpointing on one GPU: 4.7 GB of a 23.6 GB peak)
         optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to zero: ``optimizer_step`` freed the gradients as soon as the optimiser had stepped (a second
+        ``zero_grad`` over parameters without gradients cost 24 us a step on a 16-tensor model)."""
 
     def logs_this_step(self) -> bool:
         """Whether the optimiser step being taken writes a log row: every ``trainer.log_every_n_steps`` steps
