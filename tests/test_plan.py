@@ -254,12 +254,24 @@ def test_sharding_and_checkpointing_lower_the_peak_and_tensor_parallelism_adds_i
     assert checkpointed.compute_s > zero3.compute_s  # recomputation costs time
 
 
+def _stored_two_core_machine(monkeypatch, tmp_path) -> None:
+    """A calibration of a 2-core CPU stored for this test's plans: predicted times, and so the layouts a notice
+    lists, do not follow how busy the machine running the suite is (a quick measurement would)."""
+    from disttrain.plan.devices import HardwareProfile, Link
+    from disttrain.plan.hardware import save_profile
+
+    loopback = Link(1e9, 1e-4)
+    profile = HardwareProfile("machine (fixed 2-core CPU)", {"fp32": 4.6e10, "fp32_conv": 2.5e10, "bf16": 1.5e10,
+                              "bf16_conv": 8.2e9}, 5.8e9, 1.16e-5, 12.6e9, loopback, loopback, 2, cpu=True)
+    monkeypatch.setenv("DISTTRAIN_PROFILE", str(save_profile(profile, tmp_path / "machine.json")))
+
+
 def test_auto_shards_a_model_that_does_not_fit_one_rank(make_config, monkeypatch, tmp_path) -> None:
     """With 12 MB per rank the 0.83M-parameter GPT's 13 MB of replicated fp32 AdamW state cannot fit; ZeRO
     sharding over the two ranks can, and auto takes it (and says why)."""
     from disttrain.config import validate
 
-    monkeypatch.setenv("DISTTRAIN_PROFILE", str(tmp_path / "none.json"))  # no stored calibration
+    _stored_two_core_machine(monkeypatch, tmp_path)
     base = ["parallel=auto", "model=gpt", "data=pydocs", "trainer.devices=2", "batch.global_size=8"]
     roomy = next(n for n in validate(make_config(base)).notices if n.startswith("parallel=auto"))
     assert "also fits: dp_replicate=2 micro=4x1" in roomy or "chose dp_replicate=2 micro=4x1" in roomy
