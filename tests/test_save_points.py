@@ -12,6 +12,7 @@ import pytest
 
 from disttrain.checkpoint.folders import damage
 from disttrain.checkpoint.io import INDEX_FILE, METADATA_FILE, load_metadata
+from disttrain.checkpoint.optimizer_state import optimizer_state
 from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config, train_cli
 from tests.test_run import GPT_FAST, step_losses
@@ -42,12 +43,17 @@ def _checkpoint_state(folder: Path) -> dict:
     return next(v for k, v in load_metadata(folder)["callbacks"].items() if k.startswith("NewestAndBestCheckpoint"))
 
 
-def test_a_ranked_save_point_writes_its_state_once_and_each_folder_stands_alone(tmp_path):
+def test_a_ranked_save_point_writes_its_state_once_and_each_folder_stands_alone(tmp_path, monkeypatch):
+    import disttrain.parallel.strategy as strategy
+
     # a constant rate, so that the schedule does not depend on max_steps and the runs compare step by step
     constant = [*GPT_FAST, "scheduler=constant", "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0",
                 "trainer.val_check_interval=6", "trainer.check_val_every_n_epoch=null"]
     train(compose_config([*constant, "trainer.max_steps=10"], tmp_path / "straight"))
+    gathered = []  # a one-rank run trains in this process: the optimiser state it gathers for its saves
+    monkeypatch.setattr(strategy, "optimizer_state", lambda *args: gathered.append(1) or optimizer_state(*args))
     train(compose_config([*constant, "trainer.max_steps=6"], tmp_path / "first"))
+    assert len(gathered) == 1  # for step6.ckpt; last.ckpt links its shards and gathers nothing again
     checkpoints = tmp_path / "first" / "checkpoints"
     ranked, last = checkpoints / "step6.ckpt", checkpoints / "last.ckpt"
     shards = sorted(p.name for p in ranked.iterdir() if p.name != METADATA_FILE)

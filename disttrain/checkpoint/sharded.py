@@ -75,9 +75,6 @@ class ShardedCheckpoints:
         damages the previous checkpoint at ``filepath``. Asynchronously, the swap happens when the next save
         begins or fit ends (``wait``). ``same_state_as``: the shards are already on disk there (see
         ``SameStateAs``); they are hard-linked, never rewritten."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
         started = time.perf_counter()
         ranks = self.ranks
         path = Path(ranks.broadcast(str(filepath)))
@@ -89,20 +86,34 @@ class ShardedCheckpoints:
             staging.mkdir(parents=True)
         ranks.barrier()
         optimizers = checkpoint.pop("optimizer_states", [])
-        shards = {"state_dict": checkpoint.pop("state_dict"),
-                  **{f"optimizer_{i}": pack_param_groups(state) for i, state in enumerate(optimizers)}}
+        model_state = checkpoint.pop("state_dict")  # empty where the state is linked
         checkpoint[PACKED_GROUPS] = True
         if self.per_replica:
-            shards = {f"replica{ranks.global_rank}": shards}
             checkpoint["replicas"] = ranks.world_size
         if ranks.is_global_zero:
             torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
-        alone = one_process()
         if same_state_as is not None:  # wait() above has swapped the source in, complete
             if ranks.is_global_zero:
                 link_shards(Path(same_state_as.folder), staging)
             self._swap_in(staging, path)
-        elif self.async_save:
+        else:
+            self._write_shards(model_state, optimizers, staging, path)
+        self.saves += 1
+        self.blocking_s += time.perf_counter() - started
+
+    def _write_shards(self, model_state: dict[str, Any], optimizers: list[dict[str, Any]], staging: Path,
+                      path: Path) -> None:
+        """Write this rank's shards of the model and optimiser state into ``staging`` (in the background where
+        saves are asynchronous) and swap it in at ``path`` once complete."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        shards = {"state_dict": model_state,
+                  **{f"optimizer_{i}": pack_param_groups(state) for i, state in enumerate(optimizers)}}
+        if self.per_replica:
+            shards = {f"replica{self.ranks.global_rank}": shards}
+        alone = one_process()
+        if self.async_save:
             if self._group is None and not alone:  # its own group: background writes never interleave with training's
                 self._group = torch.distributed.new_group(backend="gloo")
             # the save plan is the same at every save of a run: cached, the planning collective runs once
@@ -114,8 +125,6 @@ class ShardedCheckpoints:
             # hybrid run's two saves: 17.5 -> 16.1 s of CPU in all, mean of four runs each)
             dcp.save(shards, checkpoint_id=staging, no_dist=alone, planner=DefaultSavePlanner(enable_plan_caching=True))
             self._swap_in(staging, path)
-        self.saves += 1
-        self.blocking_s += time.perf_counter() - started
 
     def wait(self) -> None:
         """Finish the save in flight, if any, and swap it into place (every rank calls this at the same point)."""

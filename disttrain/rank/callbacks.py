@@ -60,8 +60,9 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         started = time.perf_counter()
         if self._same_state_as is None:
             super()._save_checkpoint(trainer, filepath)
-        else:  # Lightning's own steps, with the option that links the shards already written
-            trainer.save_checkpoint(filepath, self.save_weights_only, storage_options=SameStateAs(self._same_state_as))
+        else:  # Lightning's own steps, within the strategy's link to the shards already written
+            with trainer.strategy.linking_state(SameStateAs(self._same_state_as)):
+                trainer.save_checkpoint(filepath, self.save_weights_only)
             self._last_global_step_saved = trainer.global_step
             self._last_checkpoint_saved = filepath
             if trainer.is_global_zero:
