@@ -104,3 +104,23 @@ def test_the_fork_server_is_warmed_only_for_runs_of_several_ranks(tmp_path, over
     Lightning through the run's first seconds (on 2 cores a one-rank ZeRO-3 run's first 60 steps took 3.5x as
     long) for nothing."""
     assert _may_start_ranks(compose_config(overrides, tmp_path / "run")) is warms
+
+
+def test_the_job_sees_a_rank_end_when_it_ends_not_a_poll_interval_later():
+    import time
+
+    from disttrain.launch.supervisor import wait_for_an_exit
+
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = time.monotonic()
+        while quick.poll() is None:
+            wait_for_an_exit([quick, slow], 20.0)
+        assert time.monotonic() - started < 10  # woken by the exit, not by the 20 s timeout
+        started = time.monotonic()
+        wait_for_an_exit([quick, slow], 0.3)  # a rank that has ended does not wake it again
+        assert 0.25 < time.monotonic() - started < 10
+    finally:
+        slow.kill()
+        slow.wait()

@@ -92,6 +92,11 @@ class ForkedRank:
         """The exit status (negative: the signal that ended it), or None while it runs."""
         return self._process.exitcode
 
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the rank ends (``multiprocessing.connection.wait``)."""
+        return self._process.sentinel
+
     def kill(self) -> None:
         """SIGKILL the rank (if it still runs)."""
         self._process.kill()

@@ -43,6 +43,7 @@ from disttrain.launch.supervisor import (
     RanksStopped,
     launch_rank,
     threads_per_rank,
+    wait_for_an_exit,
 )
 
 
@@ -193,7 +194,7 @@ class GroupSupervisor:
                       f"{group.index} ({group.attempt} of {self.ft.max_restarts}); it copies its state from a live "
                       "group", file=sys.stderr, flush=True)
                 self._start(group, lighthouse, failure.time)
-            time.sleep(POLL_S)
+            wait_for_an_exit([proc for group in self.groups if group.running for proc in group.procs], POLL_S)
         if any(group.finished for group in self.groups) and all(
                 proc.poll() in (0, PREEMPTED_EXIT) for group in self.groups if group.finished for proc in group.procs) \
                 and any(proc.poll() == PREEMPTED_EXIT for group in self.groups for proc in group.procs):

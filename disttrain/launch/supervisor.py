@@ -10,11 +10,13 @@ agent (``TORCHELASTIC_USE_AGENT_STORE``), and read ``TORCHELASTIC_RESTART_COUNT`
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,24 @@ def launch_rank(config_path: Path, fork_ranks: bool, env: dict[str, str], log_fd
     if log_fd is None:
         return subprocess.Popen(command, env=env)
     return subprocess.Popen(command, env=env, stdout=log_fd, stderr=subprocess.STDOUT)
+
+
+def wait_for_an_exit(procs: Sequence[RankProcess], timeout: float) -> None:
+    """Return as soon as one of ``procs`` that still run ends, or after ``timeout`` seconds: the job sees a run end
+    (or a rank fail) when it happens, not up to a poll interval later. New interpreters are waited on through a
+    process file descriptor where the platform has one (Linux), else for the whole ``timeout``."""
+    running = [proc for proc in procs if proc.poll() is None]
+    opened = [os.pidfd_open(proc.pid) for proc in running if isinstance(proc, subprocess.Popen)
+              and hasattr(os, "pidfd_open")]
+    sentinels = [*opened, *(proc.sentinel for proc in running if isinstance(proc, ForkedRank))]
+    try:
+        if sentinels:
+            multiprocessing.connection.wait(sentinels, timeout)
+        else:
+            time.sleep(timeout)
+    finally:
+        for fd in opened:
+            os.close(fd)
 
 
 class RanksStopped(RuntimeError):
@@ -244,12 +264,12 @@ class Supervisor:
                 if code == PREEMPTED_EXIT:
                     return self._finish_preemption(attempt)
                 return self._failure(attempt, rank, code, store)
-            time.sleep(POLL_S)
+            wait_for_an_exit(self._procs, POLL_S)
 
     def _finish_preemption(self, attempt: int) -> Failure | None:
         deadline = time.monotonic() + PREEMPTION_GRACE_S
         while time.monotonic() < deadline and any(proc.poll() is None for proc in self._procs):
-            time.sleep(POLL_S)
+            wait_for_an_exit(self._procs, POLL_S)
         codes = [proc.poll() for proc in self._procs]
         if all(code in (0, PREEMPTED_EXIT) for code in codes):
             if self._signalled:  # the job itself was told to go: it stops, and a requeue or a person resumes it
