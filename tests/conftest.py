@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+from collections import Counter
 
 # The suite's tests are written for CPU ranks (gloo, several ranks on one machine, CPU numerics), and
 # trainer.accelerator=auto would send them to a GPU wherever torch sees one: hiding GPUs at import, before anything
@@ -40,12 +43,42 @@ def cuda_skip_reason() -> str | None:
     return None
 
 
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+"""Each test file's measured seconds in the default suite (its tests' setup, call and teardown on one of two
+workers), refreshed by ``make test PYTEST_ARGS=--file-seconds-out=tests/file_seconds.json``."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--file-seconds-out", default=None, metavar="PATH",
+                     help="write each test file's seconds (setup, call and teardown of its tests) to PATH as JSON")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` skip, with the reason, where they cannot run (see ``cuda_skip_reason``)."""
+    """Tests marked ``cuda`` skip, with the reason, where they cannot run (see ``cuda_skip_reason``); the files
+    run longest first (``FILE_SECONDS``; a file not measured yet counts as longest)."""
     marked = [item for item in items if item.get_closest_marker("cuda")]
     reason = cuda_skip_reason() if marked else None
     for item in marked if reason else []:
         item.add_marker(pytest.mark.skip(reason=reason))
+    # A worker is given a file at a time (--dist loadfile, in this order: --no-loadscope-reorder), so a long file
+    # given out last keeps one worker busy after the other has finished; the sort is stable, a file's tests
+    # keep their order.
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], math.inf))
+
+
+_file_seconds: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _file_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = session.config.getoption("--file-seconds-out")
+    if out and not hasattr(session.config, "workerinput"):  # the controller, which sees every worker's reports
+        Path(out).write_text(json.dumps({name: round(value, 1) for name, value in sorted(_file_seconds.items())},
+                                        indent=0) + "\n")
 
 
 def train_cli(args: list[str], cwd: Path, timeout: int = 600, pythonpath: tuple[Path, ...] = ()):
