@@ -28,12 +28,13 @@ def test_cnn_digits_short_is_on_track(make_config, tmp_path):
 
 
 def test_gpt_pydocs_short_is_on_track(make_config, tmp_path):
-    # 150 of 2000 steps: validation bits per byte falls from 8 (uniform bytes) to below 3.6
-    overrides = ["recipe=gpt_pydocs", "trainer.max_steps=150", "trainer.val_check_interval=150",
+    # 75 of 2000 steps: validation bits per byte falls from 8 (uniform bytes) to below 4.0 (3.90 measured on an AMD
+    # EPYC; 3.54 after 150 steps)
+    overrides = ["recipe=gpt_pydocs", "trainer.max_steps=75", "trainer.val_check_interval=75",
                  "trainer.limit_val_batches=10", "trainer.run_test=false", "logger=csv"]
     train(make_config(overrides, tmp_path / "run"))
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["metrics"]["val/bpb"] < 3.6, results["metrics"]
+    assert results["metrics"]["val/bpb"] < 4.0, results["metrics"]
 
 
 def test_gpt_long_context_fits_only_split_and_is_on_track(make_config, tmp_path):
@@ -42,12 +43,13 @@ def test_gpt_long_context_fits_only_split_and_is_on_track(make_config, tmp_path)
         validate(make_config(["recipe=gpt_long_context", "parallel.cp=1", "trainer.devices=1"]))
     assert info.value.key == "plan.memory_gb" and "fits: parallel.cp=2 on 2 ranks" in str(info.value)
     validate(make_config(["recipe=gpt_long_context", "parallel.cp=4", "trainer.devices=4"]))  # cp=4 fits too
-    # 12 of 200 steps at cp=2: validation bits per byte falls from 8 (uniform bytes) to below 5.6 (5.17 measured)
-    overrides = ["recipe=gpt_long_context", "trainer.max_steps=12", "trainer.val_check_interval=12",
+    # 8 of 200 steps at cp=2: validation bits per byte falls from 8 (uniform bytes) to below 5.9 (5.66 measured on an
+    # AMD EPYC; 5.17 after 12 steps)
+    overrides = ["recipe=gpt_long_context", "trainer.max_steps=8", "trainer.val_check_interval=8",
                  "trainer.limit_val_batches=2", "trainer.run_test=false", "logger=csv"]
     train(make_config(overrides, tmp_path / "run"))
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["metrics"]["val/bpb"] < 5.6, results["metrics"]
+    assert results["metrics"]["val/bpb"] < 5.9, results["metrics"]
 
 
 def moe_load_balance(make_config, run_dir, extra: list[str]) -> tuple[list[float], dict]:
