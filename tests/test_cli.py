@@ -24,6 +24,7 @@ import torch
 
 from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config, logged_metric, train_cli, train_cli_in_process
+from tests.test_recipes import RUN_AS_TYPED
 
 SHORT = ["trainer.max_steps=2", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"]
 
@@ -37,7 +38,8 @@ run_here = train_cli_in_process
 
 def readme_commands() -> list[list[str]]:
     """The ``python train.py ...`` lines of the README's first code block, as argument lists; sweeps (``-m``,
-    ``hparams_search``) and torchrun run in ``test_sweep.py``."""
+    ``hparams_search``) and torchrun run in ``test_sweep.py``, the recipes of ``RUN_AS_TYPED`` (longer) in
+    ``test_recipes.py``."""
     block = (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```", 1)[0]
     joined = block.replace("\\\n", " ")
     commands = []
@@ -85,7 +87,8 @@ def with_own_files(args: list[str], folder: Path) -> list[str]:
     return [re.sub(r"\bDIR\b", str(model_dir), arg).replace("notes.txt", str(notes)) for arg in args]
 
 
-@pytest.mark.parametrize("args", readme_commands(), ids=lambda a: " ".join(a) or "(none)")
+@pytest.mark.parametrize("args", [args for args in readme_commands() if " ".join(args) not in RUN_AS_TYPED],
+                         ids=lambda a: " ".join(a) or "(none)")
 def test_readme_command_runs_as_typed(tmp_path, args):
     """Also the README on a GPU (``DISTTRAIN_TEST_DEVICE=cuda``): a command that needs more GPU ranks than the
     machine has is that one-line error before any rank starts, and skips with it as the reason."""

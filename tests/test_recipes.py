@@ -9,6 +9,20 @@ import pytest
 from disttrain.config import validate
 from disttrain.errors import ConfigError
 from disttrain.launch.job import train
+from tests.conftest import train_cli_in_process
+
+RUN_AS_TYPED = ("recipe=gpt_pydocs", "recipe=gpt_long_context")
+"""README commands that the tests below run as typed, shortened by step counts only (for longer than
+``test_cli.py``'s two steps, which leaves them to these tests)."""
+
+
+def run_as_typed(command: str, shortened: list[str], cwd) -> dict:
+    """``python train.py <command> <shortened>`` in ``cwd`` (this process, as ``test_cli.py`` runs the README's
+    commands); its ``results.json``."""
+    proc = train_cli_in_process([command, *shortened, "hydra.run.dir=run"], cwd)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Run complete:" in proc.stdout, proc.stdout[-2000:]
+    return json.loads((cwd / "run" / "results.json").read_text())
 
 
 def test_recipes_state_what_they_reproduce(make_config):
@@ -27,13 +41,12 @@ def test_cnn_digits_short_is_on_track(make_config, tmp_path):
     assert results["metrics"]["test/acc"] >= 0.9, results["metrics"]
 
 
-def test_gpt_pydocs_short_is_on_track(make_config, tmp_path):
+def test_gpt_pydocs_short_is_on_track(tmp_path):
     # 75 of 2000 steps: validation bits per byte falls from 8 (uniform bytes) to below 4.0 (3.90 measured on an AMD
     # EPYC; 3.54 after 150 steps)
-    overrides = ["recipe=gpt_pydocs", "trainer.max_steps=75", "trainer.val_check_interval=75",
-                 "trainer.limit_val_batches=10", "trainer.run_test=false", "logger=csv"]
-    train(make_config(overrides, tmp_path / "run"))
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = run_as_typed("recipe=gpt_pydocs", ["trainer.max_steps=75", "trainer.val_check_interval=75",
+                                                 "trainer.limit_val_batches=10", "trainer.limit_test_batches=2"],
+                           tmp_path)
     assert results["metrics"]["val/bpb"] < 4.0, results["metrics"]
 
 
@@ -45,10 +58,9 @@ def test_gpt_long_context_fits_only_split_and_is_on_track(make_config, tmp_path)
     validate(make_config(["recipe=gpt_long_context", "parallel.cp=4", "trainer.devices=4"]))  # cp=4 fits too
     # 8 of 200 steps at cp=2: validation bits per byte falls from 8 (uniform bytes) to below 5.9 (5.66 measured on an
     # AMD EPYC; 5.17 after 12 steps)
-    overrides = ["recipe=gpt_long_context", "trainer.max_steps=8", "trainer.val_check_interval=8",
-                 "trainer.limit_val_batches=2", "trainer.run_test=false", "logger=csv"]
-    train(make_config(overrides, tmp_path / "run"))
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = run_as_typed("recipe=gpt_long_context", ["trainer.max_steps=8", "trainer.val_check_interval=8",
+                                                       "trainer.limit_val_batches=2", "trainer.limit_test_batches=2"],
+                           tmp_path)
     assert results["metrics"]["val/bpb"] < 5.9, results["metrics"]
 
 
