@@ -60,7 +60,8 @@ def uses_gpus() -> bool:
 def shortened(args: list[str]) -> list[str]:
     if "--help" in args or "--cfg" in args or "mode=plan" in args:
         return args
-    return [*args, *SHORT, "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
+    return [*args, "trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+            "trainer.val_check_interval=2", "trainer.check_val_every_n_epoch=null"]
 
 
 PLACEHOLDERS = ("DIR", "notes.txt")

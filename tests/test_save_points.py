@@ -14,7 +14,7 @@ from disttrain.checkpoint.folders import damage
 from disttrain.checkpoint.io import INDEX_FILE, METADATA_FILE, load_metadata
 from disttrain.checkpoint.optimizer_state import optimizer_state
 from disttrain.launch.job import train
-from tests.conftest import ROOT, compose_config, train_cli
+from tests.conftest import ROOT, compose_config, train_cli_in_process
 from tests.test_run import GPT_FAST, step_losses
 
 
@@ -25,12 +25,14 @@ def _validation_losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_step_save_points_save_before_the_first_validation(tmp_path):
-    # pydocs at this batch has an epoch of hundreds of steps: no validation happens before the crash
+    # pydocs at this batch has an epoch of hundreds of steps: no validation happens before the crash; two ranks, so
+    # that the crash (os._exit on every rank) ends forked ranks and not this process
     run_dir = tmp_path / "run"
-    crashed = train_cli([*GPT_FAST, "trainer.max_steps=40", "checkpoint.every_n_train_steps=4",
-                         "checkpoint.keep_last=2", "+callbacks.crash._target_=tests.crash.CrashAtStep",
-                         "+callbacks.crash.step=10", f"hydra.run.dir={run_dir}"], ROOT)
-    assert crashed.returncode != 0
+    crashed = train_cli_in_process([*GPT_FAST, "parallel=ddp", "trainer.devices=2", "trainer.max_steps=40",
+                                    "checkpoint.every_n_train_steps=4", "checkpoint.keep_last=2",
+                                    "+callbacks.crash._target_=tests.crash.CrashAtStep", "+callbacks.crash.step=10",
+                                    f"hydra.run.dir={run_dir}"], ROOT)
+    assert crashed.returncode != 0 and "exited with code 1" in crashed.stderr, crashed.stderr[-2000:]
     checkpoints = run_dir / "checkpoints"
     # the crash lost only the steps since the last save point (8), and the one before it is kept
     assert load_metadata(checkpoints / "last.ckpt")["global_step"] == 8
