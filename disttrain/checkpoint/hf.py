@@ -27,6 +27,7 @@ def model_on_meta(cfg: DictConfig) -> tuple[Any, Any]:
     device for the run's data."""
     from disttrain.data import UserDataConfig, build_datamodule
     from disttrain.models import MODELS, build_model
+    from disttrain.models.meta import on_meta_device
     from disttrain.models.registry import with_open_fields
 
     data = cfg.data
@@ -36,7 +37,7 @@ def model_on_meta(cfg: DictConfig) -> tuple[Any, Any]:
     # the run's config passed validation when it ran: merging the model node into its schema is all that is left
     schema = MODELS.get(cfg.model.name).schema
     model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), with_open_fields(cfg.model, schema)))
-    with torch.device("meta"):
+    with on_meta_device():
         return model, build_model(model, spec)
 
 

@@ -25,6 +25,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import hf_attention, hf_plan
 from disttrain.models.attention import SequenceSplit
+from disttrain.models.meta import on_meta_device
 from disttrain.models.registry import MODELS
 
 CONFIG_FILE = "config.json"
@@ -219,6 +220,6 @@ def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
     config = cfg.validate(spec)
     config.use_cache = False
     # starting from a checkpoint, the weights are allocated only once laid out over the ranks (``materialize``)
-    with torch.device("meta") if cfg.pretrained else nullcontext():
+    with on_meta_device() if cfg.pretrained else nullcontext():
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size)

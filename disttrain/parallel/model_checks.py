@@ -13,12 +13,11 @@ from disttrain.parallel.dims import ParallelDims
 def model_on_meta(model: Any, spec: Any) -> Any:
     """The model built on the meta device (no memory, no init cost), to check its parallel plan; a user's
     model that cannot be built there is built on the CPU (and its error, if any, comes from there)."""
-    import torch
-
     from disttrain.models import build_model
+    from disttrain.models.meta import on_meta_device
 
     try:
-        with torch.device("meta"):
+        with on_meta_device():
             return build_model(model, spec)
     except ConfigError:
         if not isinstance(model, TargetModelConfig):

@@ -24,14 +24,16 @@ of the mean over the whole batch: the same objective (and gradient) as one proce
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
 
 from disttrain.errors import ConfigError
 from disttrain.parallel.model_plan import pipeline_units_of
+
+if TYPE_CHECKING:  # imported where stages are built: it imports torch._dynamo (1.7 s), which validation needs not
+    from torch.distributed.pipelining import PipelineStage
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "GPipe",
@@ -252,6 +254,8 @@ def build_stages(
     if points is None:
         points = unit_split_points(model, units, num_stages)
     indices = stage_indices(rank, pp, stages_per_rank, placement(schedule))
+    from torch.distributed.pipelining import PipelineStage
+
     modules = [build_stage_module(model, units, i, points).to(device) for i in indices]
     stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices, strict=True)]
     return stages, modules
@@ -269,6 +273,8 @@ def build_schedule(
     ``loss_fn(output, target)`` should return the microbatch mean; with ``scale_grads=True`` the gradients
     then equal those of the full-batch mean loss (see the module docstring).
     """
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
     if name not in SCHEDULES:
         raise ConfigError("parallel.pipeline.schedule", name, f"one of {list(SCHEDULES)}")
     cls = get_schedule_class(SCHEDULES[name])
