@@ -104,12 +104,14 @@ def test_a_flower_deployment_on_loopback_trains_the_simulated_global_model(tmp_p
         processes.append(subprocess.Popen([str(BIN / "flower-superlink"), "--insecure", "--port", str(link_port),
                                            "--database", str(tmp_path / "state.db")], env=env, cwd=tmp_path,
                                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "link.log", "w")))
+        # the SuperNodes start once the SuperLink listens: one started before it retries with a backoff that
+        # grew to 12 s (measured), idle time in a test of about a minute
+        _wait_for_port(link_port)
         for node in range(2):
             processes.append(subprocess.Popen(
                 [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
                  "--port", str(free_port()), "--node-config", f"partition-id={node} num-partitions=2"],
                 env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{node}.log", "w")))
-        _wait_for_port(link_port)
         done = subprocess.run([str(BIN / "flwr"), "run", str(app), "loopback", "--stream"], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=400)
         log = done.stdout + done.stderr

@@ -108,13 +108,15 @@ except ConfigError as err:
     print("error:", err)
 print("lightning imported:", sorted({name.split(".")[0] for name in sys.modules} & {"lightning", "torchmetrics"}))
 print("dynamo imported:", "torch._dynamo" in sys.modules)
+print("DTensor imported:", "torch.distributed.tensor" in sys.modules)
 """
 
 
 def test_the_job_process_validates_and_refuses_a_config_without_importing_lightning(tmp_path):
     """Importing Lightning takes seconds (torchmetrics imports transformers and scipy): the job process validates
     a run and prints a config error before it, and only a rank imports it. Nor does building the GPT on the meta
-    device import ``torch._dynamo`` (1.7 s) for its normal fills (``disttrain.models.meta``)."""
+    device import ``torch._dynamo`` (1.7 s) for its normal fills (``disttrain.models.meta``), nor do the optimiser
+    and clipping modules import DTensor (about 1 s) to ask whether a parameter is one (``optim.norms.is_dtensor``)."""
     import subprocess
     import sys
 
@@ -125,3 +127,4 @@ def test_the_job_process_validates_and_refuses_a_config_without_importing_lightn
     assert "error: optim.lr=-1.0 is invalid: a positive number" in done.stdout
     assert "lightning imported: []" in done.stdout, done.stdout
     assert "dynamo imported: False" in done.stdout, done.stdout
+    assert "DTensor imported: False" in done.stdout, done.stdout

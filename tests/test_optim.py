@@ -338,7 +338,7 @@ def test_the_fused_kernel_is_taken_only_where_torch_runs_it(monkeypatch):
     class FakeDTensor(nn.Parameter):  # stands in for a DTensor: only the type is looked at
         pass
 
-    monkeypatch.setattr(groups_module, "DTensor", FakeDTensor)
+    monkeypatch.setattr(groups_module, "is_dtensor", lambda t: isinstance(t, FakeDTensor))
     sharded = [{"params": [FakeDTensor(torch.zeros(2, 2))]}]
     mixed = [{"params": [FakeDTensor(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))]}]
     assert kernel_options(sharded) == {"fused": True}  # AdamW's fused op has a DTensor rule

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from disttrain.optim.norms import is_dtensor
 
 FUSED_DEVICES = ("cpu", "cuda")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -45,7 +46,7 @@ def kernel_options(groups: list[dict[str, Any]]) -> dict[str, bool]:
     plain tensors only or DTensors only (one fused call takes all of a group's tensors)."""
     params = [p for group in groups for p in group["params"]]
     devices = {p.device.type for p in params}
-    distributed = {isinstance(p, DTensor) for p in params}
+    distributed = {is_dtensor(p) for p in params}
     if len(devices) == 1 and devices <= set(FUSED_DEVICES) and len(distributed) == 1 \
             and all(p.dtype in FUSED_DTYPES for p in params):
         return {"fused": True}
@@ -58,3 +59,4 @@ def drops_steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     leave parameters, moments and step counts as they were without the host reading the flag."""
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
         group.get("fused") for group in optimizer.param_groups)
+

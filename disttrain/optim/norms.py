@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (about 1 s) where nothing has: a
+    process that never imported it holds none (a federated client, whose every round is a new process)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: Tensor) -> Tensor:
     """The tensor this rank holds: the local shard of a DTensor (same storage), else ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def local_grad(p: Tensor) -> Tensor:
     """The local gradient of ``p``, laid out like ``p``'s local shard."""
     grad = p.grad
-    if isinstance(grad, DTensor):
-        if isinstance(p, DTensor) and tuple(grad.placements) != tuple(p.placements):
+    if is_dtensor(grad):
+        if is_dtensor(p) and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)
         return grad.to_local()
     return grad
@@ -25,7 +33,7 @@ def local_grad(p: Tensor) -> Tensor:
 
 def shard_groups(owner: Tensor) -> list[dist.ProcessGroup]:
     """Process groups of the mesh dimensions on which ``owner`` is sharded (none for a plain tensor)."""
-    if not isinstance(owner, DTensor):
+    if not is_dtensor(owner):
         return []
     mesh = owner.device_mesh
     groups = []

@@ -13,9 +13,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
-from disttrain.optim.norms import local_grad, whole_norms
+from disttrain.optim.norms import is_dtensor, local_grad, whole_norms
 
 
 def grad_norm(parameters: Iterable[Tensor], across: dist.ProcessGroup | None = None) -> Tensor:
@@ -68,7 +67,7 @@ def scale_to_norm(parameters: Iterable[Tensor], max_norm: float, total: Tensor) 
     """Scale the gradients of ``parameters``, whose global L2 norm is ``total``, to a norm of at most
     ``max_norm``."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for p in parameters if p.grad is not None]
     if grads:  # a rank may hold none of the parameters (a parameter server's worker)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 

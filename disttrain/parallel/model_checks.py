@@ -34,7 +34,6 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
     sequences of ``spec`` (the data's) under context parallelism."""
     from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
     from disttrain.parallel.pipeline.split import check_pipeline, check_units
-    from disttrain.parallel.tp import check_tp_plan
 
     for key in ("pipeline_units", "shard_units"):
         for unit in getattr(p, key) or []:
@@ -53,6 +52,8 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
                           f"none for model {name}: it has no blocks to checkpoint (declare shard_units(), or set "
                           "parallel.shard_units)")
     if dims.tp_enabled:
+        from disttrain.parallel.tp import check_tp_plan  # imports DTensor (about 1 s), which nothing else here needs
+
         plan = tp_plan_of(net, p.tp_plan)
         if not plan:
             raise ConfigError("parallel.tp", dims.tp, f"1 for model {name}: it declares no tp_plan() and "
