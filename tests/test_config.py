@@ -287,3 +287,30 @@ def test_matmul_precision_auto_is_tf32_on_a_gpu_and_full_fp32_on_a_cpu(make_conf
     with pytest.raises(ConfigError, match=r"trainer.matmul_precision='tf32' is invalid: one of auto, highest, "
                                           r"high, medium"):
         validate(make_config(["trainer.matmul_precision=tf32"]))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel=ddp", "trainer.devices=2"],
+    ["model=gpt", "data=pydocs", "parallel=ddp", "trainer.devices=2", "comm=powersgd"],
+    ["model=gpt", "data=pydocs", "parallel=hybrid", "parallel.tp=2", "trainer.devices=4"],
+])
+def test_a_rank_takes_the_jobs_model_checks_and_builds_the_same_run(make_config, monkeypatch, overrides):
+    """A rank reads the config the job validated and wrote (``resolved``): the same run comes out as a full
+    validation of that file gives (the PowerSGD rank the job resolved from the model included), with no model
+    built to check it again."""
+    import disttrain.config.validation as validation
+
+    job = validate(make_config(overrides))
+    assert job.train.comm.rank is not None or "comm=powersgd" not in overrides
+    full = validate(OmegaConf.create(job.yaml))
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("a rank built the model to check it again")
+
+    monkeypatch.setattr(validation, "model_on_meta", no_model)
+    rank = validate(OmegaConf.create(job.yaml), resolved=job.yaml)
+    fields = ("train", "model", "data", "optim", "scheduler", "dims", "batch", "plan")
+    assert [getattr(rank, name) for name in fields] == [getattr(full, name) for name in fields]
+    assert rank.yaml == full.yaml == job.yaml and rank.config_hash == job.config_hash
+    with pytest.raises(AssertionError, match="built the model"):  # a validation without it checks the model
+        validate(OmegaConf.create(job.yaml))

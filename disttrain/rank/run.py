@@ -109,11 +109,14 @@ def run_rank(run: RunConfig) -> float | None:
 
 
 def run_worker(config_path: Path) -> None:
-    """A worker rank started by the job process: the resolved config, validated here once, no Hydra."""
-    cfg = OmegaConf.load(config_path)
+    """A worker rank started by the job process: the resolved config, validated here once, no Hydra. The job
+    checked the model against this world's layout already (``validate``'s ``resolved``); a torchft replica group's
+    world is its own, and is checked here."""
+    text = config_path.read_text()
+    cfg = OmegaConf.create(text)
     groups_world = job_world_size(int(os.environ.get("WORLD_SIZE", "1")))
     if groups_world is None:
-        run_rank(validate(cfg))
+        run_rank(validate(cfg, resolved=text))
     else:  # a torchft replica group: the config describes the whole job, this rank's world is its group
         run_rank(group_view(validate(cfg, world_size=groups_world)))
 
