@@ -55,12 +55,14 @@ client = client_app(CONFIG)
 """
 
 
-def _simulated(config: Path) -> dict[str, torch.Tensor]:
-    """The same run simulated in this process: the global model after ``ROUNDS`` FedAvg rounds."""
+def _initial_and_simulated(config: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The same run simulated in this process: the initial global model, and the global model after ``ROUNDS``
+    FedAvg rounds."""
     from disttrain.federated.server import ServerOptimizer
     from disttrain.launch.flower import FlowerClient, load_run
 
     rounds = FlowerClient(load_run(config)).rounds  # the same initial model as the ServerApp's
+    initial = {name: value.clone() for name, value in rounds.net.state_dict().items()}
     server = ServerOptimizer([p for p in rounds.net.parameters() if p.requires_grad], "avg", 1.0)
     # one thread, as the deployed apps run (OMP_NUM_THREADS=1): with two, the convolutions' sums are ordered
     # differently, and six SGD steps carried that to 2.2e-4, past the bound below, where the test's process was
@@ -74,7 +76,7 @@ def _simulated(config: Path) -> dict[str, torch.Tensor]:
             server.step()
     finally:
         torch.set_num_threads(threads)
-    return rounds.net.state_dict()
+    return initial, rounds.net.state_dict()
 
 
 def test_a_flower_deployment_on_loopback_trains_the_simulated_global_model(tmp_path, make_config):
@@ -126,7 +128,7 @@ def test_a_flower_deployment_on_loopback_trains_the_simulated_global_model(tmp_p
             except subprocess.TimeoutExpired:
                 process.kill()
     deployed = torch.load(run_dir / MODEL_FILE, weights_only=True)
-    simulated = _simulated(app / "config.yaml")
+    start, simulated = _initial_and_simulated(app / "config.yaml")
     floats = [name for name, value in simulated.items() if value.is_floating_point()]
     assert len(floats) > 10 and set(simulated) <= set(deployed)
     # Not bitwise: Flower averages the client models as sum_i (n_i / n) w_i in float32, in the order the replies
@@ -135,7 +137,6 @@ def test_a_flower_deployment_on_loopback_trains_the_simulated_global_model(tmp_p
     # would blow it up where a gradient is near zero, so the run uses SGD). Measured: 3.6e-7 (4.8e-7 over three rounds)
     worst = max(float((deployed[name].float() - simulated[name]).abs().max()) for name in floats)
     assert worst < 1e-5, worst
-    start = _initial(app / "config.yaml")
     # a difference asserted (a larger atol is the stricter bound): training moved the weights from their start by
     # up to 0.76 (measured), 760x this atol; the deployment's parity with the simulation above is 1e-5
     assert any(not torch.allclose(start[name], simulated[name], atol=1e-3) for name in floats)
@@ -154,8 +155,3 @@ def _wait_for_port(port: int, seconds: float = 90) -> None:
         time.sleep(0.5)
     raise TimeoutError(f"nothing listens on port {port} after {seconds} s")
 
-
-def _initial(config: Path) -> dict[str, torch.Tensor]:
-    from disttrain.launch.flower import FlowerClient, load_run
-
-    return {k: v.clone() for k, v in FlowerClient(load_run(config)).rounds.net.state_dict().items()}
