@@ -1,0 +1,6 @@
+"""Imported by the fork server before it forks ranks: the default data's images and labels read there once
+(``digits_arrays``), so that no rank of a digits run reads them again (27 ms of CPU in each)."""
+
+from disttrain.data.digits import digits_arrays
+
+digits_arrays()
