@@ -59,4 +59,3 @@ def drops_steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     leave parameters, moments and step counts as they were without the host reading the flag."""
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and all(
         group.get("fused") for group in optimizer.param_groups)
-
