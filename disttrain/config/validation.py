@@ -170,18 +170,16 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
-    net = None
-    if resolved is None:
-        net = _check_model(top, model, optim, dims, batch, datamodule.spec, chose_layout)
+    net = None if resolved is not None else _check_model(top, model, optim, dims, batch, datamodule.spec,
+                                                          chose_layout)
     notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
     plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)
         notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
-    if net is None:  # a rank of a job that checked all of the rest
-        return RunConfig(top, model, data, optim, scheduler, dims, batch, resolved or "", tuple(notices), plan,
-                         datamodule)
+    if resolved is not None:  # a rank of a job that checked all of the rest
+        return RunConfig(top, model, data, optim, scheduler, dims, batch, resolved, tuple(notices), plan, datamodule)
     world_sizes: tuple[int, ...] = ()
     if elastic:
         world_sizes = restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
