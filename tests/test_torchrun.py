@@ -40,6 +40,10 @@ def reference(tmp_path_factory) -> Path:
     return uninterrupted("ddp", tmp_path_factory)
 
 
+# 45-50 s of fresh interpreters (agent, two ranks, two restarted ranks). What it joins is guarded by fast tests:
+# the ranks read the same restart count and agent store from the job's own supervisor, whose SIGKILL at the same
+# step restarts bitwise (test_restart.py), and train.py under torchrun's agent trains the same run (below)
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_bitwise(reference, tmp_path):
     run_dir = tmp_path / "run"
     done = torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=1"],
