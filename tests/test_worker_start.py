@@ -39,6 +39,7 @@ class RecordProcess(pl.Callback):
             imported = False
         record = {"mark": os.environ.get("DISTTRAIN_TEST_MARK"), "cwd": os.getcwd(), "imported": imported,
                   "threads": torch.get_num_threads(), "pid": os.getpid(), "frozen": gc.get_freeze_count(),
+                  "collects": gc.isenabled(),
                   "schema_nodes": schema_node.cache_info().currsize,
                   "digits_read_before_start": "disttrain.launch.warm_data" in sys.modules}
         (Path(trainer.default_root_dir) / f"process-rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -66,6 +67,8 @@ def test_a_rank_has_the_jobs_environment_directory_and_threads_of_now(tmp_path, 
         # a forked rank's collections leave the server's objects alone (fewer pages copied: a two-rank two-step
         # DDP run took 3.42 -> 2.81 s of CPU, mean of four runs each)
         assert record["frozen"] > 100_000 if rank_start == "fork_server" else record["frozen"] == 0, record
+        # the server imports with the collector off; its ranks collect their own garbage
+        assert record["collects"], record
         # every config schema's node built once in the server, not again in each rank (a two-rank four-step DDP run
         # of GPT micro: 1.43 -> 1.21 s of CPU); a new interpreter builds those its run names
         forked = rank_start == "fork_server"

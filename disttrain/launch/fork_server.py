@@ -21,14 +21,17 @@ from pathlib import Path
 from disttrain.config.schema import fork_server_available
 from disttrain.fault.config import PREEMPTION_SIGNALS
 
-PRELOAD = ["disttrain.rank.run", "sklearn.datasets", "sklearn.model_selection", "disttrain.launch.warm_data",
-           "disttrain.launch.schema_nodes", "disttrain.launch.frozen_heap"]
-"""What the fork server imports before it forks a rank: the worker and, through it, torch and Lightning; what the
-default data's split imports where it runs (0.17 s in every rank of a digits run, once here) and the data itself
-(``warm_data``: 27 ms in every such rank); the module that
-builds the config schemas' nodes every rank's validation merges into (``schema_nodes``); last, the module
-that freezes the server's heap for the garbage collector (a two-rank two-step DDP run: 3.42 -> 2.81 s of CPU,
-a four-rank hybrid GPT run 15.0 -> 12.8 s, means of four runs each)."""
+PRELOAD = ["disttrain.launch.gc_paused", "disttrain.rank.run", "sklearn.datasets", "sklearn.model_selection",
+           "disttrain.launch.warm_data", "disttrain.launch.schema_nodes", "disttrain.launch.frozen_heap"]
+"""What the fork server imports before it forks a rank. First the module that turns the garbage collector off
+while the server imports: its full collections walked the growing heap of modules again and again, 1.15-1.58 s
+of the server's CPU, now one collection of 0.49 s before the heap is frozen (the server's CPU until its first
+fork: 7.95-10.07 s -> 7.48-8.29 s, four alternating pairs). Then the worker and, through it, torch and
+Lightning; what the default data's split imports where it runs (0.17 s in every rank of a digits run, once
+here) and the data itself (``warm_data``: 27 ms in every such rank); the module that builds the config
+schemas' nodes every rank's validation merges into (``schema_nodes``). Last, the module that freezes the
+server's heap for the garbage collector and turns it back on (the freeze: a two-rank two-step DDP run 3.42 ->
+2.81 s of CPU, a four-rank hybrid GPT run 15.0 -> 12.8 s, means of four runs each)."""
 
 
 def forks_ranks(rank_start: str) -> bool:
