@@ -17,6 +17,13 @@ from tests.test_run import GPT_FAST, step_losses
 EVERY, STEPS = 4, 16
 RUN = [*GPT_FAST, f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={EVERY}",
        "trainer.check_val_every_n_epoch=null"]
+
+
+def ascend_after(step: int) -> list[str]:
+    """Overrides that turn a run's training into gradient ascent after ``step`` (tests.ascend)."""
+    return ["+callbacks.ascend._target_=tests.ascend.AscendAfterStep", f"+callbacks.ascend.step={step}"]
+
+
 # a step drawn at random (fixed seed) that is not itself a save point
 CRASH_AT = random.Random(11).choice([s for s in range(EVERY + 1, STEPS) if s % EVERY])
 
@@ -58,9 +65,11 @@ def test_killed_run_resumes_from_its_newest_save_point(tmp_path, straight, prese
 
 
 def test_last_checkpoint_is_the_final_state_when_the_metric_stops_improving(tmp_path):
-    # the default run: digits' val/acc peaks before the last of its 190 steps
+    # the default run, turned to gradient ascent after its first epoch's validation (step 10 of 190): every later
+    # validation scores worse, so the best checkpoint is not the last by construction, on any CPU
     run_dir = tmp_path / "run"
-    train(compose_config(["logger=csv", "callbacks=none", "trainer.run_test=false"], run_dir))
+    train(compose_config(["logger=csv", "callbacks=none", "trainer.run_test=false",
+                          *ascend_after(10)], run_dir))
     checkpoints = run_dir / "checkpoints"
     best = json.loads((run_dir / "results.json").read_text())["best_checkpoint"]
     assert load_metadata(checkpoints / "last.ckpt")["global_step"] == 190
@@ -68,15 +77,16 @@ def test_last_checkpoint_is_the_final_state_when_the_metric_stops_improving(tmp_
 
 
 def test_the_end_of_run_test_scores_the_best_checkpoints_weights(tmp_path):
-    # digits at a constant rate high enough that validation scores swing (8 steps apart, they moved by 0.1 and more
-    # when written): the best comes before the last step; a run stopped at that step ranks nothing (save_top_k=0) and
-    # tests the weights it holds, the same weights
+    # digits at a constant rate, validated every 8 steps and turned to gradient ascent after step 16: the best
+    # validation loss is at or before step 16 whatever the CPU's rounding; a run stopped at that step ranks nothing
+    # (save_top_k=0) and tests the weights it holds, the same weights
     run = ["logger=csv", "callbacks=none", "optim.lr=0.1", "scheduler=constant", "scheduler.warmup_fraction=null",
-           "scheduler.warmup_steps=0", "trainer.val_check_interval=8", "trainer.check_val_every_n_epoch=null"]
-    train(compose_config([*run, "trainer.max_steps=40"], tmp_path / "ranked"))
+           "scheduler.warmup_steps=0", "trainer.val_check_interval=8", "trainer.check_val_every_n_epoch=null",
+           "checkpoint.monitor=val/loss"]
+    train(compose_config([*run, *ascend_after(16), "trainer.max_steps=40"], tmp_path / "ranked"))
     ranked = json.loads((tmp_path / "ranked" / "results.json").read_text())
     best_step = load_metadata(Path(ranked["best_checkpoint"]))["global_step"]
-    assert best_step < 40  # otherwise the best weights are those in memory, and this would test nothing
+    assert best_step <= 16  # otherwise the best weights are those in memory, and this would test nothing
     train(compose_config([*run, f"trainer.max_steps={best_step}", "checkpoint.save_top_k=0"], tmp_path / "held"))
     held = json.loads((tmp_path / "held" / "results.json").read_text())
     assert held["best_checkpoint"] is None and held["global_steps"] == best_step
