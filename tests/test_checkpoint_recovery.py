@@ -45,6 +45,28 @@ def test_a_truncated_shard_sends_the_resume_to_the_checkpoint_before(reference, 
     assert logged_losses(run_dir) == logged_losses(reference)
 
 
+def test_a_resume_that_finds_no_readable_checkpoint_saves_where_the_next_resume_looks(reference, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    checkpoints = run_dir / "checkpoints"
+    for name in ("last.ckpt", "last-step8.ckpt"):
+        (checkpoints / name / ".metadata").write_bytes(b"not an index")
+    resumed = run(["parallel=ddp", "checkpoint.keep_last=2", "resume=auto"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping checkpoint {checkpoints / 'last.ckpt'}: cannot be read" in resumed.stderr
+    assert "moved aside to last.ckpt.damaged" in resumed.stderr
+    assert "starting from step 0" in resumed.stderr
+    # the new save points took the names resume reads (not last-v1.ckpt), and the damaged ones are kept aside
+    assert not list(checkpoints.glob("last-v*"))
+    assert {"last.ckpt.damaged", "last-step8.ckpt.damaged"} <= {p.name for p in checkpoints.iterdir()}
+    newest, skipped = newest_complete(checkpoints)
+    assert newest == checkpoints / "last.ckpt" and not skipped
+    assert load_metadata(newest)["global_step"] == STEPS
+    assert logged_losses(run_dir) == logged_losses(reference)  # from step 0 again, the same numbers
+
+
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_in_use(reference, tmp_path):
     run_dir = tmp_path / "run"
     done = run(["parallel=ddp", "checkpoint.keep_last=2", "fault_tolerance.max_restarts=1",

@@ -4,7 +4,8 @@ save points kept beside it.
 A checkpoint folder is written as ``<name>.partial`` and renamed when every rank's shards and the index
 are on disk, so a folder without the suffix was complete once; a file truncated or lost since (a full
 disk, a copy cut short) is caught here by comparing each shard's size with the extents the index
-records, and such a folder is skipped, with a warning, for the one before it.
+records, and such a folder is skipped, with a warning, for the one before it. A resumed run moves a skipped
+folder aside (``<name>.damaged``), so that its new save points take the names that the next resume reads.
 """
 
 from __future__ import annotations
@@ -49,22 +50,33 @@ def saved_step(folder: Path) -> int:
         return -1
 
 
-def newest_complete(checkpoints: Path) -> tuple[Path | None, list[str]]:
+def newest_complete(checkpoints: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint in ``checkpoints`` (``last.ckpt``, the earlier save points kept, and a
-    ``last.ckpt.old`` left by a crash mid-swap), and one warning per newer folder that was skipped."""
+    ``last.ckpt.old`` left by a crash mid-swap), and each newer folder that was skipped with its damage."""
     if not checkpoints.is_dir():
         return None, []
     names = [p for p in checkpoints.iterdir() if p.is_dir() and (
         p.name in ("last.ckpt", "last.ckpt.old") or RETIRED.match(p.name))]
     # newest first; at equal steps prefer last.ckpt (the swap had completed)
     ordered = sorted(names, key=lambda p: (saved_step(p), p.name == "last.ckpt"), reverse=True)
-    warnings = []
+    skipped = []
     for folder in ordered:
         problem = damage(folder)
         if problem is None:
-            return folder, warnings
-        warnings.append(f"skipping checkpoint {folder}: {problem}")
-    return None, warnings
+            return folder, skipped
+        skipped.append((folder, problem))
+    return None, skipped
+
+
+def move_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint folder to the first free ``<name>.damaged[-N]`` beside it (kept, not
+    deleted: what it still holds may be worth a look); the new name."""
+    target, n = folder.with_name(f"{folder.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}.damaged-{n}")
+    folder.rename(target)
+    return target
 
 
 def retire_and_prune(checkpoints: Path, keep_last: int) -> None:
@@ -83,14 +95,20 @@ def retire_and_prune(checkpoints: Path, keep_last: int) -> None:
 
 def resume_path(resume: str | None, run_dir: Path, announce: bool = True) -> str | None:
     """The checkpoint to continue from: none, the run directory's newest complete one (auto), or a given path.
-    ``announce``: print which damaged checkpoints were skipped."""
+    ``announce`` (one process of the run: rank 0): print which damaged checkpoints were skipped and move them
+    aside, so that this run's save points are written under the names a later ``resume=auto`` reads (Lightning
+    numbers a save point ``last-v1.ckpt`` where ``last.ckpt`` exists and is not its own)."""
     if resume is None:
         return None
     if resume == "auto":
         newest, skipped = newest_complete(run_dir / "checkpoints")
         if announce:
-            for warning in skipped:
-                print(f"disttrain: {warning}", file=sys.stderr, flush=True)
+            for folder, problem in skipped:
+                try:
+                    aside = f"; moved aside to {move_aside(folder).name}"
+                except OSError as err:
+                    aside = f"; could not move it aside ({err.strerror})"
+                print(f"disttrain: skipping checkpoint {folder}: {problem}{aside}", file=sys.stderr, flush=True)
             if newest is None:
                 print(f"disttrain: resume=auto found no complete checkpoint in {run_dir / 'checkpoints'}: starting "
                       "from step 0", file=sys.stderr, flush=True)
