@@ -215,3 +215,22 @@ class LoseNodeAtStep(pl.Callback):
         if trainer.global_step == self.step and restart_count() == 0:
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FillDiskAtStep(pl.Callback):
+    """Rank ``rank`` fills the run directory's file system once ``step`` optimiser steps are done (a file of zeros
+    written until the disk refuses more), as another job on the same disk would: the next save finds it full."""
+
+    def __init__(self, step: int, rank: int = 0) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        block = bytes(1 << 16)
+        with open(Path(trainer.default_root_dir) / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(block)
+            except OSError:  # full: what is left is less than a block
+                pass

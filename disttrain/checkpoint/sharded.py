@@ -4,6 +4,7 @@ swapped in whole, optionally in the background, and read back into an already pa
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ from disttrain.checkpoint.optimizer_state import (
     pack_param_groups,
     unpack_param_groups,
 )
+from disttrain.fault.stops import SaveFailed
 
 
 class Ranks(Protocol):
@@ -90,14 +92,17 @@ class ShardedCheckpoints:
         checkpoint[PACKED_GROUPS] = True
         if self.per_replica:
             checkpoint["replicas"] = ranks.world_size
-        if ranks.is_global_zero:
-            torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
-        if same_state_as is not None:  # wait() above has swapped the source in, complete
+        try:
             if ranks.is_global_zero:
-                link_shards(Path(same_state_as.folder), staging)
-            self._swap_in(staging, path)
-        else:
-            self._write_shards(model_state, optimizers, staging, path)
+                torch.save(checkpoint, staging / METADATA_FILE)  # loop, callback and scheduler state: small
+            if same_state_as is not None:  # wait() above has swapped the source in, complete
+                if ranks.is_global_zero:
+                    link_shards(Path(same_state_as.folder), staging)
+                self._swap_in(staging, path)
+            else:
+                self._write_shards(model_state, optimizers, staging, path)
+        except Exception as err:
+            raise save_failed(err, staging, checkpoint.get("global_step")) from err
         self.saves += 1
         self.blocking_s += time.perf_counter() - started
 
@@ -132,8 +137,11 @@ class ShardedCheckpoints:
             return
         future, staging, path = self._pending
         self._pending = None
-        future.result()
-        self._swap_in(staging, path)
+        try:
+            future.result()
+            self._swap_in(staging, path)
+        except Exception as err:
+            raise save_failed(err, staging, None) from err
 
     def _swap_in(self, staging: Path, path: Path) -> None:
         ranks = self.ranks
@@ -209,3 +217,49 @@ def count_steps_in_both_loops(metadata: dict[str, Any]) -> None:
             part: {**counts, "started": counts["completed"]} for part, counts in manual.items()}
     elif manual["total"]["completed"] < step["total"]["completed"]:
         fit["epoch_loop.manual_optimization.optim_step_progress"] = copy.deepcopy(step)
+
+
+def disk_full(err: BaseException, folder: Path) -> str | None:
+    """``the disk is full (N KiB free on folder)`` where ``err`` (or what it wraps: a chained error, or a rank's
+    failure gathered by torch.distributed.checkpoint) is a full disk or quota, or almost nothing is left; None
+    otherwise. torch.save reports a failed write as an unchained RuntimeError, so the free space decides too."""
+    seen, pending = set(), [err]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            break
+        pending += [current.__cause__, current.__context__,
+                    *(failure[0] for failure in getattr(current, "failures", {}).values())]
+    else:
+        try:
+            if shutil.disk_usage(folder).free >= FULL_BELOW:
+                return None
+        except OSError:
+            return None
+    try:
+        free = f"{shutil.disk_usage(folder).free // 1024} KiB free on {folder}"
+    except OSError:
+        free = f"on {folder}"
+    return f"the disk is full ({free})"
+
+
+FULL_BELOW = 1 << 20
+"""Free bytes under which a failed save is put down to a full disk."""
+
+
+def save_failed(err: BaseException, staging: Path, step: int | None) -> SaveFailed:
+    """The one-line stop for a checkpoint that could not be written: its partial folder removed (every rank that
+    failed tries; it held nothing usable and may hold the disk), and the last good checkpoint named."""
+    from disttrain.checkpoint.folders import newest_complete, saved_step
+
+    why = disk_full(err, staging.parent) or (str(err).strip().splitlines() or [type(err).__name__])[0]
+    shutil.rmtree(staging, ignore_errors=True)
+    at = f" at step {step}" if step is not None else ""
+    newest, _ = newest_complete(staging.parent)
+    kept = (f"the last good checkpoint is {newest} (step {saved_step(newest)})" if newest is not None
+            else "no complete checkpoint was saved before it")
+    return SaveFailed(f"checkpoint {staging.name.removesuffix('.partial')}{at} could not be written: {why}; its "
+                      f"partial folder was removed and {kept}")

@@ -71,7 +71,7 @@ def train_from_cli(cfg: DictConfig) -> float | None:
     """``disttrain.launch.job.train(cfg)``; on a ConfigError print ``Error: <message>``, remove the job directory
     Hydra made for it (when it holds nothing else), and exit with status 2. ``HYDRA_FULL_ERROR=1`` raises
     instead, for the whole traceback."""
-    from disttrain.fault.stops import NonFiniteStep, Preempted
+    from disttrain.fault.stops import NonFiniteStep, Preempted, SaveFailed
     from disttrain.launch.job import train
     from disttrain.launch.supervisor import RanksStopped
 
@@ -89,7 +89,7 @@ def train_from_cli(cfg: DictConfig) -> float | None:
         discard_job_dir()
         print(f"Error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (RanksStopped, NonFiniteStep) as err:  # the ranks' own output above says the rest
+    except (RanksStopped, NonFiniteStep, SaveFailed) as err:  # the ranks' own output above says the rest
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"Error: {err}", file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from disttrain.fault.replica_groups import (
     MEMBERSHIP_FILE,
 )
 from disttrain.fault.stops import Preempted
+from disttrain.launch.bookkeeping import keep_record
 from disttrain.launch.supervisor import (
     POLL_S,
     Failure,
@@ -237,11 +238,10 @@ class GroupSupervisor:
     def _record(self, failure: GroupFailure) -> None:
         """Keep the failure in ``logs/restarts.json`` and as a line of ``logs/membership.jsonl``."""
         self.failures.append(failure)
-        (self.log_dir / RESTARTS_FILE).write_text(json.dumps([asdict(f) for f in self.failures], indent=2))
+        keep_record(self.log_dir / RESTARTS_FILE, json.dumps([asdict(f) for f in self.failures], indent=2))
         line = {"event": "group_failed", "group": failure.group, "attempt": failure.attempt,
                 "cause": failure.cause or f"rank {failure.rank} {failure.exit}", "time": failure.time}
-        with open(self.log_dir / MEMBERSHIP_FILE, "a") as out:
-            out.write(json.dumps(line) + "\n")
+        keep_record(self.log_dir / MEMBERSHIP_FILE, json.dumps(line) + "\n", append=True)
 
     def _tail(self, group: int, rank: int, lines: int = 15) -> list[str]:
         path = self._log_path(group, rank)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +29,10 @@ from disttrain.fault.config import (
     PREEMPTED_EXIT,
     PREEMPTION_SIGNALS,
     RESTARTS_FILE,
+    SAVE_FAILED_EXIT,
 )
 from disttrain.fault.stops import Preempted
+from disttrain.launch.bookkeeping import keep_record
 from disttrain.launch.fork_server import ForkedRank
 
 RankProcess = subprocess.Popen | ForkedRank
@@ -110,7 +113,8 @@ class Failure:
         return text
 
 
-MEANINGS = {HUNG_EXIT: "found a hang", NON_FINITE_EXIT: "stopped on non-finite numbers", PREEMPTED_EXIT:
+MEANINGS = {HUNG_EXIT: "found a hang", NON_FINITE_EXIT: "stopped on non-finite numbers",
+            SAVE_FAILED_EXIT: "could not write a checkpoint", PREEMPTED_EXIT:
             "was preempted", LOST_PEER_EXIT: "lost contact with another rank"}
 
 
@@ -169,9 +173,9 @@ class Supervisor:
                 if failure is None:
                     return attempt
                 self.failures.append(failure)
-                (self.log_dir / RESTARTS_FILE).write_text(json.dumps([asdict(f) for f in self.failures], indent=2))
-                if attempt == self.max_restarts or failure.code == NON_FINITE_EXIT:
-                    break  # non-finite numbers would come back: a restart cannot help
+                keep_record(self.log_dir / RESTARTS_FILE, json.dumps([asdict(f) for f in self.failures], indent=2))
+                if attempt == self.max_restarts or failure.code in (NON_FINITE_EXIT, SAVE_FAILED_EXIT):
+                    break  # non-finite numbers, or the save that failed, would come back: a restart cannot help
                 ranks = f"all {self.world_size} ranks"
                 if self.sizes:
                     before = self.world_size
@@ -184,10 +188,14 @@ class Supervisor:
             last = self.failures[-1]
             if last.code == PREEMPTED_EXIT:  # a clean stop at a saved step, with no restart left to resume it
                 raise Preempted(self._saved_step())
-            after = f" after {self.max_restarts} restart(s)" if self.max_restarts else ""
+            restarts = len(self.failures) - 1
+            after = f" after {restarts} restart(s)" if restarts else ""
             raise RanksStopped(f"{last.describe()}\nthe run stopped{after}", _exit_code(last))
         finally:
             self._kill_all()
+            # a save the ranks left unfinished holds nothing usable and may hold a full disk
+            for partial in (self.config_path.parent / "checkpoints").glob("*.partial"):
+                shutil.rmtree(partial, ignore_errors=True)
             for sig, handler in forwarded.items():
                 signal.signal(sig, handler)
 
@@ -283,11 +291,11 @@ class Supervisor:
 
     def _saved_step(self) -> int | None:
         """The step of the checkpoint the ranks saved as they stopped (None if it cannot be read)."""
-        from disttrain.checkpoint.io import load_metadata
+        from disttrain.checkpoint.io import CheckpointReadError, load_metadata
 
         try:
             return int(load_metadata(self.config_path.parent / "checkpoints" / "last.ckpt")["global_step"])
-        except (OSError, KeyError, RuntimeError):
+        except (OSError, KeyError, RuntimeError, CheckpointReadError):
             return None
 
     def _failure(self, attempt: int, rank: int, code: int, store: object) -> Failure:
@@ -327,6 +335,6 @@ class Supervisor:
 
 def _exit_code(failure: Failure) -> int:
     """The job's exit status: a hang or non-finite numbers keep their own code; other failures are 1."""
-    if failure.code in (HUNG_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT):
+    if failure.code in (HUNG_EXIT, NON_FINITE_EXIT, PREEMPTED_EXIT, SAVE_FAILED_EXIT):
         return failure.code  # type: ignore[return-value]
     return HUNG_EXIT if (failure.cause or "").startswith("hang") else 1

@@ -20,7 +20,7 @@ from disttrain.fault.config import LOST_PEER_EXIT, restart_count
 from disttrain.fault.replica_groups import group_view, job_world_size
 from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import StepAgreement, StepDecisions
-from disttrain.fault.stops import NonFiniteStep, Preempted
+from disttrain.fault.stops import NonFiniteStep, Preempted, SaveFailed
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
 from disttrain.parallel.process_group import shutdown_process_group
@@ -135,7 +135,7 @@ def run_and_exit(config_path: Path) -> None:
         run_worker(config_path)
     except Preempted as stop:
         code = stop.code
-    except NonFiniteStep as err:
+    except (NonFiniteStep, SaveFailed) as err:
         print(f"Error: {err}", file=sys.stderr)
         code = err.exit_code
     except Exception as err:  # noqa: BLE001 - every failure ends the rank; only its report differs
