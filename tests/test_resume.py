@@ -3,6 +3,7 @@ continues the uninterrupted run's curve, its CSV history and its wall time."""
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from pathlib import Path
@@ -33,18 +34,31 @@ def run_cli(args: list[str], run_dir: Path):
     return train_cli_in_process([*args, f"hydra.run.dir={run_dir}"], ROOT)
 
 
+def epoch_losses(run_dir: Path) -> dict[int, float]:
+    """The train/loss_epoch column of the CSV log, by step."""
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return {int(row["step"]): float(row["train/loss_epoch"]) for row in csv.DictReader(handle)
+                if row.get("train/loss_epoch")}
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> list[float]:
-    """The uninterrupted curve, from one process (every layout matches it, see test_parity.py)."""
+def straight_run(tmp_path_factory) -> Path:
+    """The uninterrupted run, in one process (every layout matches it, see test_parity.py)."""
     run_dir = tmp_path_factory.mktemp("straight")
     train(compose_config(RUN, run_dir))
-    losses = step_losses(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run) -> list[float]:
+    """The uninterrupted curve."""
+    losses = step_losses(straight_run)
     assert len(losses) == STEPS
     return losses
 
 
 @pytest.mark.parametrize(("preset", "ranks"), [("ddp", 2), ("hsdp", 4)])
-def test_killed_run_resumes_from_its_newest_save_point(tmp_path, straight, preset, ranks):
+def test_killed_run_resumes_from_its_newest_save_point(tmp_path, straight, straight_run, preset, ranks):
     layout = [*RUN, f"parallel={preset}", f"trainer.devices={ranks}"]
 
     run_dir = tmp_path / "killed"
@@ -58,6 +72,9 @@ def test_killed_run_resumes_from_its_newest_save_point(tmp_path, straight, prese
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     # the CSV holds the whole run: the steps before the checkpoint from the first process, the rest after
     assert step_losses(run_dir) == pytest.approx(straight, rel=1e-6)
+    # the epoch's mean counts the steps before the crash too: their sums went with the checkpoint
+    assert epoch_losses(straight_run)
+    assert epoch_losses(run_dir) == pytest.approx(epoch_losses(straight_run), rel=1e-6)
     results = json.loads((run_dir / "results.json").read_text())
     assert results["global_steps"] == STEPS
     assert load_metadata(run_dir / "checkpoints" / "last.ckpt")["global_step"] == STEPS

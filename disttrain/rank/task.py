@@ -34,6 +34,10 @@ LN2 = math.log(2.0)
 warnings.filterwarnings("ignore", message=r".*It is recommended to use `self.log\(.*sync_dist=True")
 
 
+EPOCH_LOSS_KEY = "epoch_loss"
+"""In a checkpoint: the sum and count of the training losses of the epoch it was saved in, over all ranks."""
+
+
 class TrainTask(LeanHookBookkeeping, pl.LightningModule):
     """Trains ``net`` on image classification or next-token prediction, as ``spec.kind`` says.
 
@@ -270,17 +274,38 @@ class TrainTask(LeanHookBookkeeping, pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         """Log the epoch's mean training loss over all ranks and applied steps (nan where none was applied)."""
+        totals = self._epoch_loss_totals()
+        self._epoch_loss_sum = self._epoch_batches = None
+        self.log("train/loss_epoch", totals[0] / totals[1])
+        self._log_position(self.global_step)
+
+    def _epoch_loss_totals(self) -> torch.Tensor:
+        """The epoch's loss sum and batch count so far, over all ranks (a collective: every rank calls it)."""
         self._fold_applied_losses()
         totals = torch.zeros(2, device=self.device)
         if self._epoch_loss_sum is not None and self._epoch_batches is not None:
             totals = torch.stack([self._epoch_loss_sum, self._epoch_batches]).float()
-        self._epoch_loss_sum = self._epoch_batches = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             # one collective for sum and count: a torchmetrics mean synchronised its two states with a barrier and
             # two all-gathers each, 5% of a 2-rank step on the digits with a linear model
             dist.all_reduce(totals)
-        self.log("train/loss_epoch", totals[0] / totals[1])
-        self._log_position(self.global_step)
+        return totals
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The epoch's loss sum and count so far, over all ranks: a run resumed inside the epoch logs the same
+        ``train/loss_epoch`` as the uninterrupted one (every rank saves, so the sum is taken here)."""
+        totals = self._epoch_loss_totals().tolist()
+        checkpoint[EPOCH_LOSS_KEY] = {"sum": totals[0], "batches": totals[1]}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Continue the saved epoch's loss sums: rank 0 holds the saved totals of all ranks, the others start
+        from nothing, so the epoch's reduce adds them once."""
+        saved = checkpoint.get(EPOCH_LOSS_KEY)
+        if not saved or not saved["batches"]:
+            return
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        self._epoch_loss_sum = torch.tensor(saved["sum"] if first else 0.0, device=self.device)
+        self._epoch_batches = torch.tensor(saved["batches"] if first else 0.0, device=self.device)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
