@@ -39,3 +39,16 @@ def test_the_task_logs_its_loss_off_lightnings_progress_bar():
     optimizer = torch.optim.SGD(task.parameters(), lr=0.1)
     task._log_step_row(torch.tensor(1.0), optimizer)
     assert not logged[LOSS_KEY].get("prog_bar", False)  # Lightning would read it back after every batch
+
+
+@pytest.mark.parametrize(("tokens_per_sample", "shown"), [(1, "| 40.0 samples/s"), (256, "| 10,240 tokens/s")])
+def test_the_plain_line_gives_a_text_models_rate_in_tokens(capsys, tokens_per_sample, shown):
+    from disttrain.rank.callbacks import ThroughputMeter
+    from disttrain.rank.progress import PlainProgress
+
+    meter = ThroughputMeter(global_batch=8, tokens_per_sample=tokens_per_sample)
+    meter.steps, meter.seconds = 10, 2.0
+    trainer = SimpleNamespace(is_global_zero=True, global_step=5, max_steps=10, current_epoch=0, optimizers=[],
+                              callback_metrics={LOSS_KEY: torch.tensor(2.5)})
+    PlainProgress(5, meter).on_train_batch_end(trainer)
+    assert capsys.readouterr().out == f"step 5/10 | epoch 0 | loss 2.5000 {shown}\n"

@@ -72,8 +72,9 @@ class PlainProgress(pl.Callback):
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
         rate = self.meter.samples_per_sec
-        if rate == rate:
-            parts.append(f"{rate:.1f} samples/s")
+        if rate == rate:  # a text model's rate in tokens, as its results and the field's trainers give it
+            parts.append(f"{self.meter.tokens_per_sec:,.0f} tokens/s" if self.meter.tokens_per_sample > 1
+                         else f"{rate:.1f} samples/s")
         print(" | ".join(parts), flush=True)
 
     def on_validation_end(self, trainer: pl.Trainer, *_: Any) -> None:
