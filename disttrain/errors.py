@@ -6,8 +6,19 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: object, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r} is invalid: {allowed}")
+        super().__init__(f"{key}={spelled(value)} is invalid: {allowed}")
 
     def __reduce__(self) -> tuple[type, tuple[str, object, str]]:
         # rebuilt from its three parts, so it crosses process boundaries (a rank's error reaching the job)
         return type(self), (self.key, self.value, self.allowed)
+
+
+def spelled(value: object) -> str:
+    """``value`` as a user writes it on the command line or in YAML: ``true``, ``null``, ``'name'``, ``[1, 2]``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(spelled(item) for item in value) + "]"
+    return repr(value)

@@ -199,7 +199,7 @@ def token_files(directory: Path, stray: int | None = None) -> Path:
          "data.vocab_size=512 is invalid: more than every token id: val.bin holds id 60000 at position 700"),
         (["model=gpt"], "model.name='gpt' is invalid: a model for image data; gpt needs text data"),
         (["model=gpt", "data=pydocs", "parallel=tp", "parallel.sequence_parallel=true", "trainer.devices=1"],
-         "parallel.sequence_parallel=True is invalid: false unless parallel.tp > 1 (tp=1 of 1 rank(s) here)"),
+         "parallel.sequence_parallel=true is invalid: false unless parallel.tp > 1 (tp=1 of 1 rank(s) here)"),
     ],
     ids=["unknown-key", "typo-key", "wrong-type", "no-such-option", "unparsable", "negative-lr",
          "devices-0", "fp16", "fp64", "no-path", "resume-dir", "stray-id", "gpt-images", "sp-one-rank"],

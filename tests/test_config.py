@@ -314,3 +314,12 @@ def test_a_rank_takes_the_jobs_model_checks_and_builds_the_same_run(make_config,
     assert rank.yaml == full.yaml == job.yaml and rank.config_hash == job.config_hash
     with pytest.raises(AssertionError, match="built the model"):  # a validation without it checks the model
         validate(OmegaConf.create(job.yaml))
+
+
+def test_a_refusal_spells_the_value_as_the_user_typed_it():
+    from disttrain.errors import ConfigError
+
+    assert str(ConfigError("a.flag", True, "false")) == "a.flag=true is invalid: false"
+    assert str(ConfigError("a.path", None, "a file")) == "a.path=null is invalid: a file"
+    assert str(ConfigError("a.names", ("x", False), "names")) == "a.names=['x', false] is invalid: names"
+    assert str(ConfigError("a.name", "x", "y")) == "a.name='x' is invalid: y"

@@ -118,7 +118,7 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_ep(tmp_path, before
     (["parallel=zero3", "parallel.ep=2", "trainer.devices=2", "parallel.activation_checkpoint=selective"],
      r"^parallel\.activation_checkpoint='selective' is invalid: none or full with parallel\.ep=2"),
     (["parallel=hybrid", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true", "trainer.devices=4"],
-     r"^parallel\.sequence_parallel=True is invalid: false with parallel\.ep=2"),
+     r"^parallel\.sequence_parallel=true is invalid: false with parallel\.ep=2"),
     (["parallel=zero3", "parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2", "trainer.devices=4",
       "model.capacity_factor=1.0"], r"^model\.capacity_factor=1\.0 is invalid: null with parallel\.cp=2"),
 ])

@@ -135,5 +135,5 @@ def test_hf_moe_refusal_names_the_model_type(make_config):
 def test_hf_router_balance_loss_is_refused_not_dropped(make_config, arch):
     """With ``output_router_logits`` the Hugging Face model computes its router's balance loss but adds it only
     to its own loss of ``labels``; disttrain trains on the logits, so the setting is refused by name."""
-    with pytest.raises(ConfigError, match=r"^model\.output_router_logits=True is invalid: false.*balance loss"):
+    with pytest.raises(ConfigError, match=r"^model\.output_router_logits=true is invalid: false.*balance loss"):
         validate(make_config(hf_moe_overrides(arch, {"output_router_logits": True})))
