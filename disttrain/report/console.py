@@ -14,6 +14,10 @@ _BANNER = "-" * 100 + "\ndistributed_backend="
 _NOISE = (  # Lightning routes fabric's rank-zero messages through the pytorch logger once that is imported
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
     ("lightning.pytorch.utilities.rank_zero", _BANNER),
+    # the accelerators Lightning looked for, on every run: the run's own summary names the device it used
+    ("lightning.pytorch.utilities.rank_zero", "GPU available:"),
+    ("lightning.pytorch.utilities.rank_zero", "TPU available:"),
+    ("lightning.pytorch.utilities.rank_zero", "HPU available:"),
     ("lightning.fabric.utilities.rank_zero", _BANNER),
     ("lightning.fabric.utilities.distributed", "Initializing distributed:"),
 )
