@@ -350,3 +350,12 @@ def test_built_optimisers_are_fused_on_a_cpu():
 
     model = nn.Linear(3, 2)
     assert build_optimizer(AdamWConfig(), model).defaults["fused"] is True
+
+
+def test_the_fused_kernel_can_be_switched_off_from_the_command_line(make_config):
+    from disttrain.config.validation import validate
+    from disttrain.optim import build_optimizer
+
+    optim = validate(make_config(["optim.fused=false"])).train.optim
+    assert optim.fused is False
+    assert not build_optimizer(optim, nn.Linear(3, 2)).defaults["fused"]

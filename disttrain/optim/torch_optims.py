@@ -29,6 +29,9 @@ class AdamWConfig:
     """Decoupled weight decay."""
     exclude_bias_and_norm: bool = True
     """Biases and norm weights (ndim < 2) get no weight decay."""
+    fused: bool = True
+    """torch's fused AdamW kernel where it applies (one device type, float parameters, plain tensors or DTensors
+    alone); false: torch's default per-tensor kernels everywhere (their rounding differs in the last bits)."""
 
     def validate(self) -> None:
         """Reject values outside the ranges the update rule is defined for."""
@@ -43,7 +46,7 @@ def build_adamw(cfg: AdamWConfig, model: nn.Module) -> torch.optim.AdamW:
     """AdamW over the (possibly wrapped) model's trainable parameters, with torch's fused kernel where it applies."""
     groups = param_groups(model, cfg.weight_decay, cfg.exclude_bias_and_norm)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, **kernel_options(groups))
+                             weight_decay=cfg.weight_decay, **(kernel_options(groups) if cfg.fused else {}))
 
 
 @dataclass
