@@ -182,6 +182,87 @@ def test_bad_hf_configs_are_one_line(make_config, tmp_path):
         validate(make_config([*base, f"model.path={tmp_path}", "model.pretrained=true"]))
 
 
+def test_an_unknown_model_type_names_close_ones_not_all(make_config, tmp_path):
+    """transformers knows hundreds of model types: the error names the value, a few spelled like it and how to list
+    them all, rather than every one (several KB)."""
+    base = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "lama", **TINY, "vocab_size": 256}))
+    for override, key in (("model.arch=lama", "model.arch='lama'"), (f"model.path={tmp_path}", "model.path=")):
+        with pytest.raises(ConfigError) as refused:
+            validate(make_config([*base, override]))
+        message = str(refused.value)
+        assert message.startswith(key) and "'lama'" in message and "close to it: llama" in message, message
+        assert "sorted(transformers.CONFIG_MAPPING)" in message and len(message) < 400, message
+
+
+WEIGHTS = "model.safetensors"
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _rewritten(change):
+    """A change to the folder's tensors, saved back over its ``model.safetensors``."""
+    def rewrite(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / WEIGHTS)
+        change(tensors)
+        save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+
+    return rewrite
+
+
+def _indexed(text: str):
+    """The folder's weights as one shard beside an index of the given text."""
+    def index(folder: Path) -> None:
+        (folder / WEIGHTS).rename(folder / SHARD)
+        (folder / "model.safetensors.index.json").write_text(text)
+
+    return index
+
+
+BAD_FOLDERS = {
+    "cut-short": (lambda f: (f / WEIGHTS).write_bytes((f / WEIGHTS).read_bytes()[:-100]),
+                  [f"{WEIGHTS} is ", "where its header's tensors end at byte", "(cut short)"]),
+    "garbage-header": (lambda f: (f / WEIGHTS).write_bytes(b"\x20" + bytes(7) + b"{not json" + bytes(100)),
+                       [f"{WEIGHTS} is not a safetensors file", "invalid JSON in header"]),
+    "wrong-shape": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(32)})),
+                    [f"{WEIGHTS} holds model.norm.weight as [32], where the model's is [64]"]),
+    "missing-tensor": (_rewritten(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+                       ["no file of the folder holds model.layers.1.mlp.up_proj.weight"]),
+    "integer-dtype": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})),
+                      [f"{WEIGHTS} holds model.norm.weight as I32, which does not cast to the model's float32"]),
+    "index-not-json": (_indexed("{oops"), ["model.safetensors.index.json is JSON; it is not (Expecting"]),
+    "index-without-weight-map": (_indexed('{"metadata": {}}'),
+                                 ["model.safetensors.index.json has a weight_map", "it has none"]),
+    "index-names-absent-shard": (_indexed(json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}})),
+                                 ["every file its model.safetensors.index.json names; model-00002.safetensors is "
+                                  "not there"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_a_bad_weights_folder_is_one_line_before_any_rank_starts(tmp_path, monkeypatch, case):
+    """A folder whose weights do not fit the model (a file cut short, a header that is not one, a tensor of
+    another shape, absent or in a dtype that does not cast, an index that is not one) is refused from the files'
+    headers while the job validates: one line on the command line, status 2, no rank started, no run folder."""
+    import disttrain.rank.run
+    from tests.conftest import train_cli_in_process
+
+    change, expected = BAD_FOLDERS[case]
+    folder = saved_folder(tmp_path / "hf")
+    change(folder)
+    started = []
+    monkeypatch.setattr(disttrain.rank.run, "run_rank", started.append)
+    base = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
+    proc = train_cli_in_process([*base, f"model.path={folder}", "model.pretrained=true", "trainer.devices=1"],
+                                tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert lines[0].startswith(f"Error: model.path='{folder}' is invalid: "), lines[0]
+    assert all(part in lines[0] for part in expected), lines[0]
+    assert not started and [p.name for p in tmp_path.iterdir()] == ["hf"]  # no rank, no run directory
+
+
 @pytest.mark.parametrize("layout", ["zero3", "tp"])
 def test_an_export_after_training_loads_in_transformers_with_the_same_logits(tmp_path, layout):
     """Trained under ZeRO-3 or tensor parallelism, exported with ``--format hf``: ``from_pretrained`` gives the

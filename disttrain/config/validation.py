@@ -27,6 +27,7 @@ from disttrain.config.trainer_checks import check_compile_mode, check_trainer
 from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
+from disttrain.models.hf_weights import check_starting_weights
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
@@ -212,12 +213,13 @@ def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any)
 
 def _check_model(top: TrainConfig, model: Any, optim: Any, dims: ParallelDims, batch: ResolvedBatch, spec: Any,
                  chose_layout: bool) -> Any:
-    """The model built on the meta device and checked against the layout: its parallel plan, the checkpoint it
-    resumes from, the gradient codec's rank (resolved here when unset), torchft and the memory budget. Returns
-    the model (the notices that follow read it)."""
+    """The model built on the meta device and checked against the layout: its parallel plan, the headers of the
+    weights it starts from, the checkpoint it resumes from, the gradient codec's rank (resolved here when unset),
+    torchft and the memory budget. Returns the model (the notices that follow read it)."""
     p = top.parallel
     net = model_on_meta(model, spec)
     check_model_plan(model.name, net, p, dims, batch.micro_size, spec)
+    check_starting_weights(net)
     if top.resume not in (None, "auto"):
         check_resume_fits(top.resume, net)
     top.comm.check_model(net)

@@ -25,6 +25,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models import hf_attention, hf_plan
 from disttrain.models.attention import SequenceSplit
+from disttrain.models.hf_weights import INDEX_FILE, WEIGHTS_FILE, weight_files
 from disttrain.models.meta import on_meta_device
 from disttrain.models.registry import MODELS
 
@@ -84,16 +85,15 @@ class HFConfig:
         if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
                               f"a causal language model; transformers has none for {type(config).__name__}")
-        if self.pretrained and not pretrained_files(Path(self.path)):
-            raise ConfigError("model.path", self.path, "a folder with model.safetensors or its shards and "
-                              "model.safetensors.index.json, with model.pretrained=true")
+        if self.pretrained and not weight_files(Path(self.path).expanduser()):
+            raise ConfigError("model.path", self.path, f"a folder with {WEIGHTS_FILE} or its shards and "
+                              f"{INDEX_FILE}, with model.pretrained=true")
         return config
 
     def _config(self, transformers: Any, fields: dict[str, Any]) -> Any:
         if self.arch is not None:
             if self.arch not in transformers.CONFIG_MAPPING:
-                raise ConfigError("model.arch", self.arch, "a transformers model type, e.g. llama, qwen3, mistral, "
-                                  "gpt2")
+                raise ConfigError("model.arch", self.arch, f"a transformers model type; {_known_types(self.arch)}")
             try:
                 return transformers.AutoConfig.for_model(self.arch, **fields)
             except (ValueError, TypeError) as err:
@@ -104,9 +104,17 @@ class HFConfig:
                               f"{folder / CONFIG_FILE})")
         try:
             saved, _ = transformers.PretrainedConfig.get_config_dict(str(folder), local_files_only=True)
-            saved = {**saved, **fields}
-            return transformers.AutoConfig.for_model(saved.pop("model_type"), **saved)
-        except (ValueError, OSError, KeyError, TypeError) as err:
+        except (ValueError, OSError) as err:
+            raise ConfigError("model.path", self.path, f"a {CONFIG_FILE} that transformers reads ({err})") from None
+        saved = {**saved, **fields}
+        model_type = saved.pop("model_type", None)
+        if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+            found = "it names none" if model_type is None else f"{model_type!r} is not one"
+            raise ConfigError("model.path", self.path, f"a {CONFIG_FILE} whose model_type transformers knows; "
+                              f"{found} ({_known_types(str(model_type or ''))})")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **saved)
+        except (ValueError, KeyError, TypeError) as err:
             raise ConfigError("model.path", self.path, f"a config.json that transformers reads ({err})") from None
 
 
@@ -119,6 +127,20 @@ def _transformers() -> Any:
     return transformers
 
 
+def _known_types(model_type: str) -> str:
+    """The few ``transformers`` model types spelled like ``model_type``, and how to list them all (transformers
+    knows hundreds: a message listing every one runs to several KB)."""
+    from difflib import get_close_matches
+
+    import transformers
+
+    known = list(transformers.CONFIG_MAPPING)
+    close = get_close_matches(model_type, known, n=4)
+    sample = f"close to it: {', '.join(close)}" if close else "e.g. llama, qwen3, mistral, gpt2"
+    return (f"{sample}; all {len(known)}: python -c 'import transformers; "
+            "print(sorted(transformers.CONFIG_MAPPING))'")
+
+
 def _check_fits(config: Any, spec: DataSpec) -> None:
     """The model's vocabulary holds the data's tokens and its positions the data's windows."""
     vocab = getattr(config, "vocab_size", None)
@@ -128,20 +150,6 @@ def _check_fits(config: Any, spec: DataSpec) -> None:
         positions = getattr(config, key, None)
         if positions is not None and positions < spec.block_size:
             raise ConfigError(f"model.{key}", positions, f"at least the data's block size of {spec.block_size}")
-
-
-def pretrained_files(folder: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face model folder (one file, or the shards its index lists)."""
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = folder / "model.safetensors.index.json"
-    if not index.is_file():
-        return []
-    import json
-
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return [folder / name for name in shards] if all((folder / name).is_file() for name in shards) else []
 
 
 class HFCausalLM(nn.Module):

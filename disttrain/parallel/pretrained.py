@@ -16,13 +16,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from disttrain.models.hf_weights import weight_files
+
 
 def saved_files(folder: Path) -> dict[str, Path]:
-    """Which safetensors file of ``folder`` holds each tensor name (read from the files' headers)."""
+    """Which safetensors file of ``folder`` holds each tensor name (read from the headers of the files that the
+    job's validation checked: ``model.safetensors``, else the shards its index names)."""
     from safetensors import safe_open
 
     names: dict[str, Path] = {}
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in weight_files(folder):
         with safe_open(str(path), framework="pt") as handle:
             names.update(dict.fromkeys(handle.keys(), path))
     return names
