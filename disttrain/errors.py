@@ -13,6 +13,14 @@ class ConfigError(ValueError):
         return type(self), (self.key, self.value, self.allowed)
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written; the one-line message says why (a full disk) and which checkpoint is the
+    last good one. Here, not beside the other ways a run stops, because the checkpoint package raises it."""
+
+    exit_code = 74
+    """EX_IOERR: the job's exit status too (``disttrain.fault.config.SAVE_FAILED_EXIT``)."""
+
+
 def spelled(value: object) -> str:
     """``value`` as a user writes it on the command line or in YAML: ``true``, ``null``, ``'name'``, ``[1, 2]``."""
     if isinstance(value, bool):

@@ -24,7 +24,7 @@ from disttrain.checkpoint.optimizer_state import (
     pack_param_groups,
     unpack_param_groups,
 )
-from disttrain.fault.stops import SaveFailed
+from disttrain.errors import SaveFailed
 
 
 class Ranks(Protocol):

@@ -6,7 +6,7 @@ import signal
 from dataclasses import dataclass
 
 from disttrain import checks
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, SaveFailed
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """A preemption notice: the job forwards them to every rank, which saves a checkpoint and stops."""
@@ -17,9 +17,9 @@ HUNG_EXIT = 124
 """A rank stopped answering or no rank made progress within ``hang_timeout_s`` (as timeout(1) exits)."""
 NON_FINITE_EXIT = 65
 """A non-finite loss or gradient norm under ``nan_policy=stop`` (EX_DATAERR)."""
-SAVE_FAILED_EXIT = 74
+SAVE_FAILED_EXIT = SaveFailed.exit_code
 """A checkpoint could not be written (a full disk, a lost mount): its partial folder is removed, the last good
-checkpoint kept (EX_IOERR). Not restarted: the same save would fail again."""
+checkpoint kept. Not restarted: the same save would fail again."""
 LOST_PEER_EXIT = 69
 """A rank's collective failed because another rank went away: a consequence, never the cause (EX_UNAVAILABLE)."""
 NAN_POLICIES = ("stop", "skip")

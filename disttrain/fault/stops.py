@@ -6,7 +6,7 @@ catch them without importing Lightning, whose import takes seconds that a config
 
 from __future__ import annotations
 
-from disttrain.fault.config import NON_FINITE_EXIT, PREEMPTED_EXIT, SAVE_FAILED_EXIT
+from disttrain.fault.config import NON_FINITE_EXIT, PREEMPTED_EXIT
 
 
 class Preempted(SystemExit):
@@ -30,13 +30,6 @@ class NonFiniteStep(RuntimeError):
     """A non-finite loss or gradient norm under ``nan_policy=stop``; the last good checkpoint is kept."""
 
     exit_code = NON_FINITE_EXIT
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written; the message says why (a full disk) and which checkpoint is the last good
-    one."""
-
-    exit_code = SAVE_FAILED_EXIT
 
 
 class SkippedStep(Exception):

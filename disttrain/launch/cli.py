@@ -71,7 +71,8 @@ def train_from_cli(cfg: DictConfig) -> float | None:
     """``disttrain.launch.job.train(cfg)``; on a ConfigError print ``Error: <message>``, remove the job directory
     Hydra made for it (when it holds nothing else), and exit with status 2. ``HYDRA_FULL_ERROR=1`` raises
     instead, for the whole traceback."""
-    from disttrain.fault.stops import NonFiniteStep, Preempted, SaveFailed
+    from disttrain.errors import SaveFailed
+    from disttrain.fault.stops import NonFiniteStep, Preempted
     from disttrain.launch.job import train
     from disttrain.launch.supervisor import RanksStopped
 

@@ -16,11 +16,12 @@ from omegaconf import OmegaConf
 from disttrain.checkpoint.folders import resume_path
 from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config.validation import RunConfig, validate
+from disttrain.errors import SaveFailed
 from disttrain.fault.config import LOST_PEER_EXIT, restart_count
 from disttrain.fault.replica_groups import group_view, job_world_size
 from disttrain.fault.rng import RandomStates
 from disttrain.fault.steps import StepAgreement, StepDecisions
-from disttrain.fault.stops import NonFiniteStep, Preempted, SaveFailed
+from disttrain.fault.stops import NonFiniteStep, Preempted
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
 from disttrain.parallel.process_group import shutdown_process_group
