@@ -113,6 +113,65 @@ def test_robust_settings_are_refused_through_the_config(make_config):
     assert caught.value.key == "federated.attack.kind"
 
 
+def test_krum_without_assumed_attackers_takes_the_largest_f_the_round_allows():
+    # n reporting clients outvote f attackers while n > 2f + 2
+    for per_round, f in ((3, 0), (4, 0), (5, 1), (8, 2), (9, 3)):
+        fed = _fed(aggregation="multi_krum", clients_per_round=per_round)
+        fed.validate()
+        assert fed.resolved_attackers == f and per_round > 2 * f + 2 and not per_round > 2 * (f + 1) + 2
+    dropping = FederatedConfig(clients=10, clients_per_round=10, aggregation="krum", dropout=0.3)  # 7 report
+    dropping.validate()
+    assert dropping.resolved_attackers == 2
+    assert _fed(aggregation="krum", assumed_attackers=0).resolved_attackers == 0  # a user's 0 is kept
+    with pytest.raises(ConfigError) as caught:
+        _fed(aggregation="krum", clients_per_round=2).validate()
+    assert caught.value.key == "federated.clients_per_round" and "at least 3 reporting" in str(caught.value)
+
+
+def test_a_round_aggregates_with_the_chosen_f(monkeypatch):
+    from tests.test_federated import _rounds
+
+    taken = []
+    original = robust.aggregate
+    monkeypatch.setattr(robust, "aggregate", lambda *args: taken.append(args[3]) or original(*args))
+    fed = FederatedConfig(clients=6, clients_per_round=0, local_steps=1, batch_size=8, aggregation="multi_krum")
+    fed.validate()
+    _rounds(fed).run(0)
+    assert taken == [1]  # 6 reporting: 6 > 2 * 1 + 2, not 6 > 2 * 2 + 2
+
+
+def test_the_default_f_is_said_once_at_the_start(make_config):
+    from disttrain.config import validate
+
+    run = validate(make_config(["parallel=federated", "trainer.devices=2", "federated.aggregation=multi_krum"]))
+    said = [n for n in run.notices if "assumed_attackers" in n]
+    assert said == ["federated.assumed_attackers=null: multi_krum assumes f=1 hostile clients per round, the most "
+                    "that 5 reporting clients outvote (n > 2f + 2); set it to the number you expect"], run.notices
+    assert "aggregation=multi_krum (f=1)" in run.notices[0]
+    chosen = validate(make_config(["parallel=federated", "trainer.devices=2", "federated.aggregation=krum",
+                                   "federated.assumed_attackers=0"]))
+    assert not any("assumed_attackers" in n for n in chosen.notices) and "krum (f=0)" in chosen.notices[0]
+
+
+
+def test_results_name_the_f_a_krum_rule_took():
+    from disttrain.data.spec import DataSpec
+    from disttrain.optim import AdamWConfig, SchedulerConfig
+    from disttrain.rank.kinds.federated import FederatedTask
+
+    def summary(fed: FederatedConfig) -> dict:
+        fed.validate()
+        spec = DataSpec("image", num_classes=2, in_channels=1, image_size=2)
+        return FederatedTask(nn.Linear(4, 2), spec, AdamWConfig(), SchedulerConfig(), fed=fed, train_set=None,
+                             parts=[], clip=None, seed=0).summary()
+
+    taken = summary(_fed(aggregation="multi_krum"))  # 8 reporting
+    assert taken["assumed_attackers"] == 2 and taken["assumed_attackers_default"] is True
+    given = summary(_fed(aggregation="krum", assumed_attackers=1))
+    assert given["assumed_attackers"] == 1 and given["assumed_attackers_default"] is False
+    assert "assumed_attackers" not in summary(_fed(aggregation="median"))
+
+
 # ---- whole trainings under attack -------------------------------------------------------------------------
 
 ROUNDS = 15

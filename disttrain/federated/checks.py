@@ -6,6 +6,19 @@ from typing import Any
 
 from disttrain.errors import ConfigError
 from disttrain.federated.partition import empty_clients, labels_of
+from disttrain.federated.robust import KRUM_RULES
+
+
+def krum_f(fed: Any) -> str:
+    """`` (f=N)`` after a Krum rule's name in the run's first line; nothing for the other rules."""
+    return f" (f={fed.resolved_attackers})" if fed.aggregation in KRUM_RULES else ""
+
+
+def default_attackers_notice(fed: Any) -> str:
+    """The line that says which f a Krum rule took when ``federated.assumed_attackers`` is null."""
+    f, n = fed.resolved_attackers, fed.reporting
+    return (f"federated.assumed_attackers=null: {fed.aggregation} assumes f={f} hostile clients per round, the "
+            f"most that {n} reporting clients outvote (n > 2f + 2); set it to the number you expect")
 
 
 def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
@@ -64,7 +77,7 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
     local = f"{fed.local_epochs} local epochs" if fed.local_epochs else f"{fed.local_steps} local steps"
     notices = [f"federated: {fed.clients} clients ({fed.partition}, {min(sizes)}-{max(sizes)} samples each), "
                f"{fed.per_round} per round, {fed.rounds} rounds of {local}, {fed.strategy}, "
-               f"aggregation={fed.aggregation}"]
+               f"aggregation={fed.aggregation}{krum_f(fed)}"]
     extras = []
     if fed.mode == "async":
         extras.append(f"asynchronous (FedBuff): {fed.per_round} training at once, a server step per {fed.buffer} "
@@ -77,6 +90,8 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
         extras.append(f"{round(fed.attack.fraction * fed.clients)} clients attack ({fed.attack.kind})")
     if extras:
         notices[0] += "; " + "; ".join(extras)
+    if fed.aggregation in KRUM_RULES and fed.assumed_attackers is None:
+        notices.append(default_attackers_notice(fed))
     if empty:
         named = f"{empty}" if len(empty) <= 20 else f"{empty[:20]} and {len(empty) - 20} more"
         notices.append(f"federated.partition={fed.partition}: clients {named} hold no samples and are never drawn")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.federated.attack import ATTACKS
-from disttrain.federated.robust import RULES, trimmed_count
+from disttrain.federated.robust import KRUM_RULES, RULES, trimmed_count
 
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedyogi")
 PARTITIONS = ("iid", "dirichlet", "shards")
@@ -137,9 +137,11 @@ class FederatedConfig:
     trim_fraction: float = 0.2
     """trimmed_mean: share of the reporting clients dropped at each end of every coordinate (below 0.5; to
     withstand f attackers among n it must be at least f / n)."""
-    assumed_attackers: int = 0
+    assumed_attackers: int | None = None
     """krum and multi_krum: the number f of hostile clients per round the rule must withstand; needs more
-    than 2 f + 2 reporting clients per round."""
+    than 2 f + 2 reporting clients per round. null: the largest f the round allows, ``(n - 3) // 2`` of n
+    reporting clients (Krum guarantees nothing beyond its f, and f = 0 would make multi_krum the plain mean);
+    the run names the f it took in one line at its start and in results.json. 0 withstands no attacker."""
     attack: AttackConfig = field(default_factory=AttackConfig)
     """Simulated hostile clients."""
     mode: str = "sync"
@@ -182,6 +184,14 @@ class FederatedConfig:
     def reporting(self) -> int:
         """Clients whose updates reach the server each round."""
         return self.per_round - round(self.dropout * self.per_round)
+
+    @property
+    def resolved_attackers(self) -> int:
+        """krum / multi_krum's f: ``assumed_attackers``, or (null) the largest that the reporting clients
+        outvote (``n > 2 f + 2``)."""
+        if self.assumed_attackers is not None:
+            return self.assumed_attackers
+        return max(0, (self.reporting - 3) // 2)
 
     @property
     def resolved_weighting(self) -> str:
@@ -285,7 +295,8 @@ class FederatedConfig:
                               f"{[a for a in ATTACKS if a != 'none']})")
         if not 0 <= self.trim_fraction < 0.5:
             raise ConfigError("federated.trim_fraction", self.trim_fraction, "a share in [0, 0.5)")
-        checks.non_negative("federated.assumed_attackers", self.assumed_attackers)
+        if self.assumed_attackers is not None:
+            checks.non_negative("federated.assumed_attackers", self.assumed_attackers)
         if not self.robust:
             return
         if self.secure_aggregation:
@@ -302,8 +313,13 @@ class FederatedConfig:
         if self.aggregation == "trimmed_mean" and 2 * trimmed_count(n, self.trim_fraction) >= n:
             raise ConfigError("federated.trim_fraction", self.trim_fraction,
                               f"a share that leaves values after trimming {n} reporting clients at both ends")
-        if self.aggregation in ("krum", "multi_krum") and not n > 2 * self.assumed_attackers + 2:
+        if self.aggregation not in KRUM_RULES:
+            return
+        if n < 3:
+            raise ConfigError("federated.clients_per_round", self.clients_per_round, f"a count that leaves at least "
+                              f"3 reporting clients per round with federated.aggregation={self.aggregation} (there "
+                              f"are {n}; Krum needs n > 2f + 2 even for f = 0)")
+        if not n > 2 * self.resolved_attackers + 2:
             raise ConfigError("federated.assumed_attackers", self.assumed_attackers,
                               f"at most {(n - 3) // 2} with federated.aggregation={self.aggregation} and {n} "
-                              f"reporting clients per round (Krum needs n > 2f + 2)" if n >= 3 else
-                              f"0, and at least 3 reporting clients per round (there are {n}) for Krum")
+                              "reporting clients per round (Krum needs n > 2f + 2; null takes that most)")

@@ -20,6 +20,8 @@ import math
 import torch
 
 RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+KRUM_RULES = ("krum", "multi_krum")
+"""The rules that assume a number of attackers (``federated.assumed_attackers``)."""
 
 
 def trimmed_count(clients: int, trim_fraction: float) -> int:

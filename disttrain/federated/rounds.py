@@ -228,7 +228,7 @@ class FederatedRounds:
             dist.all_reduce(metrics, group=self.group)
         if separate:
             cfg, kept = self.cfg, [slot for slot, client in enumerate(clients) if client not in lost]
-            mean_update = robust.aggregate(rows[kept], cfg.aggregation, cfg.trim_fraction, cfg.assumed_attackers)
+            mean_update = robust.aggregate(rows[kept], cfg.aggregation, cfg.trim_fraction, cfg.resolved_attackers)
         else:
             if secure_sum:
                 total = secure.unmask(total, clients, survivors, self.seed, round_index)

@@ -20,11 +20,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from disttrain.fault.stops import SkippedStep
 from disttrain.federated.buffered import BufferedRounds
 from disttrain.federated.config import FederatedConfig
+from disttrain.federated.finite import RoundSnapshot, first_non_finite
 from disttrain.federated.partition import client_partitions
 from disttrain.federated.plot import write_round_plot
-from disttrain.federated.rounds import FederatedRounds, RoundStats, rounds_epsilon
+from disttrain.federated.robust import KRUM_RULES
+from disttrain.federated.rounds import FederatedRounds, RoundStats, rounds_epsilon, state_tensors
 from disttrain.federated.server import RULES, ServerOptimizer
 from disttrain.rank.kinds.base import RunKind
 from disttrain.rank.task import TrainTask
@@ -69,6 +72,9 @@ class FederatedTask(TrainTask):
         """Wall time of this process's rounds (local training and aggregation, not validation)."""
         self.history: list[dict[str, Any]] = []
         """Per round: the clients' metrics, bytes, privacy spent, and the global model's validation metrics."""
+        self._before: RoundSnapshot | None = None
+        """``nan_policy=skip``: the state before the latest round, until the round's model has been checked
+        (and validated, where validation follows it)."""
 
     def setup(self, stage: str) -> None:
         """The round runner, over the data-parallel ranks, once the strategy has placed the model."""
@@ -91,18 +97,47 @@ class FederatedTask(TrainTask):
         self._buffered_state = checkpoint.get("federated_buffer")
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        """One round: local training of the drawn clients, aggregation, the server's step."""
+        """One round: local training of the drawn clients, aggregation, the server's step. A non-finite
+        training loss or global model stops the run or drops the round's update (``fault_tolerance.nan_policy``);
+        a dropped round still counts as a step, with the global model and the server's moments as before it."""
         started = time.perf_counter()
         if self._buffered_state is not None:
             self.rounds.load_state_dict(self._buffered_state)
             self._buffered_state = None
         mean_update, stats = self.rounds.run(self.global_step)
         optimizer = self.optimizers()
+        number = self.global_step + 1
+        try:
+            self._record(stats)  # checks the clients' training loss
+        except SkippedStep:
+            self.history[-1]["skipped"] = True
+            optimizer.step()  # no gradient: the server optimiser changes nothing, and the round is counted
+            self.seconds += time.perf_counter() - started
+            return
+        tensors = [*state_tensors(self.net)[0], *state_tensors(self.net)[1]]
+        if self.agreement.nan_policy == "skip":
+            self._before = RoundSnapshot(tensors, optimizer.optimizer, number)
         self.rounds.apply(mean_update, optimizer.optimizer)
-        self._record(stats)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self._check_model(tensors, number)
         self.seconds += time.perf_counter() - started
+
+    def _check_model(self, tensors: list[torch.Tensor], number: int) -> None:
+        """Stop, or drop round ``number``'s update, where the global model it left holds a non-finite value."""
+        bad = first_non_finite(tensors)
+        if bad is None:
+            return
+        try:
+            self.agreement.check_finite(f"the global model after round {number}", torch.tensor(bad), number)
+        except SkippedStep:
+            self._drop_round()
+
+    def _drop_round(self) -> None:
+        """Restore the state before the round just taken (``nan_policy=skip``; the agreement counted it)."""
+        self._before.restore()
+        self._before = None
+        self.history[-1]["skipped"] = True
 
     def _record(self, stats: RoundStats) -> None:
         loss = self.agreement.reduce_loss(torch.tensor(stats.train_loss, device=self.device), self.trainer.world_size)
@@ -129,13 +164,30 @@ class FederatedTask(TrainTask):
         """The round's row was logged in the training step."""
 
     def on_validation_epoch_end(self) -> None:
-        """Log the global model's validation metrics and keep them with the round's row."""
+        """Log the global model's validation metrics and keep them with the round's row; a non-finite
+        validation loss stops the run or drops the round just taken (``fault_tolerance.nan_policy``)."""
         super().on_validation_epoch_end()
         if self.history and not self.trainer.sanity_checking:
             metrics = self.trainer.callback_metrics
             for key in ("val/acc", "val/loss"):
                 if key in metrics:
                     self.history[-1][key] = float(metrics[key])
+            if "val/loss" in metrics:
+                self._check_validation(metrics["val/loss"])
+
+    def _check_validation(self, loss: torch.Tensor) -> None:
+        """A global model whose values are finite can still compute nan (a BatchNorm running variance that
+        aggregation made negative): its validation loss tells. Under ``skip`` the round just taken is dropped
+        (with validation after every round, the round that broke it); where that round was dropped already there
+        is nothing left to drop."""
+        number = self.global_step
+        if math.isfinite(float(loss)) or (self.agreement.nan_policy == "skip" and (
+                self._before is None or self._before.round != number)):
+            return
+        try:
+            self.agreement.check_finite(f"the validation loss after round {number}", loss, number)
+        except SkippedStep:
+            self._drop_round()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """The server's optimiser over the global model's parameters (no schedule: one step per round)."""
@@ -160,6 +212,9 @@ class FederatedTask(TrainTask):
                                        if self.seconds else None),
             "history": [{k: v for k, v in row.items() if k != "clients"} for row in self.history],
         }
+        if self.fed.aggregation in KRUM_RULES:
+            result["assumed_attackers"] = self.fed.resolved_attackers
+            result["assumed_attackers_default"] = self.fed.assumed_attackers is None
         if self.fed.dp.enabled:
             result["privacy"] = {**asdict(self.fed.dp), "sample_rate": self.rounds.sample_rate,
                                  "epsilon": rounds_epsilon(self.fed, self.rounds.sample_rate, self.global_step),
