@@ -107,10 +107,11 @@ def every_window_bpb(checkpoint: Path, val_file: Path) -> float:
     disttrain's GPT (the same architecture: nanoGPT's fused ``c_attn`` rows are query, key and value)."""
     import torch
 
+    from disttrain.checkpoint.io import load_weights_file
     from disttrain.data.windows import TokenWindows
     from disttrain.models.gpt import GPT, GPTDims
 
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    state = load_weights_file(checkpoint)["model"]
     state = {key.removeprefix("_orig_mod.").removeprefix("transformer."): value for key, value in state.items()}
     ours = {"embed.wte.weight": state["wte.weight"], "embed.wpe.weight": state["wpe.weight"],
             "ln_f.weight": state["ln_f.weight"], "lm_head.weight": state["lm_head.weight"]}

@@ -275,6 +275,7 @@ def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float
     from omegaconf import OmegaConf
 
     from disttrain.checkpoint.export import export
+    from disttrain.checkpoint.io import load_weights_file
     from disttrain.config import validate
     from disttrain.data import build_datamodule
     from disttrain.models import build_model
@@ -283,7 +284,7 @@ def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float
     run = validate(cfg, world_size=cfg.trainer.devices)
     datamodule = build_datamodule(run.data, run.batch.micro_size, run.train.seed)
     model = build_model(run.model, datamodule.spec)
-    model.load_state_dict(torch.load(export(checkpoint, export_to), weights_only=True), strict=True)
+    model.load_state_dict(load_weights_file(export(checkpoint, export_to)), strict=True)
     model.eval()
     val = datamodule.datasets["val"]
     limit = run.train.trainer.limit_val_batches

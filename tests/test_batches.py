@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from disttrain.checkpoint.io import load_weights_file
 from disttrain.launch.job import train
 from disttrain.parallel.buffers import step_broadcast_needed
 from tests.conftest import compose_config, exported_val_loss, logged_metric
@@ -49,7 +50,7 @@ def cnn_runs(tmp_path_factory) -> dict[str, dict]:
         (step, logged), = logged_metric(run_dir, "val/loss")
         runs[name] = {"logged": logged, "exported": exported_val_loss(
             run_dir, run_dir / "checkpoints" / f"step{step}.ckpt", run_dir / "model.pt"),
-            "state": torch.load(run_dir / "model.pt", weights_only=True), "step_losses": step_losses(run_dir),
+            "state": load_weights_file(run_dir / "model.pt"), "step_losses": step_losses(run_dir),
             "epoch_losses": logged_metric(run_dir, "train/loss_epoch")}
     return runs
 

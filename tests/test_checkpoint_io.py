@@ -11,7 +11,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from disttrain.checkpoint.export import consolidated_weights
-from disttrain.checkpoint.io import CheckpointReadError, load_metadata, load_sharded
+from disttrain.checkpoint.io import (
+    CheckpointReadError,
+    check_checkpoint,
+    load_metadata,
+    load_sharded,
+    load_weights_file,
+)
 
 
 class Payload:
@@ -44,8 +50,10 @@ def test_a_genuine_checkpoint_loads(checkpoint):
 def test_crafted_files_are_refused_without_running(checkpoint, tmp_path):
     marker = tmp_path / "ran"
     torch.save({"global_step": Payload(marker)}, checkpoint / "meta.pt")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointReadError, match=r"last.ckpt cannot be read: its meta.pt is not plain data \("):
         load_metadata(checkpoint)
+    with pytest.raises(CheckpointReadError, match="its meta.pt is not plain data"):
+        check_checkpoint(checkpoint)
     index = checkpoint / ".metadata"
     genuine = index.read_bytes()
     index.write_bytes(pickle.dumps(Payload(marker)))
@@ -57,14 +65,64 @@ def test_crafted_files_are_refused_without_running(checkpoint, tmp_path):
     index.write_bytes(genuine)
 
 
+def test_a_stored_object_is_refused_by_every_reader(tmp_path):
+    # an item of the model's own state that would run code: consolidation (export, generation) and the check of a
+    # resumed checkpoint load it as plain data, and refuse it naming the item and its shard
+    marker = tmp_path / "ran"
+    path = tmp_path / "crafted.ckpt"
+    dcp.save({"state_dict": {"w": torch.arange(4.0), "extra": Payload(marker)}}, checkpoint_id=str(path),
+             no_dist=True)
+    torch.save({"global_step": 3}, path / "meta.pt")
+    refusal = r"crafted.ckpt cannot be read: its item state_dict.extra \(in __0_0.distcp\) is not plain data \("
+    with pytest.raises(CheckpointReadError, match=refusal):
+        consolidated_weights(path)
+    with pytest.raises(CheckpointReadError, match=refusal):
+        check_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(checkpoint):
+    check_checkpoint(checkpoint)  # the genuine one passes
+    shard = checkpoint / "__0_0.distcp"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:10])
+    for read in (check_checkpoint, consolidated_weights):
+        with pytest.raises(CheckpointReadError, match=f"its shard __0_0.distcp holds 10 bytes, its index needs "
+                                                      f"{len(whole)}"):
+            read(checkpoint)
+    shard.write_bytes(whole)
+    (checkpoint / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointReadError, match="its index .metadata is not a torch.distributed.checkpoint index"):
+        consolidated_weights(checkpoint)
+    (checkpoint / "meta.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointReadError, match="its meta.pt is not a torch file of plain data") as caught:
+        check_checkpoint(checkpoint)
+    assert "\n" not in str(caught.value)
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)  # it crosses from a rank to the job
+    (checkpoint / "meta.pt").unlink()
+    with pytest.raises(CheckpointReadError, match="its meta.pt is missing"):
+        check_checkpoint(checkpoint)
+
+
+def test_a_weights_file_loads_as_plain_data_only(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "model.pt")
+    assert torch.equal(load_weights_file(tmp_path / "model.pt")["w"], torch.arange(3.0))
+    torch.save({"w": Payload(marker)}, tmp_path / "crafted.pt")
+    with pytest.raises(CheckpointReadError, match="crafted.pt cannot be read: it is not plain data"):
+        load_weights_file(tmp_path / "crafted.pt")
+    assert not marker.exists()
+
+
 def test_a_stored_object_is_refused_where_torch_would_run_it(tmp_path):
     marker = tmp_path / "ran"
     path = tmp_path / "crafted.ckpt"
     dcp.save({"hyper": Payload(marker)}, checkpoint_id=str(path), no_dist=True)
-    with pytest.raises(CheckpointReadError, match="Weights only load failed"):
+    with pytest.raises(CheckpointReadError, match=r"its item hyper \(in __0_0.distcp\) is not plain data"):
         load_sharded({"hyper": None}, path)
     assert not marker.exists()
-    dcp.load({"hyper": None}, checkpoint_id=str(path), no_dist=True)  # torch's own loader runs it
+    # the control: torch's own loader runs it (so the payload above is live, and the refusal is the reader's)
+    dcp.load({"hyper": None}, checkpoint_id=str(path), no_dist=True)
     assert marker.exists()
 
 
@@ -119,3 +177,12 @@ def test_a_one_process_checkpoint_is_saved_and_loaded_without_collectives(tmp_pa
         monkeypatch.undo()
         if own_group:
             dist.destroy_process_group()
+
+
+def test_replicas_kept_apart_consolidate_to_the_first(tmp_path):
+    # Local SGD, DiLoCo and an asynchronous parameter server save each replica's state under replica<i>
+    path = tmp_path / "replicas.ckpt"
+    dcp.save({f"replica{i}": {"state_dict": {"net.w": torch.full((3,), float(i))}, "hyper": {"lr": 0.1 * i}}
+              for i in range(2)}, checkpoint_id=str(path), no_dist=True)
+    weights = consolidated_weights(path)
+    assert list(weights) == ["w"] and torch.equal(weights["w"], torch.zeros(3))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disttrain.checkpoint.io import load_weights_file
 from disttrain.parallel.process_group import free_port
 
 pytest.importorskip("flwr")
@@ -127,7 +128,7 @@ def test_a_flower_deployment_on_loopback_trains_the_simulated_global_model(tmp_p
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
-    deployed = torch.load(run_dir / MODEL_FILE, weights_only=True)
+    deployed = load_weights_file(run_dir / MODEL_FILE)
     start, simulated = _initial_and_simulated(app / "config.yaml")
     floats = [name for name, value in simulated.items() if value.is_floating_point()]
     assert len(floats) > 10 and set(simulated) <= set(deployed)

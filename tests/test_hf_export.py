@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 
 from disttrain.checkpoint.export import export
 from disttrain.checkpoint.hf import write_hf_folder
+from disttrain.checkpoint.io import load_weights_file
 from disttrain.config import validate
 from disttrain.data import build_datamodule
 from disttrain.errors import ConfigError
@@ -93,7 +94,7 @@ def test_a_run_exports_to_hf_and_transformers_computes_the_same_logits(make_conf
     model = build_model(run.model, build_datamodule(run.data, 1, 0).spec).eval()
     # the default format through the same command, from a run directory or a checkpoint folder alike
     assert export_here(run_dir if source == "run" else checkpoint, tmp_path / "model.pt") == 0
-    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    model.load_state_dict(load_weights_file(tmp_path / "model.pt"), strict=True)
     with torch.no_grad():
         assert max_diff(hf(batch()).logits, model(batch())) <= 1e-5
 
@@ -164,8 +165,7 @@ def test_a_run_starts_from_an_hf_llama(make_config, tmp_path):
     """A real run with ``model.init_from`` ends two optimiser steps from the HF model's weights."""
     seeded_hf_llama(tmp_path / "hf")
     train(make_config([*LLAMA_RUN, f"model.init_from={tmp_path / 'hf'}", *HF_SETTINGS], tmp_path / "run"))
-    weights = torch.load(export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "model.pt"),
-                         weights_only=True)
+    weights = load_weights_file(export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "model.pt"))
     _, imported = import_hf_llama(tmp_path / "hf")
     # the imported weights moved by two small steps; a fresh model (N(0, 0.02), unit norms) is ~1 away from them
     assert max(max_diff(weights[name], imported[name]) for name in imported) < 0.05

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from disttrain.checkpoint.export import export
+from disttrain.checkpoint.io import load_weights_file
 from disttrain.config import validate
 from disttrain.data import build_datamodule
 from disttrain.launch.job import train
@@ -51,7 +52,7 @@ def test_default_run_leaves_a_complete_run_directory(make_config, tmp_path):
     assert (ckpts / "last.ckpt" / "meta.pt").exists()
     assert list(ckpts.glob("step*.ckpt"))
     # one consolidated weights file for inference, loadable with weights_only=True into the bare model
-    weights = torch.load(export(ckpts / "last.ckpt", tmp_path / "model.pt"), weights_only=True)
+    weights = load_weights_file(export(ckpts / "last.ckpt", tmp_path / "model.pt"))
     run = validate(OmegaConf.load(run_dir / "config.yaml"))
     model = build_model(run.model, build_datamodule(run.data, 1, 0).spec)
     model.load_state_dict(weights, strict=True)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.checkpoint.io import load_sharded
 from disttrain.models.cnn import CNN
 from disttrain.models.gpt import GPT, GPTDims
 from disttrain.optim import Lamb, Lars, param_groups
@@ -171,7 +172,7 @@ def _two_rank_worker(ckpt: str) -> dict:
     for case in ("resume", "resume_model_only"):
         model, ddp, opt = _zero1_model(shard.get_group(), shard.get_group(), "lamb")
         state = {"model": model.state_dict(), "optimizer": zero1_load_template(opt)}
-        dcp.load(state, checkpoint_id=ckpt)
+        load_sharded(state, Path(ckpt))
         model.load_state_dict(state["model"])
         if case == "resume":
             load_zero1_state_dict(opt, state["optimizer"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from disttrain.checkpoint.export import export
+from disttrain.checkpoint.io import load_weights_file
 from disttrain.config import validate
 from disttrain.data import build_datamodule
 from disttrain.errors import ConfigError
@@ -76,7 +76,7 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_1_and_exports(make_config, tmp
     train(make_config([*every6, f"parallel={other}", "trainer.devices=2", f"resume={step6}"], tmp_path / "other"))
     assert_same_curve(straight[6:], step_losses(tmp_path / "other"))
     # one consolidated file for inference
-    weights = torch.load(export(step6, tmp_path / "model.pt"), weights_only=True)
+    weights = load_weights_file(export(step6, tmp_path / "model.pt"))
     run = validate(OmegaConf.load(tmp_path / "four" / "config.yaml"), world_size=4)
     model = build_model(run.model, build_datamodule(run.data, 1, 0).spec)
     model.load_state_dict(weights, strict=True)

@@ -14,33 +14,30 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
+from disttrain.checkpoint.io import CheckpointReadError
 from disttrain.errors import ConfigError
 
 TASK_PREFIX = "net."
 
 
 def consolidated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Read every rank's shard of the model from a checkpoint folder, in one process, as full tensors."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    from disttrain.checkpoint.io import SafeFileSystemReader, load_index, reading
+    """Read every rank's shard of the model from a checkpoint folder, in one process, as full tensors (through
+    the checkpoint reader: a stored object that is not plain data is refused, never run)."""
+    from disttrain.checkpoint.io import load_index, load_items
 
     if not (checkpoint / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a sharded checkpoint folder (no .metadata inside)")
-    with warnings.catch_warnings(), reading(checkpoint):  # loading without a process group is the intent here
-        warnings.simplefilter("ignore", UserWarning)
-        # replicas that differ (Local SGD, DiLoCo, an asynchronous parameter server) are kept each: take the first
-        keys = load_index(checkpoint).state_dict_metadata
-        replica = "replica0" if any(key.startswith("replica0.") for key in keys) else None
-        state = _load_state_dict_from_keys(keys={replica or "state_dict"}, checkpoint_id=str(checkpoint),
-                                           storage_reader=SafeFileSystemReader(str(checkpoint)))
-    state = (state[replica] if replica else state)["state_dict"]
-    return {key.removeprefix(TASK_PREFIX): value.contiguous() for key, value in state.items()}
+    index = load_index(checkpoint)
+    # replicas that differ (Local SGD, DiLoCo, an asynchronous parameter server) are kept each: take the first
+    replicas = any(key.startswith("replica0.") for key in index.state_dict_metadata)
+    top = ("replica0", "state_dict") if replicas else ("state_dict",)
+    items = load_items(checkpoint, lambda path: path[:len(top)] == top, index)
+    weights = {".".join(map(str, path[len(top):])).removeprefix(TASK_PREFIX): value for path, value in items.items()}
+    return {key: value.contiguous() if isinstance(value, torch.Tensor) else value for key, value in weights.items()}
 
 
 def export(checkpoint: Path, output: Path) -> Path:
@@ -95,8 +92,10 @@ def main() -> None:
         else:
             path = export(checkpoint_and_run_dir(args.source)[0], args.output)
             size = path.stat().st_size
-    except (ConfigError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+    except (ConfigError, FileNotFoundError, CheckpointReadError) as err:
+        # what a user gave or what a file holds: one line, the status of every refused input (2)
+        print(f"Error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     print(f"wrote {path} ({size / 2**20:.1f} MiB)")
 
 

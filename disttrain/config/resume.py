@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,18 @@ def checkpoint_folder(resume: str) -> str:
 
 
 def check_resume_fits(checkpoint: str, net: Any) -> None:
-    """``resume``'s checkpoint holds this model's tensors at this model's shapes: a run of another model size is
-    refused by name here, before any rank starts, rather than by the checkpoint reader in every rank."""
-    from disttrain.checkpoint.io import UnsafeCheckpointError, saved_shapes
+    """``resume``'s checkpoint can be read (its ``meta.pt``, its index and every stored object are plain data, its
+    shards as long as its index says) and holds this model's tensors at this model's shapes: a damaged or crafted
+    checkpoint, or a run of another model size, is refused by name here, before any rank starts, rather than by
+    the checkpoint reader in every rank."""
+    from disttrain.checkpoint.io import CheckpointReadError, check_checkpoint, saved_shapes
 
     try:
-        saved = saved_shapes(Path(checkpoint))
-    except (OSError, EOFError, pickle.UnpicklingError, UnsafeCheckpointError) as err:
-        raise ConfigError("resume", checkpoint, f"a readable checkpoint folder; its index is not ({err})") from None
+        check_checkpoint(Path(checkpoint))
+    except (OSError, CheckpointReadError) as err:
+        cause = err.cause if isinstance(err, CheckpointReadError) else str(err)
+        raise ConfigError("resume", checkpoint, f"a checkpoint folder that can be read; {cause}") from None
+    saved = saved_shapes(Path(checkpoint))
     for name, tensor in net.state_dict().items():
         if name in saved and tuple(tensor.shape) != saved[name]:
             raise ConfigError("resume", checkpoint, f"a checkpoint of this model; its {name} is {list(saved[name])} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from disttrain.errors import ConfigError
 
@@ -59,13 +60,25 @@ def generate(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the generated text; a bad input is one ``Error:`` line and exit status 2."""
+    """Print the generated text; a bad input (an option, or a checkpoint that cannot be read or is refused) is
+    one ``Error:`` line and exit status 2."""
     try:
-        text = generate(parse(argv))
+        args = parse(argv)
     except ConfigError as err:
-        print(f"Error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(err)
+    from disttrain.checkpoint.io import CheckpointReadError  # imports torch: after ``--help`` and the options
+
+    try:
+        text = generate(args)
+    except (ConfigError, CheckpointReadError) as err:
+        refuse(err)
     print(text)
+
+
+def refuse(err: Exception) -> NoReturn:
+    """Print ``err`` as one ``Error:`` line and exit with status 2."""
+    print(f"Error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

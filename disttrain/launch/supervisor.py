@@ -222,10 +222,10 @@ class Supervisor:
         return {"CUDA_VISIBLE_DEVICES": ",".join(names[index] for index in self.devices[:self.world_size])}
 
     def _attempt(self, attempt: int) -> Failure | None:
-        from torch.distributed import TCPStore
+        from disttrain.parallel.store import LOOPBACK, hosted_store
 
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(self.world_size),
+        store = hosted_store(LOOPBACK, 0)  # every rank runs on this machine
+        base = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port), "WORLD_SIZE": str(self.world_size),
                 "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(self.world_size), "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
                 **threads_per_rank(self.world_size), **self._visible_devices()}

@@ -16,7 +16,7 @@ stages and DDP. With ``torch.distributed.checkpoint``::
 
     dcp.save({"optimizer": zero1_named_state_dict(model, opt, options), ...}, checkpoint_id=path)  # save
     state = {"optimizer": zero1_named_template(model, opt, options), ...}                          # load
-    dcp.load(state, checkpoint_id=path)
+    load_sharded(state, path)  # disttrain.checkpoint.io: dcp.load, refusing stored objects that run code
     load_zero1_named_state_dict(model, opt, state["optimizer"], options)
 """
 
