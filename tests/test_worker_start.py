@@ -21,6 +21,7 @@ from disttrain.launch.cli import _may_start_ranks
 from disttrain.launch.fork_server import warm_fork_server
 from disttrain.launch.job import train
 from tests.conftest import ROOT, compose_config
+from tests.test_listening import listening_addresses
 
 SHORT = ["parallel=ddp", "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
          "trainer.limit_test_batches=1", "logger=none"]
@@ -41,7 +42,8 @@ class RecordProcess(pl.Callback):
                   "threads": torch.get_num_threads(), "pid": os.getpid(), "frozen": gc.get_freeze_count(),
                   "collects": gc.isenabled(),
                   "schema_nodes": schema_node.cache_info().currsize,
-                  "digits_read_before_start": "disttrain.launch.warm_data" in sys.modules}
+                  "digits_read_before_start": "disttrain.launch.warm_data" in sys.modules,
+                  "store_listens_on": sorted(listening_addresses(int(os.environ["MASTER_PORT"])))}
         (Path(trainer.default_root_dir) / f"process-rank{trainer.global_rank}.json").write_text(json.dumps(record))
         print(f"hello from rank {trainer.global_rank}", flush=True)
 
@@ -75,6 +77,8 @@ def test_a_rank_has_the_jobs_environment_directory_and_threads_of_now(tmp_path, 
         assert record["schema_nodes"] == len(SCHEMAS) if forked else record["schema_nodes"] < len(SCHEMAS), record
         # the digits read in the server, not again in each rank (27 ms of CPU in each)
         assert record["digits_read_before_start"] == forked, record
+        # the job's rendezvous store: loopback, not every interface, as every rank runs on this machine
+        assert record["store_listens_on"] == ["127.0.0.1"], record
     assert "hello from rank 0" in capfd.readouterr().out
     assert "hello from rank 1" in (run_dir / "logs" / "rank1.log").read_text()
 

@@ -102,14 +102,14 @@ class GroupSupervisor:
 
         Raises ``RanksStopped`` when no group finished, and ``Preempted`` when the groups saved and stopped on a
         preemption signal."""
-        from torch.distributed import TCPStore
+        from disttrain.parallel.store import LOOPBACK, hosted_store
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for stale in (RESTARTS_FILE, MEMBERSHIP_FILE):
             (self.log_dir / stale).unlink(missing_ok=True)
         os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum otherwise
         address = self.ft.lighthouse or self._start_lighthouse()
-        self._job_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._job_store = hosted_store(LOOPBACK, 0)  # every group runs on this machine
         forwarded = {sig: signal.getsignal(sig) for sig in PREEMPTION_SIGNALS}
         for sig in forwarded:
             signal.signal(sig, self._forward)
@@ -132,25 +132,28 @@ class GroupSupervisor:
     def _start_lighthouse(self) -> str:
         from torchft.coordination import LighthouseServer
 
+        from disttrain.parallel.store import LOOPBACK
+
         ft = self.ft
-        self._lighthouse = LighthouseServer(
-            bind="[::]:0", min_replicas=ft.min_groups, join_timeout_ms=int(1e3 * ft.join_timeout_s),
+        self._lighthouse = LighthouseServer(  # its groups run on this machine: loopback, not every interface
+            bind=f"{LOOPBACK}:0", min_replicas=ft.min_groups, join_timeout_ms=int(1e3 * ft.join_timeout_s),
             heartbeat_timeout_ms=int(1e3 * ft.heartbeat_timeout_s))
-        return self._lighthouse.address()
+        # its own address names this machine's host name, which may resolve to an interface it does not listen on
+        return f"http://{LOOPBACK}:{self._lighthouse.address().rsplit(':', 1)[1]}"
 
     def _start(self, group: Group, lighthouse: str, fault_time: float | None = None) -> None:
         """Start ``group``'s ranks on a fresh store (a restarted group's ranks must not read the old one's keys);
         ``fault_time``: when its previous start failed."""
-        from torch.distributed import TCPStore
+        from disttrain.parallel.store import LOOPBACK, hosted_store
 
-        group.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        group.store = hosted_store(LOOPBACK, 0)
         size = self.group_size
-        base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(group.store.port), "WORLD_SIZE": str(size),
+        base = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(group.store.port), "WORLD_SIZE": str(size),
                 "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(size), "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(group.attempt),
                 "TORCHELASTIC_MAX_RESTARTS": str(self.ft.max_restarts),
                 GROUP_VAR: str(group.index), GROUPS_VAR: str(len(self.groups)), LIGHTHOUSE_VAR: lighthouse,
-                JOB_STORE_VAR: f"127.0.0.1:{self._job_store.port}",
+                JOB_STORE_VAR: f"{LOOPBACK}:{self._job_store.port}",
                 **({FAULT_TIME_VAR: repr(fault_time)} if fault_time is not None else {}),
                 **threads_per_rank(size * len(self.groups))}
         group.procs = [self._launch(group, rank, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})

@@ -59,15 +59,27 @@ def init_process_group(env: ClusterEnvironment, backend: str | None, timeout_s: 
 
     from torch.distributed import PrefixStore, TCPStore
 
+    from disttrain.parallel.store import hosted_store
+
     if dist.is_initialized():
         return
     timeout = timedelta(seconds=timeout_s)
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = TCPStore(env.main_address, env.main_port, env.world_size(),
-                     is_master=not agent_hosts_store and env.global_rank() == 0, timeout=timeout)
+    if not agent_hosts_store and env.global_rank() == 0:  # on the interface the launcher named, not every one
+        store = hosted_store(env.main_address, env.main_port, env.world_size(), timeout, wait_for_workers=True,
+                             one_machine=_on_one_machine(env))
+    else:
+        store = TCPStore(env.main_address, env.main_port, env.world_size(), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend or default_backend(), store=PrefixStore(f"disttrain/attempt{attempt}/", store),
                             rank=env.global_rank(), world_size=env.world_size(), timeout=timeout)
+
+
+def _on_one_machine(env: ClusterEnvironment) -> bool:
+    """Whether the launcher placed every rank on this machine."""
+    if int(os.environ.get("SLURM_NNODES", "1")) > 1:
+        return False
+    return rank_layout(env.world_size(), 1)[1] == 1
 
 
 def shutdown_process_group() -> None:
