@@ -14,31 +14,32 @@ import re
 import sys
 from pathlib import Path
 
-from disttrain.checkpoint.io import INDEX_FILE, METADATA_FILE, load_index, load_metadata
+from disttrain.checkpoint.io import (
+    INDEX_FILE,
+    METADATA_FILE,
+    CheckpointReadError,
+    check_shards,
+    load_index,
+    load_metadata,
+)
 
 RETIRED = re.compile(r"^last-step(\d+)\.ckpt$")
 """Earlier save points kept by ``checkpoint.keep_last``."""
 
 
 def damage(folder: Path) -> str | None:
-    """Why ``folder`` cannot be resumed from (a missing or short file, an unreadable index), or None."""
-    for name in (METADATA_FILE, INDEX_FILE):
-        if not (folder / name).is_file():
-            return f"{name} is missing"
+    """Why ``folder`` cannot be resumed from (a missing, refused or short file), or None. Reads the metadata and the
+    index, and the shards' sizes, not their tensors."""
     try:
+        for name in (METADATA_FILE, INDEX_FILE):
+            if not (folder / name).is_file():
+                raise CheckpointReadError(folder, f"its {name} is missing")
         load_metadata(folder)
-        index = load_index(folder)
-    except Exception as err:  # noqa: BLE001 - any unreadable index or metadata disqualifies the folder
-        return f"cannot be read ({type(err).__name__}: {err})"
-    needed: dict[str, int] = {}
-    for info in (index.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in needed.items():
-        path = folder / name
-        if not path.is_file():
-            return f"shard {name} is missing"
-        if path.stat().st_size < size:
-            return f"shard {name} holds {path.stat().st_size} bytes, its index needs {size}"
+        check_shards(folder, load_index(folder))
+    except CheckpointReadError as err:
+        return err.cause
+    except OSError as err:  # moved or removed while we looked
+        return f"cannot be read ({err.strerror or err})"
     return None
 
 
