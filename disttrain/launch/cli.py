@@ -12,30 +12,36 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.errors import ConfigError
+from disttrain.launch.run_dir_lock import LOCK_FILE, hold_or_exit, release, release_all
 
-HYDRA_BOOKKEEPING = {".hydra", "train.log"}
-"""What Hydra writes into a job directory before the job function runs."""
+HYDRA_BOOKKEEPING = {".hydra", "train.log", LOCK_FILE}
+"""What Hydra and the run directory's lock write into a job directory before the job function runs."""
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 """Hydra's switch for whole tracebacks; while it is "1", Hydra re-raises the errors it would otherwise print."""
 
 
 class _Composing:
-    """Whether :func:`main_with_one_line_errors` is in effect, and whether it has set FULL_ERROR meanwhile (only
-    while Hydra composes a job's config, never while the job runs)."""
+    """Whether :func:`main_with_one_line_errors` is in effect, and whether it has set FULL_ERROR to "1" meanwhile
+    (only while Hydra composes a job's config, never while the job runs), over the user's own value if any."""
 
     wrapped = False
     flag_set = False
+    users_value: str | None = None
 
     @classmethod
     def begin(cls) -> None:
-        if cls.wrapped and FULL_ERROR not in os.environ:
+        if cls.wrapped and os.environ.get(FULL_ERROR) != "1":  # only "1" asks for tracebacks; "0" is Hydra's own
+            cls.users_value = os.environ.get(FULL_ERROR)
             os.environ[FULL_ERROR], cls.flag_set = "1", True
 
     @classmethod
     def end(cls) -> None:
         if cls.flag_set:
-            os.environ.pop(FULL_ERROR, None)
+            if cls.users_value is None:
+                os.environ.pop(FULL_ERROR, None)
+            else:
+                os.environ[FULL_ERROR] = cls.users_value
             cls.flag_set = False
 
 
@@ -65,18 +71,42 @@ def main_with_one_line_errors(hydra_main: Callable[[], Any], argv: list[str] | N
     finally:
         _Composing.end()
         _Composing.wrapped = False
+        release_all()  # a run or sweep that ended by an exit leaves its directory free in a process that goes on
 
 
 def train_from_cli(cfg: DictConfig) -> float | None:
     """``disttrain.launch.job.train(cfg)``; on a ConfigError print ``Error: <message>``, remove the job directory
     Hydra made for it (when it holds nothing else), and exit with status 2. ``HYDRA_FULL_ERROR=1`` raises
-    instead, for the whole traceback."""
+    instead, for the whole traceback. The job's directory is this process's while the job runs
+    (``run_dir_lock``)."""
+    _Composing.end()  # the job's own errors are reported as below, or by Hydra
+    held = _hold_job_dir()
+    try:
+        metric = _train_and_report(cfg)
+    finally:
+        release(held)
+    _Composing.begin()  # a sweep's next job composes its config: its mistakes are one line too
+    return metric
+
+
+def _hold_job_dir() -> Path | None:
+    """Lock Hydra's directory of this job for this process (``run_dir_lock.hold``) unless it holds it already:
+    Hydra's callback ``run_dir_lock`` did, before Hydra wrote there, where the config names it (this is for a
+    config without it, or a launcher that runs each job of a sweep in a process of its own)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return hold_or_exit(HydraConfig.get().runtime.output_dir, "hydra.run.dir")
+
+
+def _train_and_report(cfg: DictConfig) -> float | None:
+    """``train(cfg)``, with its errors as one line and an exit status (see :func:`train_from_cli`)."""
     from disttrain.errors import SaveFailed
     from disttrain.fault.stops import NonFiniteStep, Preempted
     from disttrain.launch.job import train
     from disttrain.launch.supervisor import RanksStopped
 
-    _Composing.end()  # the job's own errors are reported as below, or by Hydra
     if _may_start_ranks(cfg):  # the fork server imports torch and Lightning while this process does the same
         from disttrain.launch.fork_server import forks_ranks, warm_fork_server
 
@@ -98,7 +128,6 @@ def train_from_cli(cfg: DictConfig) -> float | None:
     except Preempted as stop:  # one rank's run, or the supervisor of many: one wording, and no "Error"
         print(stop.message, file=sys.stderr, flush=True)
         sys.exit(stop.code)
-    _Composing.begin()  # a sweep's next job composes its config: its mistakes are one line too
     return metric
 
 
@@ -130,7 +159,7 @@ def discard_job_dir() -> None:
     # and the folders made for it alone (outputs/runs/...), up to the working directory
     cwd, parent = Path.cwd().resolve(), job_dir.parent
     while parent != cwd and cwd in parent.parents and parent.is_dir():
-        if {entry.name for entry in parent.iterdir()} - {"multirun.yaml"}:
+        if {entry.name for entry in parent.iterdir()} - {"multirun.yaml", LOCK_FILE}:
             break
         shutil.rmtree(parent, ignore_errors=True)
         parent = parent.parent
