@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ class RecordProcess(pl.Callback):
                   "collects": gc.isenabled(),
                   "schema_nodes": schema_node.cache_info().currsize,
                   "digits_read_before_start": "disttrain.launch.warm_data" in sys.modules,
-                  "store_listens_on": sorted(listening_addresses(int(os.environ["MASTER_PORT"])))}
+                  "store_listens_on": sorted(listening_addresses(int(os.environ["MASTER_PORT"]))),
+                  "watches_the_job": "disttrain-job-watch" in {thread.name for thread in threading.enumerate()}}
         (Path(trainer.default_root_dir) / f"process-rank{trainer.global_rank}.json").write_text(json.dumps(record))
         print(f"hello from rank {trainer.global_rank}", flush=True)
 
@@ -79,6 +81,8 @@ def test_a_rank_has_the_jobs_environment_directory_and_threads_of_now(tmp_path, 
         assert record["digits_read_before_start"] == forked, record
         # the job's rendezvous store: loopback, not every interface, as every rank runs on this machine
         assert record["store_listens_on"] == ["127.0.0.1"], record
+        # a forked rank ends with its job (a killed job's ranks would train on until their watchdog saw it)
+        assert record["watches_the_job"] == forked, record
     assert "hello from rank 0" in capfd.readouterr().out
     assert "hello from rank 1" in (run_dir / "logs" / "rank1.log").read_text()
 
@@ -134,3 +138,22 @@ def test_the_job_sees_a_rank_end_when_it_ends_not_a_poll_interval_later():
     finally:
         slow.kill()
         slow.wait()
+
+
+def test_a_forked_rank_ends_as_soon_as_its_job_is_killed():
+    # what a forked rank runs first (its wiring: the record above), here in a process of its own
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    rank = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                             "from disttrain.launch.fork_server import _end_with_the_job\n"
+                             "_end_with_the_job(int(sys.argv[1]))\nprint('started', flush=True)\ntime.sleep(120)",
+                             str(job.pid)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert rank.stdout.readline().strip() == "started"
+        job.kill()
+        job.wait()
+        assert rank.wait(timeout=30) == -9  # killed at once, not after its two minutes
+    finally:
+        for proc in (job, rank):
+            proc.kill()
+            proc.wait()

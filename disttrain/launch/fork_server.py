@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing import forkserver, reduction, spawn
@@ -83,7 +85,8 @@ class ForkedRank:
         warm_fork_server()
         context = multiprocessing.get_context("forkserver")
         self._process = context.Process(target=_run_forked, name="disttrain-rank", args=(
-            str(config_path), env, os.getcwd(), list(sys.path), _PassedFd(stdout_fd), _PassedFd(stderr_fd)))
+            str(config_path), env, os.getcwd(), list(sys.path), _PassedFd(stdout_fd), _PassedFd(stderr_fd),
+            os.getpid()))
         with _main_script_left_out():
             self._process.start()
 
@@ -147,9 +150,10 @@ def _received_fd(duplicate) -> int:
 
 
 def _run_forked(config_path: str, env: dict[str, str], cwd: str, sys_path: Sequence[str], stdout_fd: int,
-                stderr_fd: int) -> None:
+                stderr_fd: int, job_pid: int) -> None:
     """The rank's body in the forked process: become what ``python -m disttrain.rank.run CONFIG`` started with
     ``env`` in ``cwd`` would be, then run the worker."""
+    _end_with_the_job(job_pid)
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
@@ -169,3 +173,24 @@ def _run_forked(config_path: str, env: dict[str, str], cwd: str, sys_path: Seque
     from disttrain.rank.run import run_and_exit
 
     run_and_exit(Path(config_path))
+
+
+def _end_with_the_job(job_pid: int) -> None:
+    """SIGKILL this rank as soon as the job process ``job_pid`` ends (a thread waits on its process descriptor;
+    Linux). The job stops its ranks itself whenever it can; a job killed outright (SIGKILL, out of memory) cannot,
+    and its ranks would train on unsupervised until their watchdog found the job's store gone, printing torch's C++
+    store errors on the terminal the job has left. The fork server, their parent, outlives the job while they run."""
+    if not hasattr(os, "pidfd_open"):
+        return
+    try:
+        job = os.pidfd_open(job_pid)
+    except OSError:  # ended already, or no process descriptors here
+        if not os.path.exists(f"/proc/{job_pid}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([job], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="disttrain-job-watch", daemon=True).start()
