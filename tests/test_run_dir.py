@@ -64,6 +64,21 @@ def test_a_second_job_in_a_running_jobs_directory_is_refused_before_it_writes(tm
     release(run.resolve())
 
 
+def test_a_fresh_job_over_an_ended_run_is_refused_and_a_resuming_one_continues_it(tmp_path):
+    done = train_cli_in_process(["hydra.run.dir=run", *QUICK], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = snapshot(tmp_path / "run")
+    again = train_cli_in_process(["hydra.run.dir=run", "optim.lr=0.5", *QUICK], tmp_path)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        "Error: hydra.run.dir='run' is invalid: a directory without a run, where resume is null; it holds an earlier "
+        "run (its config.yaml): resume=auto continues that run, or choose another hydra.run.dir"]
+    assert snapshot(tmp_path / "run") == before  # its config, Hydra's record, metrics and checkpoints untouched
+    resumed = train_cli_in_process(["hydra.run.dir=run", "resume=auto", "trainer.max_steps=2",
+                                    *QUICK[1:]], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def held_elsewhere(tmp_path_factory):
     """A run directory that another process holds."""

@@ -119,6 +119,24 @@ def _lock(path: Path, key: str, given: str | Path) -> int | None:
     raise OSError(errno.EAGAIN, f"{path / LOCK_FILE} was removed while it was being locked")
 
 
+def refuse_an_earlier_run(path: Path, given: str, config: DictConfig) -> None:
+    """One ``Error:`` line and exit status 2 where ``path`` holds an earlier run (its ``config.yaml``) and this
+    training job would start afresh over it: its metrics and checkpoints would mix with the earlier run's, and
+    Lightning would number the new save points past the ones ``resume=auto`` reads. A job that continues the run
+    (``resume``, or a launcher's restart) is what the directory is for."""
+    from disttrain.fault.config import restart_count
+    from disttrain.launch.job import CONFIG_FILE  # what a run writes into its directory first
+
+    if not (path / CONFIG_FILE).is_file() or OmegaConf.select(config, "resume") is not None \
+            or OmegaConf.select(config, "mode", default="train") != "train" or restart_count():
+        return
+    refusal = ConfigError("hydra.run.dir", given, f"a directory without a run, where resume is null; it holds an "
+                          f"earlier run (its {CONFIG_FILE}): resume=auto continues that run, or choose another "
+                          "hydra.run.dir")
+    print(f"Error: {refusal}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def configured_dir(config: DictConfig, key: str) -> str:
     """``key`` of Hydra's composed ``config`` as the job will resolve it (``${hydra:...}`` included)."""
     from hydra.core.hydra_config import HydraConfig
@@ -141,7 +159,10 @@ class RunDirLock(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Before Hydra makes the job's directory."""
-        self._held = hold_or_exit(configured_dir(config, "hydra.run.dir"), "hydra.run.dir")
+        run_dir = configured_dir(config, "hydra.run.dir")
+        self._held = hold_or_exit(run_dir, "hydra.run.dir")
+        if self._held is not None:
+            refuse_an_earlier_run(self._held, run_dir, config)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         """After the job (also one that failed)."""
