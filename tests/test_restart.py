@@ -185,3 +185,28 @@ def test_a_restarted_run_with_compressed_gradients_continues_the_residuals_bitwi
     # exchange count, past the 2-step warm-up at the step-4 save the restart resumes from) changes every update
     assert_killed_run_restarts_bitwise(["parallel=ddp", f"comm={codec}", "comm.warmup_steps=2", "comm.rank=4"], 1,
                                        tmp_path)  # GPT micro: rank 14 at most
+
+
+def test_a_store_that_goes_away_is_said_at_once_not_as_a_timeout(tmp_path):
+    # a job killed with SIGKILL takes its rendezvous store with it: a rank's watchdog finds the connection closed at
+    # once and says so, instead of that the store "did not answer within 300 s"
+    host = ("import sys, time\nfrom datetime import timedelta\nfrom torch.distributed import TCPStore\n"
+            "store = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))\n"
+            "print(store.port, flush=True)\ntime.sleep(600)\n")
+    server = subprocess.Popen([sys.executable, "-c", host], stdout=subprocess.PIPE, text=True)
+    port = server.stdout.readline().strip()
+    watch = ("import time\nfrom disttrain.fault.watchdog import RankWatchdog\n"
+             "RankWatchdog(300).start(0, 2)\ntime.sleep(2)\nprint('beating', flush=True)\ntime.sleep(120)\n")
+    rank = subprocess.Popen([sys.executable, "-c", watch], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    try:
+        assert rank.stdout.readline().strip() == "beating"
+        server.kill()
+        server.wait()
+        _, err = rank.communicate(timeout=60)
+    finally:
+        server.kill()
+        rank.kill()
+    assert rank.returncode == HUNG_EXIT
+    last = err.strip().splitlines()[-1]  # after torch's own C++ warnings of the broken socket
+    assert f"the rendezvous store at 127.0.0.1:{port} closed the connection after" in last, err

@@ -94,6 +94,7 @@ class RankWatchdog(pl.Callback):
         while True:
             beat += 1
             done = self._done
+            asked = time.monotonic()
             try:
                 store.set(self._keys[self.rank], f"{beat} {self._progress} {self._step} {int(done)}")
                 if done:
@@ -101,8 +102,12 @@ class RankWatchdog(pl.Callback):
                 present = [key for key in self._keys if store.check([key])]
                 values = dict(zip(present, store.multi_get(present), strict=True)) if present else {}
             except Exception as err:  # noqa: BLE001
-                self._fail(f"hang: the rendezvous store at {address}:{port} did not answer within "
-                           f"{self.timeout_s:g} s ({err})", store, None)
+                waited = time.monotonic() - asked
+                # torch's error carries C++ frames after its first line
+                why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                self._fail(f"hang: the rendezvous store at {address}:{port} " + (
+                    f"did not answer within {self.timeout_s:g} s ({why})" if waited >= self.timeout_s
+                    else f"closed the connection after {waited:.1f} s: its job is gone ({why})"), store, None)
                 return
             now = time.monotonic()
             steps = {}
