@@ -39,15 +39,27 @@ def state_digest(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer
 
 class StepDigests(pl.Callback):
     """Records every committed step; group ``group`` sends itself ``signum`` after ``step`` committed steps in its
-    first start (0: never), or with ``refuse`` reports an error to its Manager in that step instead, so that it
-    alone does not commit it (as a transient error local to one group would); each step also sleeps ``sleep_s``,
-    standing for a longer step's compute."""
+    first start (0: never), with ``mid_step`` during the next step instead (after its backward, before the groups'
+    exchange: the others then cannot commit that step), or with ``refuse`` reports an error to its Manager in that
+    step instead, so that it alone does not commit it (as a transient error local to one group would); each step
+    also sleeps ``sleep_s``, standing for a longer step's compute."""
 
     def __init__(self, group: int = -1, step: int = 0, signum: int = 0, sleep_s: float = 0.0,
-                 refuse: bool = False) -> None:
+                 refuse: bool = False, mid_step: bool = False) -> None:
         self.group, self.step, self.signum, self.sleep_s, self.refuse = group, step, signum, sleep_s, refuse
+        self.mid_step = mid_step
         self._last = -1
         self._refused = False
+
+    def _signals_now(self, step: int) -> bool:
+        """Whether this rank sends itself ``signum`` at ``step`` committed steps."""
+        group = int(os.environ.get("DISTTRAIN_REPLICA_GROUP", "0"))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return bool(group == self.group and attempt == 0 and step == self.step and self.signum)
+
+    def on_after_backward(self, trainer: pl.Trainer, *_: Any) -> None:
+        if self.mid_step and self._signals_now(trainer.global_step):
+            os.kill(os.getpid(), self.signum)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``refuse``: the group's vote on step ``step + 1`` carries an error, after the step's all-reduce (an
@@ -79,5 +91,5 @@ class StepDigests(pl.Callback):
             out.write(json.dumps(row) + "\n")
         if self.sleep_s:
             time.sleep(self.sleep_s)
-        if group == self.group and attempt == 0 and step == self.step and self.signum:
+        if not self.mid_step and self._signals_now(step):
             os.kill(os.getpid(), self.signum)

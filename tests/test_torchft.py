@@ -28,6 +28,13 @@ REJOIN_S = 10.0
 """From the kill to the restarted group's first committed step: a rank forked from the job's fork server building
 the run (about 1 s measured on 2 shared cores; a new interpreter importing torch, Lightning and torchft takes 8 to
 10 s), the quorum and the state copy (< 0.1 s)."""
+GROUP0_GAP_S = 15.0
+"""Longest pause the survivors may take when group 0 dies during a step: the heartbeat timeout, the step they could
+not commit and the restarted group's state copy, with room for a loaded 2-core machine; far below the cross-group
+timeout (10 s here, 60 s by default) that a wait for the dead group would cost on top."""
+LOG_EVERY = 4
+"""Logger rows every this many steps in the group 0 test: a row counted by batches instead of committed steps falls
+between two of them."""
 STOP_TIMEOUT_S = 2
 """fault_tolerance.timeout_s of the SIGSTOP test: survivors caught in a collective with the stopped group wait this
 long; the job kills the stopped group after HANG_S."""
@@ -42,10 +49,11 @@ RUN = ["model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", 
 DDP3 = ["parallel=ddp", "trainer.devices=3"]
 
 
-def signal_group(group: int, signum: int) -> list[str]:
-    """Group ``group`` sends itself ``signum`` after its ``KILL_AT``-th committed step, in its first start."""
+def signal_group(group: int, signum: int, mid_step: bool = False) -> list[str]:
+    """Group ``group`` sends itself ``signum`` after its ``KILL_AT``-th committed step, in its first start; with
+    ``mid_step``, during the next step (before the groups' exchange, which then fails in every group)."""
     return [f"+callbacks.digests.group={group}", f"+callbacks.digests.step={KILL_AT}",
-            f"+callbacks.digests.signum={int(signum)}"]
+            f"+callbacks.digests.signum={int(signum)}", *(["+callbacks.digests.mid_step=true"] if mid_step else [])]
 
 
 def run(args: list[str], run_dir: Path, timeout_s: float = 10):
@@ -71,6 +79,14 @@ def val_losses(run_dir: Path) -> dict[int, float]:
     with open(run_dir / "csv" / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("val/loss")]
     return {int(float(row["step"])): float(row["val/loss"]) for row in rows}
+
+
+def train_loss_steps(run_dir: Path) -> list[int]:
+    """The step of every ``train/loss`` row of ``csv/metrics.csv``, in the file's order."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        return [int(float(row["step"])) for row in csv.DictReader(handle) if row.get("train/loss")]
 
 
 def assert_survivors_never_stopped(rows: list[dict], survivors: tuple[int, ...]) -> float:
@@ -157,21 +173,63 @@ def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(r
     assert_no_orphans(run_dir)
 
 
-def test_a_stopped_group_is_left_behind_then_replaced(reference, tmp_path):
-    run_dir = tmp_path / "stopped"
-    done = run([*DDP3, *signal_group(1, signal.SIGSTOP)], run_dir, timeout_s=STOP_TIMEOUT_S)
+def test_group_0_killed_during_a_step_costs_the_others_a_short_pause_and_every_row_is_kept(tmp_path):
+    run_dir = tmp_path / "group0"
+    done = run([*DDP3, *signal_group(0, signal.SIGKILL, mid_step=True), f"trainer.log_every_n_steps={LOG_EVERY}"],
+               run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "hung: rank 0 of replica group 1 sent no heartbeat" in done.stderr
+    assert "replica group 0: rank 0 was killed by SIGKILL" in done.stderr
+    assert "restarting group 0 (1 of 1)" in done.stderr
     rows = digests(run_dir)
-    pause = assert_survivors_never_stopped(rows, (0, 2))
+    pause = assert_survivors_never_stopped(rows, (1, 2))
+    assert pause < GROUP0_GAP_S, pause
+    first = assert_rejoined_bitwise(rows, 0)
+    section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
+    restart = section["group_restarts"][0]
+    assert section["restarts"] == 1 and "killed by SIGKILL" in restart["cause"]
+    assert (restart["group"], restart["failed_after_step"], restart["rejoined_at_step"]) == (0, KILL_AT, first)
+    # the step in flight when group 0 died was committed by no group; the survivors alone committed every step
+    # from the next one until the restarted group's first
+    assert (section["steps_not_committed"], section["group_steps_not_committed"]) == (1, 2)
+    alone = first - (KILL_AT + 1)
+    assert section["steps_with_fewer_groups"] == alone, (section, first)
+    assert section["samples_in_those_steps"] == 8 * alone and section["samples_full_steps_would_have"] == 12 * alone
+    membership = [json.loads(line) for line in (run_dir / "logs" / "membership.jsonl").read_text().splitlines()]
+    failed = [(row["group"], row["step"]) for row in membership if row["event"] == "group_failed"]
+    assert failed == [(0, KILL_AT)]
+    assert (f"torchft: 3 replica groups; 1 group restart(s) (group 0: rank 0 was killed by SIGKILL after step "
+            f"{KILL_AT}, back at step {first} after ") in done.stdout
+    assert f"{section['steps_with_fewer_groups']} step(s) with fewer groups" in done.stdout
+    assert "1 step(s) not committed" in done.stdout
+    # one row per logged step, the last included: the restarted group 0 continues the file its first start wrote
+    assert train_loss_steps(run_dir) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert_no_orphans(run_dir)
+
+
+def test_a_stopped_group_is_left_behind_then_replaced(reference, tmp_path):
+    # group 0, the one that writes the loggers' rows: the steps the others trained without it keep theirs
+    run_dir = tmp_path / "stopped"
+    done = run([*DDP3, *signal_group(0, signal.SIGSTOP)], run_dir, timeout_s=STOP_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hung: rank 0 of replica group 0 sent no heartbeat" in done.stderr
+    rows = digests(run_dir)
+    pause = assert_survivors_never_stopped(rows, (1, 2))
     # the survivors go on once the lighthouse drops the silent group (HEARTBEAT_S), or after STOP_TIMEOUT_S where it
     # stopped inside their all-reduce; they never wait for the job to notice the hang (HANG_S)
     assert pause < STOP_TIMEOUT_S + HEARTBEAT_S + 2, pause
-    assert_rejoined_bitwise(rows, 1)
+    first = assert_rejoined_bitwise(rows, 0)
     section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
     restart = section["group_restarts"][0]
-    assert restart["group"] == 1 and restart["cause"].startswith("hung")
-    assert section["steps_with_fewer_groups"] >= 1  # the others trained on while the job waited HANG_S
+    assert restart["group"] == 0 and restart["cause"].startswith("hung")
+    assert (restart["failed_after_step"], restart["rejoined_at_step"]) == (KILL_AT, first)
+    # the others trained on while the job waited HANG_S: every step from the stop to the rejoining
+    assert section["steps_with_fewer_groups"] == first - (KILL_AT + 1) >= 1, section
+    # group 0 wrote no row from the one of step KILL_AT (it stopped after committing the step, before Lightning
+    # wrote the row) to its rejoining: a training row each, a validation row every EVERY steps, came from the others
+    missed = range(KILL_AT, first)
+    assert section["rows_from_other_groups"] == len(missed) + sum(step % EVERY == 0 for step in missed)
+    assert train_loss_steps(run_dir) == list(range(1, STEPS + 1))
+    assert sorted(val_losses(run_dir)) == list(range(EVERY, STEPS + 1, EVERY))
     assert_final_loss_bounded(run_dir, reference, section)
     assert_no_orphans(run_dir)
 
@@ -207,6 +265,21 @@ def test_hsdp_groups_of_two_ranks_survive_a_killed_group(tmp_path):
     assert_survivors_never_stopped(rows, (0, 1))
     assert_rejoined_bitwise(rows, 2)  # each rank's shard equals the same rank's shard in the other groups
     assert_no_orphans(run_dir)
+
+
+def test_rows_only_other_groups_logged_are_added_in_step_order(tmp_path):
+    from disttrain.fault.replica_rows import fill_missing_rows
+
+    main, shadow = tmp_path / "metrics.csv", tmp_path / "group1.csv"
+    main.write_text("epoch,step,train/loss\n0,1,5.0\n0,4,4.0\n")
+    # a step's row with other columns (throughput), rows group 0 missed (steps 2, 3 and a validation), a later one
+    shadow.write_text("epoch,step,train/loss,train/samples_per_sec,val/loss\n0,1,5.0,9.0,\n0,2,4.7,9.0,\n"
+                      "0,3,4.5,9.0,\n0,3,,,4.6\n0,4,4.0,9.0,\n0,5,3.9,9.0,\n")
+    assert fill_missing_rows(main, [shadow, tmp_path / "group2.csv"]) == 4
+    lines = main.read_text().splitlines()
+    assert lines[0] == "epoch,step,train/loss,train/samples_per_sec,val/loss"
+    assert lines[1:] == ["0,1,5.0,,", "0,2,4.7,9.0,", "0,3,4.5,9.0,", "0,3,,,4.6", "0,4,4.0,,", "0,5,3.9,9.0,"]
+    assert fill_missing_rows(main, [shadow]) == 0
 
 
 VALID = ["fault_tolerance.engine=torchft", "parallel=ddp", "trainer.devices=3", "batch.global_size=12"]

@@ -28,6 +28,17 @@ BEAT_KEY = "disttrain/group_beat/"
 """Prefix of the keys in a group's store where its ranks leave a heartbeat (plus the rank) for the job."""
 
 
+def beat_value(when: float, steps: int) -> str:
+    """A heartbeat: when it was sent (seconds since the epoch) and the steps the rank's group had committed."""
+    return f"{when!r} {steps}"
+
+
+def read_beat(value: bytes | str) -> tuple[float, int | None]:
+    """``beat_value``'s time and steps (None in a beat that carries no count)."""
+    parts = (value.decode() if isinstance(value, bytes) else value).split()
+    return float(parts[0]), int(parts[1]) if len(parts) > 1 else None
+
+
 def replica_group() -> tuple[int, int] | None:
     """``(group, groups)`` when the job started this rank in a replica group, else None."""
     if GROUP_VAR not in os.environ:
@@ -46,8 +57,13 @@ def group_view(run: Any) -> Any:
     """``run`` (validated for the whole job) as one replica group sees it: the same batch and options, the degrees
     without the replicate dimension (each group builds its own mesh over its own ranks). Group 0 alone writes the
     loggers' rows (every group's rank 0 is its world's rank 0, and the rows are the same in every group); a
-    restarted group 0 continues them from the step it healed at."""
+    restarted group 0 continues them from the step it healed at. The other groups keep their rows in a CSV file
+    of their own, for the steps group 0 missed (``replica_rows``)."""
+    from disttrain.fault.replica_rows import shadow_logger
+
     dims = dataclasses.replace(run.dims, dp_replicate=1)
     group = replica_group()
-    train = run.train if group is None or group[0] == 0 else dataclasses.replace(run.train, logger={})
+    train = run.train
+    if group is not None and group[0] != 0:
+        train = dataclasses.replace(train, logger=shadow_logger(train.logger, train.run_dir, group[0]))
     return dataclasses.replace(run, dims=dims, train=train)

@@ -26,8 +26,8 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def group_restarts(log_dir: Path) -> list[dict[str, Any]]:
-    """Each restart of a group: its cause, and when (step, seconds after the fault) the new group first
-    committed a step."""
+    """Each restart of a group: its cause, the steps it had committed when it failed, and when (step, seconds
+    after the fault) the new group first committed a step."""
     path = log_dir / RESTARTS_FILE
     failures = json.loads(path.read_text()) if path.is_file() else []
     firsts = {(row["group"], row["attempt"]): row for row in read_lines(log_dir / MEMBERSHIP_FILE)
@@ -40,6 +40,7 @@ def group_restarts(log_dir: Path) -> list[dict[str, Any]]:
         since = failure.get("time")
         cause = failure.get("cause") or f"rank {failure['rank']} {failure['exit']}"
         restarts.append({"group": failure["group"], "attempt": failure["attempt"] + 1, "cause": cause,
+                         "failed_after_step": failure.get("step"),
                          "rejoined_at_step": back["step"] if back else None,
                          "rejoin_s": round(back["time"] - since, 2) if back and since else None})
     return restarts
@@ -65,22 +66,26 @@ def fault_tolerance_section(steps: Any, ft: FaultToleranceConfig, log_dir: Path)
 
 
 def summary_line(section: dict[str, Any]) -> str:
-    """``torchft: 3 groups; 1 restart (group 1: ...), back at step 14 after 2.7 s; 4 steps with fewer groups
-    (512 of 768 samples); 1 step not committed``."""
+    """``torchft: 3 groups; 1 restart (group 1: ... after step 9, back at step 14 after 2.7 s); 4 steps with fewer
+    groups (512 of 768 samples); 1 step not committed``."""
     restarts = section["group_restarts"]
     parts = [f"torchft: {section['groups']} replica groups"]
     if restarts:
         described = []
         for r in restarts:
+            done = r.get("failed_after_step")
+            when = "" if done is None else f" after step {done}" if done else " before its first step"
             back = (f", back at step {r['rejoined_at_step']} after {r['rejoin_s']} s" if r["rejoin_s"] is not None
                     else ", not back")
-            described.append(f"group {r['group']}: {r['cause']}{back}")
+            described.append(f"group {r['group']}: {r['cause']}{when}{back}")
         parts.append(f"{len(restarts)} group restart(s) ({'; '.join(described)})")
     else:
         parts.append("no group restarted")
     parts.append(f"{section['steps_with_fewer_groups']} step(s) with fewer groups ({section['samples_in_those_steps']}"
                  f" of {section['samples_full_steps_would_have']} samples)")
     parts.append(f"{section['steps_not_committed']} step(s) not committed")
+    if section.get("rows_from_other_groups"):
+        parts.append(f"{section['rows_from_other_groups']} logged row(s) from the groups that trained without group 0")
     if section["quorum_ms_median"] is not None:
         parts.append(f"quorum {section['quorum_ms_median']} ms per step (median)")
     return "; ".join(parts)

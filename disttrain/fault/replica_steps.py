@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from disttrain.fault.config import FaultToleranceConfig
-from disttrain.fault.replica_groups import BEAT_KEY, FAULT_TIME_VAR, JOB_STORE_VAR, LIGHTHOUSE_VAR
+from disttrain.fault.replica_groups import BEAT_KEY, FAULT_TIME_VAR, JOB_STORE_VAR, LIGHTHOUSE_VAR, beat_value
 
 BEAT_INTERVAL_S = 0.2
 """How often each rank leaves a heartbeat for the job in its group's store."""
@@ -53,6 +53,8 @@ class ReplicaSteps:
         self._quorum_id: int | None = None
         self._committed_once = False
         self._beats = threading.Event()
+        """Wakes the heartbeat early: a step was committed, or the heartbeat is to stop (``_stopped``)."""
+        self._stopped = False
 
     # ---- the Manager ----
     def start(self) -> None:
@@ -102,20 +104,24 @@ class ReplicaSteps:
             started = store.add("disttrain/ranks_started", 0)
 
     def _beat(self) -> None:
-        """Leave a timestamp in the group's store: a stopped or frozen rank stops, and the job replaces its group
-        (a group of one rank has no peer inside it to notice)."""
+        """Leave a timestamp and the steps committed so far in the group's store (``beat_value``): a stopped or
+        frozen rank stops, and the job replaces its group (a group of one rank has no peer inside it to notice);
+        a failed group's last beat tells the job after which step it failed. A commit beats at once."""
         from torch.distributed import TCPStore
 
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          wait_for_workers=False, timeout=timedelta(seconds=30))
-        while not self._beats.wait(BEAT_INTERVAL_S):
+        while not self._stopped:
+            self._beats.wait(BEAT_INTERVAL_S)
+            self._beats.clear()
             try:
-                store.set(f"{BEAT_KEY}{self.rank}", str(time.time()))
+                store.set(f"{BEAT_KEY}{self.rank}", beat_value(time.time(), self.step()))
             except Exception:  # noqa: BLE001 - the job is gone or replacing this group; nothing to report to
                 return
 
     def stop(self) -> None:
         """Stop the heartbeat and the Manager's servers."""
+        self._stopped = True
         self._beats.set()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
@@ -176,6 +182,7 @@ class ReplicaSteps:
             self._record({"event": "not_committed", "attempted": self.step() + 1})
             return False
         self.counts["steps_committed"] += 1
+        self._beats.set()
         if self.participants < self.groups:
             self.counts["steps_with_fewer_groups"] += 1
             self.counts["samples_in_those_steps"] += self.participants * self.samples_per_group

@@ -34,6 +34,7 @@ from disttrain.fault.replica_groups import (
     JOB_STORE_VAR,
     LIGHTHOUSE_VAR,
     MEMBERSHIP_FILE,
+    read_beat,
 )
 from disttrain.fault.stops import Preempted
 from disttrain.launch.bookkeeping import keep_record
@@ -56,6 +57,8 @@ class GroupFailure(Failure):
     """The replica group."""
     time: float = 0.0
     """When it failed (seconds since the epoch): the exit seen, or a hung group's last heartbeat."""
+    step: int | None = None
+    """The steps it had committed when it failed (its ranks' last heartbeats), where any rank beat."""
 
 
 class Group:
@@ -215,7 +218,24 @@ class GroupSupervisor:
             return None
         rank, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
         return GroupFailure(group.attempt, rank, code, None, self._tail(group.index, rank), group=group.index,
-                            time=time.time())
+                            time=time.time(), step=self._steps_done(group))
+
+    def _beats(self, group: Group) -> dict[int, tuple[float, int | None]]:
+        """Each beating rank's last heartbeat in ``group``'s store: (time, steps committed)."""
+        beats = {}
+        for rank in range(self.group_size):
+            key = f"{BEAT_KEY}{rank}"
+            try:
+                if group.store.check([key]):  # not beating yet: still starting
+                    beats[rank] = read_beat(group.store.get(key))
+            except Exception:  # noqa: BLE001 - the store is this process's own; a failed read is no verdict
+                continue
+        return beats
+
+    def _steps_done(self, group: Group) -> int | None:
+        """The steps ``group`` had committed by its ranks' last heartbeats (None before any rank beat)."""
+        steps = [step for _, step in self._beats(group).values() if step is not None]
+        return max(steps) if steps else None
 
     def _hung(self, group: Group) -> GroupFailure | None:
         """A rank of ``group`` whose heartbeat is older than ``hang_timeout_s`` (stopped, frozen), if any."""
@@ -223,19 +243,15 @@ class GroupSupervisor:
         if not timeout:
             return None
         now = time.time()
-        for rank in range(self.group_size):
-            key = f"{BEAT_KEY}{rank}"
-            try:
-                if not group.store.check([key]):
-                    continue  # not beating yet: still starting
-                last = float(group.store.get(key))
-            except Exception:  # noqa: BLE001 - the store is this process's own; a failed read is no verdict
-                continue
+        beats = self._beats(group)
+        for rank, (last, _) in beats.items():
             if now - last > timeout:
+                steps = [step for _, step in beats.values() if step is not None]
                 return GroupFailure(group.attempt, rank, None,
                                     f"hung: rank {rank} of replica group {group.index} sent no heartbeat for "
                                     f"{now - last:.1f} s (stopped or frozen)", self._tail(group.index, rank),
-                                    exit="was killed as hung", group=group.index, time=last)
+                                    exit="was killed as hung", group=group.index, time=last,
+                                    step=max(steps) if steps else None)
         return None
 
     def _record(self, failure: GroupFailure) -> None:
@@ -243,7 +259,8 @@ class GroupSupervisor:
         self.failures.append(failure)
         keep_record(self.log_dir / RESTARTS_FILE, json.dumps([asdict(f) for f in self.failures], indent=2))
         line = {"event": "group_failed", "group": failure.group, "attempt": failure.attempt,
-                "cause": failure.cause or f"rank {failure.rank} {failure.exit}", "time": failure.time}
+                "cause": failure.cause or f"rank {failure.rank} {failure.exit}", "time": failure.time,
+                "step": failure.step}
         keep_record(self.log_dir / MEMBERSHIP_FILE, json.dumps(line) + "\n", append=True)
 
     def _tail(self, group: int, rank: int, lines: int = 15) -> list[str]:

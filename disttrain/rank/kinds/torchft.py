@@ -20,6 +20,7 @@ from disttrain.config.validation import RunConfig
 from disttrain.fault.config import restart_count
 from disttrain.fault.replica_groups import replica_group
 from disttrain.fault.replica_report import fault_tolerance_section, summary_line
+from disttrain.fault.replica_rows import SHADOW_NAME, csv_file, fill_missing_rows, job_loggers
 from disttrain.fault.replica_state import PEER_CHECKPOINT, load_peer_state, peer_state
 from disttrain.fault.replica_steps import ReplicaSteps
 from disttrain.fault.steps import StepAgreement
@@ -34,6 +35,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def forget_step_values(trainer: pl.Trainer) -> None:
+    """Drop the per-step values logged so far in this epoch (the epoch's own aggregates stay): Lightning's row
+    after this batch, if it writes one, then holds only what this batch logged."""
+    for result in trainer.fit_loop.epoch_loop._results.values():
+        if result.meta.on_step:
+            result._forward_cache = None
+
+
 class ReplicaTask(TrainTask):
     """TrainTask under manual optimisation: the quorum before a step's first micro-batch, the mean over the
     groups after its last backward, and the optimiser step only when the groups commit it."""
@@ -44,6 +53,8 @@ class ReplicaTask(TrainTask):
         self.steps = steps
         self.accumulation = accumulation
         self.clip = clip
+        self._committed = False
+        """Whether the current batch committed a step."""
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """One micro-batch: forward and backward (the group's own exchange on the step's last one only)."""
@@ -68,21 +79,40 @@ class ReplicaTask(TrainTask):
         loss = group_loss.reshape(1).clone()
         self.steps.average([_local(p.grad) for p in params if p.grad is not None] + [loss])
         norm = clip_grad_norm(params, self.clip) if self.clip else grad_norm(params)
-        if self.clip and self.logs_this_step():
-            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-        self._log_step_row(loss[0], optimizer.optimizer)
         finite = True
         try:
             self.agreement.check_finite("the training loss", loss[0], self.global_step + 1)
             self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
         except SkippedStep:
             finite = False
-        committed = self.steps.commit(finite)
+        committed = self._committed = self.steps.commit(finite)
         if committed:
+            # a step the groups did not commit is tried again under the same number: only the committed one is logged
+            if self.clip and self.logs_this_step():
+                self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+            self._log_step_row(loss[0], optimizer.optimizer)
             optimizer.step()
             self.lr_schedulers().step()
         self._count_applied_step(committed)
         optimizer.zero_grad(set_to_none=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """No step committed yet in this batch (see ``on_train_batch_end``)."""
+        self._committed = False
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Keep Lightning's logger rows on the committed steps.
+
+        Lightning writes a row after a batch when its count of batches that stepped, plus one, is a multiple of
+        ``log_every_n_steps``; it counts a batch whose step the groups did not commit, and every micro-batch of an
+        accumulating step, although no optimiser step was taken. Counted so, the rows moved one batch later after
+        the first uncommitted step, repeated the last logged values there, and the run's last row was never
+        written. Here the count is the committed steps (Lightning adds this batch once it has decided on the
+        row), and a batch that committed no step leaves no step values for a row to repeat. Both are Lightning's
+        private names; the torchft tests of logged rows fail where they change."""
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step - 1
+        if not self._committed:
+            forget_step_values(self.trainer)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's loss is already averaged over the groups (see ``_finish_step``)."""
@@ -186,6 +216,10 @@ class TorchFT(RunKind):
         steps, the quorum's time per step; its one line is printed by the group that writes results."""
         section = fault_tolerance_section(self.steps, self.run.train.fault_tolerance, self.log_dir)
         if self.writes_results(trainer):
+            target = csv_file(job_loggers(self.run.yaml))  # this group's own loggers are a shadow's, unless group 0
+            if target is not None:  # the rows of steps that group 0 missed, from the groups that trained them
+                shadows = [self.log_dir / SHADOW_NAME.format(group=g) / "metrics.csv" for g in range(1, self.groups)]
+                section["rows_from_other_groups"] = fill_missing_rows(target, shadows)
             print(summary_line(section), flush=True)
         # this rank's degrees are its group's; the job's ranks are every group's
         return {**super().results(trainer), "fault_tolerance": section,
