@@ -89,6 +89,19 @@ def train_loss_steps(run_dir: Path) -> list[int]:
         return [int(float(row["step"])) for row in csv.DictReader(handle) if row.get("train/loss")]
 
 
+def assert_epoch_loss_is_the_steps_mean(run_dir: Path) -> None:
+    """``train/loss_epoch`` is the mean of the run's logged step losses (the groups' means): also where the group
+    that writes the rows was restarted, and so counts steps it did not train itself."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    losses = [float(row["train/loss"]) for row in rows if row.get("train/loss")]
+    epoch = [float(row["train/loss_epoch"]) for row in rows if row.get("train/loss_epoch")]
+    assert len(losses) == STEPS and len(epoch) == 1
+    assert epoch[0] == pytest.approx(sum(losses) / STEPS, rel=1e-5)
+
+
 def assert_survivors_never_stopped(rows: list[dict], survivors: tuple[int, ...]) -> float:
     """Every survivor committed steps 1..STEPS in order, in one process; returns its longest pause."""
     longest = 0.0
@@ -170,6 +183,7 @@ def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(r
     assert_final_loss_bounded(run_dir, reference, section)
     assert "torchft: 3 replica groups; 1 group restart(s) (group 1:" in done.stdout
     assert "40 steps on 3 rank(s)" in done.stdout
+    assert_epoch_loss_is_the_steps_mean(run_dir)
     assert_no_orphans(run_dir)
 
 
@@ -230,6 +244,7 @@ def test_a_stopped_group_is_left_behind_then_replaced(reference, tmp_path):
     assert section["rows_from_other_groups"] == len(missed) + sum(step % EVERY == 0 for step in missed)
     assert train_loss_steps(run_dir) == list(range(1, STEPS + 1))
     assert sorted(val_losses(run_dir)) == list(range(EVERY, STEPS + 1, EVERY))
+    assert_epoch_loss_is_the_steps_mean(run_dir)
     assert_final_loss_bounded(run_dir, reference, section)
     assert_no_orphans(run_dir)
 

@@ -35,6 +35,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+PEER_EPOCH_LOSS = "peer_epoch_loss"
+"""In a state served to a restarted or healing group: the serving rank's own part of the epoch's loss sums."""
+
+
 def forget_step_values(trainer: pl.Trainer) -> None:
     """Drop the per-step values logged so far in this epoch (the epoch's own aggregates stay): Lightning's row
     after this batch, if it writes one, then holds only what this batch logged."""
@@ -78,6 +82,9 @@ class ReplicaTask(TrainTask):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         loss = group_loss.reshape(1).clone()
         self.steps.average([_local(p.grad) for p in params if p.grad is not None] + [loss])
+        # the epoch's mean is of the steps' losses over the groups (the logged ones), not of this group's batches:
+        # rank r of every group then holds the same sums, which a restarted group copies from its source
+        self._unapplied_losses = [loss[0]] * len(self._unapplied_losses)
         norm = clip_grad_norm(params, self.clip) if self.clip else grad_norm(params)
         finite = True
         try:
@@ -116,6 +123,27 @@ class ReplicaTask(TrainTask):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's loss is already averaged over the groups (see ``_finish_step``)."""
+
+    def epoch_loss_part(self) -> dict[str, float]:
+        """This rank's own part of the epoch's loss sum and count (no collective: it is read while the rank serves
+        its state, and rank r of another group may not be serving)."""
+        self._fold_applied_losses()
+        if self._epoch_loss_sum is None or self._epoch_batches is None:
+            return {"sum": 0.0, "batches": 0.0}
+        return {"sum": float(self._epoch_loss_sum), "batches": float(self._epoch_batches)}
+
+    def take_epoch_loss_part(self, part: dict[str, float]) -> None:
+        """Continue the epoch from a peer rank's part of its loss sums (``epoch_loss_part``) instead of this
+        rank's own, which misses the steps the peer committed and this group did not."""
+        self._applied_count = 0
+        self._epoch_loss_sum = torch.tensor(part["sum"], device=self.device)
+        self._epoch_batches = torch.tensor(part["batches"], device=self.device)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint's epoch loss sums, or a peer's part of them (a restarted group's state)."""
+        super().on_load_checkpoint(checkpoint)
+        if PEER_EPOCH_LOSS in checkpoint:
+            self.take_epoch_loss_part(checkpoint[PEER_EPOCH_LOSS])
 
 
 class ReplicaCounters(pl.Callback):
@@ -183,7 +211,7 @@ class TorchFT(RunKind):
     def _send(self) -> dict[str, Any]:
         if self.trainer is None or not self.trainer.training:
             raise RuntimeError("this group is not training yet: it cannot serve its state")
-        return peer_state(self.trainer)
+        return {**peer_state(self.trainer), PEER_EPOCH_LOSS: self.trainer.lightning_module.epoch_loss_part()}
 
     def _receive(self, state: dict[str, Any]) -> None:
         trainer = self.trainer
@@ -191,8 +219,9 @@ class TorchFT(RunKind):
             self._peer = state
             return
         # a running group that fell behind (it did not commit a step the others committed): same data position,
-        # so weights, optimiser, schedule and the step count are all it needs
+        # so weights, optimiser, schedule, the step count and the epoch's loss sums are all it needs
         rest = load_peer_state(state, trainer.lightning_module, trainer.optimizers)
+        trainer.lightning_module.take_epoch_loss_part(rest[PEER_EPOCH_LOSS])
         for config, saved in zip(trainer.lr_scheduler_configs, rest["lr_schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
