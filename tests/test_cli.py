@@ -2,12 +2,12 @@
 every mistake is one ``Error:`` line with a non-zero exit and no run directory, and a run ends with a
 summary whose figures are those of ``results.json``.
 
-The README's commands, the own-model example, the mistakes and the notices run ``train.py`` in this process
-(``train_cli_in_process``): the same script executed as ``__main__``, so the same Hydra entry point, config
-search path, composition and one-line errors, with the argv, working directory, environment and import path
-the subprocess gets, and output captured at the descriptor level. A fresh interpreter would only add its
-start-up (importing torch and Lightning, several seconds a case), and multi-rank runs fork their ranks from
-this process's warm fork server instead of a new one. ``HYDRA_FULL_ERROR`` and the headline command keep the
+The README's commands, the own-model example (``docs/your_own_model.md``), the mistakes and the notices run
+``train.py`` in this process (``train_cli_in_process``): the same script executed as ``__main__``, so the same
+Hydra entry point, config search path, composition and one-line errors, with the argv, working directory,
+environment and import path the subprocess gets, and output captured at the descriptor level. A fresh interpreter
+would only add its start-up (importing torch and Lightning, several seconds a case), and multi-rank runs fork their
+ranks from this process's warm fork server instead of a new one. ``HYDRA_FULL_ERROR`` and the headline command keep the
 real subprocess (``train_cli``): they check the command as a shell runs it, interpreter start and all."""
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def test_help_is_hydras_own_help_composed_once(tmp_path, monkeypatch):
 
 
 def test_readme_own_model_example_trains_as_typed(tmp_path):
-    section = (ROOT / "README.md").read_text().split("## Your own model", 1)[1]
+    # the README's page on your own model (``-k readme`` runs it on a GPU too): its first module and commands
+    section = (ROOT / "docs" / "your_own_model.md").read_text()
     module = section.split("```python", 1)[1].split("```", 1)[0]
     name = re.search(r"# (\w+)\.py", module)[1]
     (tmp_path / f"{name}.py").write_text(module)
