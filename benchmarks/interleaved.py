@@ -13,10 +13,6 @@ disttrain and Lightning do in between, the callback's own dispatch included), ea
 so the two sides of a pair ran within milliseconds of each other. Reports, over the steps after ``--warmup``: the
 ratio of the two sides' total times (what steps/s would show), of their median steps, the median of the pairs'
 ratios, and the time disttrain adds per step (total and median).
-
-``--loop bare`` puts ``loop_ceiling.py``'s bare loop in place of Lightning's training epoch loop (disttrain's task
-work with no callback or other hook per batch) and runs the plain step before each of its batches: what a batch
-loop of disttrain's own could reach, measured the same way.
 """
 
 from __future__ import annotations
@@ -87,24 +83,6 @@ def interleaved_run(flavour: str, steps: int, global_batch: int) -> dict[str, li
         return json.loads(out.read_text())
 
 
-def bare_interleaved_run(flavour: str, steps: int, global_batch: int) -> dict[str, list[float]]:
-    """``interleaved_run`` with ``loop_ceiling.BareEpoch`` as the training epoch loop (for the whole process),
-    which runs the ``PlainBeside`` step before each batch, as Lightning's loop does from the batch-start hook."""
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-    from loop_ceiling import BareEpoch
-
-    beside: list[Any] = []
-
-    def plain_step(trainer: pl.Trainer) -> None:
-        if not beside:  # found once: the scan is not part of either side's step
-            beside.extend(c for c in trainer.callbacks if type(c).__name__ == "PlainBeside")
-        beside[0].on_train_batch_start()
-
-    epoch = BareEpoch(before_batch=plain_step)
-    _TrainingEpochLoop.run = lambda loop, data_fetcher: epoch(loop, data_fetcher)
-    return interleaved_run(flavour, steps, global_batch)
-
-
 def summary(times: dict[str, list[float]], warmup: int) -> dict[str, float]:
     """Ratios of the interleaved steps after ``warmup`` (see the module's docstring)."""
     ours = times["disttrain"][warmup:]
@@ -125,17 +103,14 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out at the start")
     parser.add_argument("--repeats", type=int, default=3, help="runs, each in a fresh process")
-    parser.add_argument("--loop", choices=("lightning", "bare"), default="lightning",
-                        help="bare: loop_ceiling.py's bare loop in place of Lightning's (see the docstring)")
     args = parser.parse_args()
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps={args.steps} is invalid: more than --warmup + 1 ({args.warmup + 1})")
     os.environ["OMP_NUM_THREADS"] = "1"
-    run = bare_interleaved_run if args.loop == "bare" else interleaved_run
-    runs = [summary(in_fresh_process(run, args.flavour, args.steps, args.global_batch), args.warmup)
+    runs = [summary(in_fresh_process(interleaved_run, args.flavour, args.steps, args.global_batch), args.warmup)
             for _ in range(args.repeats)]
     print(f"\nCPU: {cpu_model()}; {workload_name(args.flavour)}, global batch {args.global_batch}, {args.steps} steps "
-          f"(the first {args.warmup} left out), one process, one thread, {args.loop} loop, torch {torch.__version__}\n")
+          f"(the first {args.warmup} left out), one process, one thread, torch {torch.__version__}\n")
     print("| run | plain step ms (median) | disttrain step ms (median) | disttrain / plain steps/s (total time) "
           "| of median steps | median of pairs | added per step (total) | added (medians) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

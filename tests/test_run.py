@@ -148,20 +148,7 @@ def test_a_rank_multiplies_fp32_matrices_at_the_precision_asked(make_config, tmp
     assert torch.get_float32_matmul_precision() == "highest"
 
 
-def test_the_training_steps_signature_is_inspected_once_and_not_per_batch(make_config, tmp_path, monkeypatch):
-    from lightning.pytorch.loops import training_epoch_loop
-
-    inspected = []
-    original = training_epoch_loop.is_param_in_hook_signature
-    monkeypatch.setattr(training_epoch_loop, "is_param_in_hook_signature",
-                        lambda *args, **kwargs: inspected.append(args) or original(*args, **kwargs))
-    train(make_config(["trainer.max_steps=6", "trainer.limit_val_batches=0", "trainer.run_test=false"],
-                      tmp_path / "run"))
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["global_steps"] == 6
-    assert inspected == []  # Lightning's loop asked before each of the six batches
-
-
-@pytest.mark.parametrize("accumulation", [1, 2], ids=["direct_step", "lightnings_accumulation"])
+@pytest.mark.parametrize("accumulation", [1, 2], ids=["one_batch_a_step", "accumulation"])
 def test_gradients_are_freed_once_the_optimiser_has_stepped(make_config, tmp_path, monkeypatch, accumulation):
     # Lightning zeroes them in the next step's closure after its forward (under accumulation, after the next
     # window's first forward): that forward would run beside a model's worth of stale gradients (on one H200, a

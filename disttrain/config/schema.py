@@ -115,12 +115,6 @@ class TrainerConfig:
     in again every step (on a CPU, GPT micro: 570-910 page faults and ~1 ms of a 15 ms step). Resident memory
     then stays near its peak. Ignored without glibc, under another preloaded allocator, or where a MALLOC_*_
     threshold variable is set."""
-    direct_step: bool = True
-    """Run each training batch of automatic optimisation with Lightning's hooks called directly
-    (``disttrain.rank.direct_step``: the same hooks, order, progress counts and logging, without Lightning's
-    per-call dispatch; 37 us less per step on one linear layer, 5% of its step). False: Lightning's
-    own batch loop. Manual optimisation, gradient accumulation and a resumed epoch's first batch always use
-    Lightning's."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower on GPU; CPU fp32 runs are reproducible anyway)."""
     run_test: bool = True

@@ -29,7 +29,6 @@ from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.rank.elastic import ElasticResume
 from disttrain.rank.energy import EnergyMeter
 from disttrain.rank.experts import ExpertBalance
-from disttrain.rank.hook_dispatch import skip_step_hooks_left_alone
 from disttrain.rank.host_memory import keep_freed_host_memory
 from disttrain.rank.kinds import KINDS
 from disttrain.rank.lightning_data import lightning_data
@@ -79,7 +78,6 @@ def run_rank(run: RunConfig) -> float | None:
         trainer.callbacks += [*([energy] if cfg.energy else []), *([balance] if balance else []),
                               *kind.callbacks(trainer.strategy),
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
-        skip_step_hooks_left_alone(trainer.callbacks, task)
         restart = restart_count()
         resume = kind.resume_from(trainer) or resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir),
                                                           announce=trainer.is_global_zero)

@@ -23,7 +23,6 @@ from disttrain.optim.groups import drops_steps_on_device
 from disttrain.optim.scheduler import apply_rate_of_current_step
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
-from disttrain.rank.hook_dispatch import LeanHookBookkeeping
 from disttrain.rank.loss import loss_function
 
 FOLD_EVERY = 256
@@ -38,7 +37,7 @@ EPOCH_LOSS_KEY = "epoch_loss"
 """In a checkpoint: the sum and count of the training losses of the epoch it was saved in, over all ranks."""
 
 
-class TrainTask(LeanHookBookkeeping, pl.LightningModule):
+class TrainTask(pl.LightningModule):
     """Trains ``net`` on image classification or next-token prediction, as ``spec.kind`` says.
 
     The parallel strategy replaces ``self.net`` with its wrapped form before the optimiser is built,

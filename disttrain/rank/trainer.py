@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from disttrain.config.validation import RunConfig
 from disttrain.parallel.process_group import rank_layout
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.callbacks import NewestAndBestCheckpoint, SummaryWithoutFlops, ThroughputMeter
-from disttrain.rank.direct_step import precision_arguments, run_batches_directly
-from disttrain.rank.hook_dispatch import NoProfiler
 from disttrain.rank.kinds.base import RunKind
-from disttrain.rank.logged_values import place_logged_values_once
+from disttrain.rank.profiler import NoProfiler
 from disttrain.rank.progress import PlainProgress, loss_bar
 
 
@@ -67,7 +62,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         max_steps=t.max_steps,
         # max_steps sets the length when given; the epochs it takes keep the progress bar's total right
         max_epochs=t.max_epochs if t.max_steps == -1 else -(-t.max_steps // max(1, steps_per_epoch)),
-        **precision_arguments(t.precision, t.direct_step),
+        precision=t.precision,
         gradient_clip_val=plan.trainer_clip,
         accumulate_grad_batches=plan.trainer_accumulation,
         inference_mode=plan.inference_mode,
@@ -87,11 +82,6 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         profiler=NoProfiler(),
     )
     skip_lightning_sigterm_broadcast(trainer)
-    takes_index = is_param_in_hook_signature(task.training_step, "batch_idx", min_args=2)
-    pass_step_arguments_decided_once(trainer, takes_index)
-    if t.direct_step:
-        run_batches_directly(trainer, task, takes_index)
-    place_logged_values_once()
     return trainer
 
 
@@ -102,23 +92,6 @@ def skip_lightning_sigterm_broadcast(trainer: pl.Trainer) -> None:
     epoch_loop = trainer.fit_loop.epoch_loop
     if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # a private method of Lightning >= 2.5's loop
         epoch_loop._broadcast_sigterm_tensor = lambda: None
-
-
-def pass_step_arguments_decided_once(trainer: pl.Trainer, takes_index: bool) -> None:
-    """Pass the batch index to the training step where it takes one (``takes_index``, decided once): Lightning
-    inspects its signature before every training batch (``inspect.getfullargspec``: 1.7% of a one-stage CNN's
-    2.4 ms step in a sampled profile)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if not hasattr(epoch_loop, "_build_kwargs"):  # a private method of Lightning's loop (2.x)
-        return
-
-    def step_arguments(kwargs: OrderedDict, batch: Any, batch_idx: int) -> OrderedDict:
-        kwargs["batch"] = batch
-        if takes_index:
-            kwargs["batch_idx"] = batch_idx
-        return kwargs
-
-    epoch_loop._build_kwargs = step_arguments
 
 
 def mode_of(metric: str) -> str:
