@@ -13,6 +13,13 @@ from collections import Counter
 # the suite behaves the same on any machine. DISTTRAIN_TEST_DEVICE=cuda keeps them, for the tests marked cuda.
 if os.environ.get("DISTTRAIN_TEST_DEVICE") != "cuda":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+if "ATEN_CPU_CAPABILITY" in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # inductor's cache does not key its CPU kernels by this variable: a kernel compiled for another instruction set
+    # (the machine's default) is reused and computes garbage; a run under another capability compiles its own
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
 from collections.abc import Iterator
 from contextlib import contextmanager
