@@ -7,6 +7,7 @@ import json
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -156,16 +157,23 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+def run_killing_group(run_dir: Path, group: int, args: list[str], gap_s: float) -> tuple[Any, int]:
+    """A run of three groups whose ``group`` is SIGKILLed (``args``: the signal's overrides and more): it finishes,
+    says which group died and that it restarts, the others pause less than ``gap_s``, and the restarted group
+    rejoins bitwise. Its output and the step the group rejoined at."""
+    done = run([*DDP3, *args], run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"replica group {group}: rank 0 was killed by SIGKILL" in done.stderr
+    assert f"restarting group {group} (1 of 1)" in done.stderr
+    rows = digests(run_dir)
+    pause = assert_survivors_never_stopped(rows, tuple(g for g in range(3) if g != group))
+    assert pause < gap_s, pause
+    return done, assert_rejoined_bitwise(rows, group)
+
+
 def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(reference, tmp_path):
     run_dir = tmp_path / "killed"
-    done = run([*DDP3, *signal_group(1, signal.SIGKILL)], run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "replica group 1: rank 0 was killed by SIGKILL" in done.stderr
-    assert "restarting group 1 (1 of 1)" in done.stderr
-    rows = digests(run_dir)
-    pause = assert_survivors_never_stopped(rows, (0, 2))
-    assert pause < SURVIVOR_GAP_S, pause
-    first = assert_rejoined_bitwise(rows, 1)
+    done, first = run_killing_group(run_dir, 1, signal_group(1, signal.SIGKILL), SURVIVOR_GAP_S)
     # the restored loop counts batches as its peers do: it validates at the same steps
     after_restart = (run_dir / "logs" / "group1" / "rank0.log").read_text().split("--- restart 1 ---")[-1]
     assert re.findall(r"validation at step (\d+)", after_restart) == [str(s) for s in range(EVERY, STEPS + 1, EVERY)]
@@ -189,15 +197,9 @@ def test_a_killed_group_rejoins_with_its_peers_state_while_the_others_train_on(r
 
 def test_group_0_killed_during_a_step_costs_the_others_a_short_pause_and_every_row_is_kept(tmp_path):
     run_dir = tmp_path / "group0"
-    done = run([*DDP3, *signal_group(0, signal.SIGKILL, mid_step=True), f"trainer.log_every_n_steps={LOG_EVERY}"],
-               run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "replica group 0: rank 0 was killed by SIGKILL" in done.stderr
-    assert "restarting group 0 (1 of 1)" in done.stderr
-    rows = digests(run_dir)
-    pause = assert_survivors_never_stopped(rows, (1, 2))
-    assert pause < GROUP0_GAP_S, pause
-    first = assert_rejoined_bitwise(rows, 0)
+    done, first = run_killing_group(
+        run_dir, 0, [*signal_group(0, signal.SIGKILL, mid_step=True), f"trainer.log_every_n_steps={LOG_EVERY}"],
+        GROUP0_GAP_S)
     section = json.loads((run_dir / "results.json").read_text())["fault_tolerance"]
     restart = section["group_restarts"][0]
     assert section["restarts"] == 1 and "killed by SIGKILL" in restart["cause"]
