@@ -1,9 +1,9 @@
 """``trainer.precision=auto``: bf16 autocast where it is native and, on a CPU, measured faster on this model.
 
-A CPU's bf16 instructions do not settle it: on a GPT of width 128, bf16 autocast ran at 1.20x of fp32 on an
-AMD EPYC with AVX512-BF16, 0.73x on an Intel Xeon with AMX (the casts around small matrices cost more than
-the products save), and 0.33x where bf16 is emulated. So a CPU with native bf16 times a few steps of the
-run's own model both ways, before any rank starts.
+A CPU's bf16 instructions do not settle it: on a small GPT, bf16 autocast ran faster than fp32 on an AMD
+EPYC with AVX512-BF16, slower on an Intel Xeon with AMX (the casts around small matrices cost more than the
+products save), and far slower where bf16 is emulated (benchmarks/README.md, Figures cited elsewhere). So a CPU
+with native bf16 times a few steps of the run's own model both ways, before any rank starts.
 """
 
 from __future__ import annotations

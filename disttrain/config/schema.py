@@ -112,9 +112,9 @@ class TrainerConfig:
     keep_freed_host_memory: bool = True
     """Keep the host memory that freed tensors leave mapped for the next step (glibc's malloc: allocations up to
     32 MB from its heap, which goes back to the OS only past 1 GB free) rather than returning it and faulting it
-    in again every step (on a CPU, GPT micro: 570-910 page faults and ~1 ms of a 15 ms step). Resident memory
-    then stays near its peak. Ignored without glibc, under another preloaded allocator, or where a MALLOC_*_
-    threshold variable is set."""
+    in again every step (on a CPU, page faults every step that small steps feel; benchmarks/README.md, Figures
+    cited elsewhere). Resident memory then stays near its peak. Ignored without glibc, under another preloaded
+    allocator, or where a MALLOC_*_ threshold variable is set."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower on GPU; CPU fp32 runs are reproducible anyway)."""
     run_test: bool = True

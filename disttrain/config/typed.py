@@ -33,8 +33,8 @@ def typed(group: str, node: Any, schema: type) -> Any:
 
 @cache
 def schema_node(schema: type) -> DictConfig:
-    """``schema`` as a structured config node, built once per class (35 ms for the run's schema, at every
-    validation of every rank); ``OmegaConf.merge`` copies its first argument, so the node itself never changes."""
+    """``schema`` as a structured config node, built once per class (building it is slow, and every validation
+    of every rank needs it); ``OmegaConf.merge`` copies its first argument, so the node itself never changes."""
     return OmegaConf.structured(schema)
 
 

@@ -130,8 +130,8 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
     ``resolved``: the text of ``cfg`` as the job process wrote it after validating it at this world size (a rank
     it started, reading it back). The checks of the model against the layout, the notices and the restart worlds
     are the job's and are not repeated; the typed groups, the degrees, the batch, the data and the plan are built
-    again, and ``resolved`` is the run's YAML: a rank's validation took 131 instead of 163 ms (digits CNN, DDP), 92
-    instead of 133 (GPT, ZeRO-3) and 91 instead of 141 (GPT, hybrid tp=2), medians of 8.
+    again, and ``resolved`` is the run's YAML, which shortens every rank's validation noticeably
+    (benchmarks/README.md, Figures cited elsewhere).
     """
     from torch.nn.modules.batchnorm import _BatchNorm
 

@@ -57,7 +57,7 @@ class FaultToleranceConfig:
     (where torch's fused AdamW, Adam or SGD drops a non-finite step on the device, from a flag it reads in its own
     kernel: the host reads the norm at the next step, a checkpoint save or the end of training, and never waits
     for the device in between); auto: next_step on a GPU, where each read stalls the host until the GPU is done,
-    now on a CPU, where the flag's extra operations cost more than the read (70 us a step)."""
+    now on a CPU, where the flag's extra operations cost more than the read."""
 
     engine: str = "restart"
     """restart: a failed rank stops all ranks, which restart from the newest checkpoint (``max_restarts``);

@@ -41,9 +41,10 @@ def param_groups(
 
 def kernel_options(groups: list[dict[str, Any]]) -> dict[str, bool]:
     """``{"fused": True}`` where torch's fused AdamW kernel applies to every parameter, else ``{}`` (torch's
-    default). On a CPU torch defaults to one small kernel per tensor and operation: 2.8 ms of a 28 ms step
-    of a 0.8M-parameter GPT, 0.3 ms fused. Fused needs one device type it supports, float parameters, and
-    plain tensors only or DTensors only (one fused call takes all of a group's tensors)."""
+    default). On a CPU torch defaults to one small kernel per tensor and operation, a share of a small GPT's
+    step that the fused kernel mostly saves (benchmarks/README.md, Figures cited elsewhere). Fused needs one
+    device type it supports, float parameters, and plain tensors only or DTensors only (one fused call takes all
+    of a group's tensors)."""
     params = [p for group in groups for p in group["params"]]
     devices = {p.device.type for p in params}
     distributed = {is_dtensor(p) for p in params}

@@ -10,7 +10,7 @@ from torch import Tensor
 
 
 def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (about 1 s) where nothing has: a
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (a slow import) where nothing has: a
     process that never imported it holds none (a federated client, whose every round is a new process)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
