@@ -9,8 +9,8 @@ takes samples in order, rank ``r`` the samples ``r::R``, each counted once.
 
 A training dataset that offers ``get_batch(indices)`` (the in-memory images, the token windows) is read one
 micro-batch per call: the loader's sampler yields the same indices grouped into batches (one tensor each), and
-the dataset indexes them at once instead of fetching and stacking sample by sample (about 0.2 ms of a small CNN's 10 ms
-step on this path). The batches are the same tensors, in the same order.
+the dataset indexes them at once instead of fetching and stacking sample by sample (cheaper on this path
+(benchmarks/README.md, Figures cited elsewhere)). The batches are the same tensors, in the same order.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ passes) or a sequence of ints."""
 def index_tensor(indices: BatchIndices) -> torch.Tensor:
     """``indices`` as a 1-D int64 tensor (a tensor passes unchanged). Read with ``index_select``, which rejects
     negative and too-large indices alike with an ``IndexError``, and copies rows faster than ``tensor[rows]``
-    (4 against 10 us for the digits' 64 images)."""
+    (benchmarks/README.md, Figures cited elsewhere)."""
     return torch.as_tensor(indices, dtype=torch.long)
 
 
@@ -118,7 +118,7 @@ class BatchedSampler(BatchSampler):
 
     def index_tensors(self) -> Iterator[torch.Tensor]:
         """This epoch's micro-batches, each as one int64 tensor of indices: the epoch's indices converted at once,
-        then split into views (a list of 64 indices converted per batch took 17 us, a view takes 2). A generator,
+        then split into views (a view costs far less than converting a list of indices per batch). A generator,
         so the indices are drawn when the first batch is read, not when the iterator is made, as a ``BatchSampler``
         draws them: Lightning makes a loader's iterator (``setup_data``) before it sets the sampler's epoch. Drawn
         eagerly, a run resumed at an epoch's end trained no batch in the next epoch (``test_pipeline_run``)."""
@@ -148,8 +148,8 @@ class BatchReader:
     the order of a sampler of whole batches: what a DataLoader without workers or pinning yields from them.
 
     The DataLoader's own work per batch (a profiler record, its index and fetch steps, converting the tensors to
-    tensors) took 190 us of a 330 us read of GPT micro's batch with a matmul's worth of cold caches between
-    reads (the dataset's read: 130 us), and a new iterator each epoch. Lightning sets the epoch on ``sampler``.
+    tensors) cost more than the dataset's own read of GPT micro's batch, with cold caches between reads, and a
+    new iterator each epoch (benchmarks/README.md, Figures cited elsewhere). Lightning sets the epoch on ``sampler``.
     """
 
     def __init__(self, dataset: Dataset, sampler: BatchedSampler) -> None:

@@ -47,7 +47,7 @@ class DigitsConfig:
 
 @cache
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits as (images (1797, 64), labels (1797,)), read once per process (27 ms) and read-only:
+    """scikit-learn's digits as (images (1797, 64), labels (1797,)), read once per process and read-only:
     the fork server reads them before it forks ranks (``disttrain.launch.warm_data``), and every data module of a
     process shares them."""
     from sklearn.datasets import load_digits

@@ -150,8 +150,8 @@ class TokenWindows(Dataset):
 
     def epoch_offsets(self, epoch: int) -> np.ndarray:
         """Every window's offset in ``epoch``, drawn at once and kept until another epoch is asked for: a batch
-        then reads its offsets with one index (drawn per batch they took 130 us inside a GPT micro run, where a
-        step's passes leave the caches cold; read, 27 us)."""
+        then reads its offsets with one index, much cheaper than drawing them per batch where a step's passes
+        leave the caches cold (benchmarks/README.md, Figures cited elsewhere)."""
         if self._drawn is None or self._drawn[0] != epoch:
             every = np.arange(self.num_windows, dtype=np.int64)
             self._drawn = (epoch, self._draw(np.full_like(every, epoch), every))

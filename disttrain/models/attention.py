@@ -1,12 +1,10 @@
 """Causal scaled dot-product attention that runs in fp32 where torch's bf16 kernel is the slow one.
 
-torch's CPU flash-attention backward in bf16 is slower than in fp32 at short sequences and narrow heads:
-measured with ``benchmarks/attention_dtype.py`` on an Intel Xeon with AMX (2 threads, forward and backward),
-the bf16 kernel took 4.3x the time of attending in fp32 at T=64, head 32 and 1.8x at T=128, head 64, while
-at T=256, head 64 it was 1.15x faster and at T=512, head 64 1.5x. Training a GPT of width 128 (batch 12 x 64),
-bf16 autocast ran at 0.65x of fp32 with that kernel and at 1.19x without it. So under bf16 a CPU attention
-with ``T * head_dim`` below ``FP32_BELOW`` casts its inputs up, attends in fp32 and casts the result back;
-every matrix product around it stays bf16.
+torch's CPU flash-attention backward in bf16 is slower than in fp32 at short sequences and narrow heads and
+faster at long sequences and wide heads (``benchmarks/attention_dtype.py``), and a small GPT trained under bf16
+autocast slower than fp32 with that kernel and faster without it (benchmarks/README.md, Figures cited
+elsewhere). So under bf16 a CPU attention with ``T * head_dim`` below ``FP32_BELOW`` casts its inputs up,
+attends in fp32 and casts the result back; every matrix product around it stays bf16.
 """
 
 from __future__ import annotations

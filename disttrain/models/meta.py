@@ -17,7 +17,7 @@ sees none of the calls inside it)."""
 class _NormalFillsLeftOutOnMeta(TorchFunctionMode):
     """Returns a meta tensor as it is from ``Tensor.normal_`` (the fill of ``nn.init.normal_``, ``xavier_normal_``,
     ``kaiming_normal_``, embeddings and most transformer inits). A meta tensor holds no values to fill, and torch
-    computes ``normal_`` there by a Python decomposition whose first call imports ``torch._dynamo``: 1.7 s in a
+    computes ``normal_`` there by a Python decomposition whose first call imports ``torch._dynamo``, a slow import in a
     process that needs nothing else of it (the job validating a run before it starts the ranks, which do)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -10,7 +10,8 @@ Before each training batch they are copied only where a training forward can rea
 (``step_broadcast_needed``): a normalisation layer in training mode normalises by the batch's statistics and
 only writes its running ones, so the first rank's buffers evolve from its own batches alone whether or not
 they are broadcast, and evaluation and checkpoints see the same numbers either way. The per-step broadcast
-DDP makes by default was 9% of a small CNN's step on 2 shared cores (a synchronisation point before forward).
+DDP makes by default is a synchronisation point before forward, which small steps on shared cores feel
+(benchmarks/README.md, Figures cited elsewhere).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
                           f"none for model {name}: it has no blocks to checkpoint (declare shard_units(), or set "
                           "parallel.shard_units)")
     if dims.tp_enabled:
-        from disttrain.parallel.tp import check_tp_plan  # imports DTensor (about 1 s), which nothing else here needs
+        from disttrain.parallel.tp import check_tp_plan  # imports DTensor (slow), which nothing else here needs
 
         plan = tp_plan_of(net, p.tp_plan)
         if not plan:

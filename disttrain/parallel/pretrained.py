@@ -3,7 +3,8 @@
 Each rank reads, from the folder's safetensors files, only the part of each tensor it holds: the rows of its
 FSDP2 shard, its tensor-parallel slice, its pipeline stage's tensors. safetensors' sliced reads fetch just those
 bytes, so no rank holds the whole model's weights, or a whole tensor, at once. (torch.distributed.checkpoint's
-Hugging Face reader kept 1.1 GB more resident than the shards on each of 4 ZeRO-3 ranks of a 0.5B model.)
+Hugging Face reader kept far more resident than the shards on each ZeRO-3 rank; benchmarks/README.md, Figures
+cited elsewhere.)
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ class DistTrainStrategy(ModelParallelStrategy):
         if isinstance(batch, tuple | list) and all(isinstance(part, torch.Tensor) and part.device == target
                                                    for part in batch):
             # already there: Lightning's transfer walks the batch and calls three hooks that disttrain's task
-            # and data modules do not override (3% of a small CNN's step on the CPU)
+            # and data modules do not override (which a small CNN's step on the CPU feels)
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -253,8 +253,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         if self.in_memory_checkpoint is not None:
             load, self.in_memory_checkpoint = self.in_memory_checkpoint, None
             return load(self.model, self.optimizers)
-        # a four-rank hybrid GPT run's test of its best checkpoint: 2.27 -> 0.82 s of rank 0's time, the optimiser's
-        # AdamW moments and its hundreds of small entries neither read nor planned
+        # outside fit the optimiser's AdamW moments and its hundreds of small entries are neither read nor planned,
+        # most of a test's checkpoint load (benchmarks/README.md, Figures cited elsewhere)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return self.checkpoints.load(checkpoint_path, self.model, self.optimizers if fitting else [])
 

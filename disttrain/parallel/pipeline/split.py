@@ -32,7 +32,7 @@ from torch import nn
 from disttrain.errors import ConfigError
 from disttrain.parallel.model_plan import pipeline_units_of
 
-if TYPE_CHECKING:  # imported where stages are built: it imports torch._dynamo (1.7 s), which validation needs not
+if TYPE_CHECKING:  # imported where stages are built: it imports torch._dynamo (slow), which validation needs not
     from torch.distributed.pipelining import PipelineStage
 
 SCHEDULES: dict[str, str] = {
