@@ -245,7 +245,7 @@ def one_process() -> bool:
     """No other rank shares this checkpoint: it is planned without collectives. Given a one-rank group,
     torch.distributed.checkpoint gathers its plan on gloo's own threads anyway, whose copies start OpenMP thread
     teams of their own; with more torch threads than one, every later training step of the digits CNN then ran
-    1.7x slower (10.2 -> 17.7 ms with 2 threads on 2 cores, from the first checkpoint on).
+    much slower, from the first checkpoint on (benchmarks/README.md, Figures cited elsewhere).
 
     Where it answers yes, torch's notice that it saves or loads in a single process (printed at every run's first
     save and load) is hidden, for the whole process: an asynchronous save plans on a thread of its own after the

@@ -126,8 +126,8 @@ class ShardedCheckpoints:
                                     planner=DefaultSavePlanner(enable_plan_caching=True))
             self._pending = (future, staging, path)
         else:
-            # cached as the asynchronous path's: a later save sends no plan where its own is unchanged (a four-rank
-            # hybrid run's two saves: 17.5 -> 16.1 s of CPU in all, mean of four runs each)
+            # cached as the asynchronous path's: a later save sends no plan where its own is unchanged
+            # (benchmarks/README.md, Figures cited elsewhere)
             dcp.save(shards, checkpoint_id=staging, no_dist=alone, planner=DefaultSavePlanner(enable_plan_caching=True))
             self._swap_in(staging, path)
 

@@ -94,7 +94,8 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     Backward starts with what the loss's backward adds to everything held (``ModelStats.loss_grad_bytes``: its
     gradients less what it frees): in fp32 the log-probabilities' gradient beside the logits'; under autocast,
     per logit, 8 bytes of fp32 gradients on a CPU and 4 on a GPU (``disttrain.plan.autocast``). The logits'
-    gradient alone, as plans took it before, was 0.67 of the measured fp32 peak at a vocabulary of 50304.
+    gradient alone, as plans took it before, fell well short of the measured fp32 peak at GPT-2's vocabulary
+    (benchmarks/README.md, Figures cited elsewhere).
 
     Mixtures of experts are not split by tp (every tp rank runs them on the same tokens). Under expert
     parallelism a rank keeps, of a mixture, the rows its all-to-all received (the grouped products save them)

@@ -2,7 +2,8 @@
 
 glibc's malloc serves large allocations by mapping fresh pages and returns the free top of its heap to the OS;
 a training step frees and allocates the same activation sizes every step, so each step faulted the same memory
-in again (on a CPU, GPT micro's 15 ms step: 570-910 page faults and about 1 ms, measured in fresh processes).
+in again (on a CPU, hundreds of page faults in each step of GPT micro, which a short step feels;
+benchmarks/README.md, Figures cited elsewhere).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ class LossShown:
     """Mixin for one of Lightning's progress bars: the training loss read once per logged value.
 
     The task logs its loss off the progress bar: Lightning converts every progress-bar value to a Python number
-    after every batch, a read of the GPU that stalls the host each step (0.8 host reads a step of GPT-2 on an
-    H100). The bar reads the loss here instead, when the logged value is a new one.
+    after every batch, a read of the GPU that stalls the host each step. The bar reads the loss here instead,
+    when the logged value is a new one.
     """
 
     _shown: tuple[torch.Tensor, float] | None = None  # the logged tensor and its value as read

@@ -74,7 +74,7 @@ class TrainTask(pl.LightningModule):
         self._applied_losses: torch.Tensor | None = None
         """``FOLD_EVERY`` slots for the batch losses of applied steps not yet added to the epoch's sums, allocated
         once: each loss is copied in and freed with its step. On a CPU, 256 kept loss tensors pinned glibc's heap
-        between the steps' activations: GPT micro's resident memory grew 2 MB a step, each fresh page a fault."""
+        between the steps' activations: GPT micro's resident memory grew every step, each fresh page a fault."""
         self._applied_count = 0
         """How many of those slots hold a loss."""
         self._epoch_loss_sum: torch.Tensor | None = None
@@ -125,7 +125,7 @@ class TrainTask(pl.LightningModule):
         """Keep the losses of the step just taken for the epoch's mean, or drop them with a step that
         ``nan_policy=skip`` dropped: the step is skipped on every rank alike, so a rank's finite losses of a step
         that another rank's NaN skipped count nowhere either. Kept losses are summed every ``FOLD_EVERY`` and at
-        the epoch's end, not per step: five tensor operations per step were 2% of a small CNN's step.
+        the epoch's end, not per step: five tensor operations per step are felt in a small CNN's step.
 
         ``dropped``: the device flag of a step the optimiser may have dropped on the device; its losses are kept
         as NaN where it did, which the epoch's sums leave out (no host read)."""
@@ -190,19 +190,19 @@ class TrainTask(pl.LightningModule):
             dropped, self._dropped = self._dropped, None
             self._count_applied_step(True, dropped)
         # Lightning zeroes gradients in the next step's closure after its forward (under accumulation, after the
-        # next window's first forward): they would sit beside those activations (a 1.2B Llama under full
-        # checkpointing on one GPU: 4.7 GB of a 23.6 GB peak)
+        # next window's first forward): they would sit beside those activations, a large share of the peak of a
+        # big model under full checkpointing (benchmarks/README.md, Figures cited elsewhere)
         optimizer.zero_grad(set_to_none=True)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Nothing to zero: ``optimizer_step`` freed the gradients as soon as the optimiser had stepped (a second
-        ``zero_grad`` over parameters without gradients cost 24 us a step on a 16-tensor model)."""
+        ``zero_grad`` over parameters without gradients still walks every parameter each step)."""
 
     def logs_this_step(self) -> bool:
         """Whether the optimiser step being taken writes a log row: every ``trainer.log_every_n_steps`` steps
         and the last. Values are logged on those steps only: each ``self.log`` call costs Lightning a walk over
-        the stored metric's attributes (0.5 ms here, 3 ms per step for a step's five values, 20% of a small
-        CNN's step), and the rows in between are never written."""
+        the stored metric's attributes, a large share of a small CNN's step for a step's five values
+        (benchmarks/README.md, Figures cited elsewhere), and the rows in between are never written."""
         done = self.global_step + 1
         return done % self.trainer.log_every_n_steps == 0 or done == self.trainer.max_steps
 
@@ -286,7 +286,7 @@ class TrainTask(pl.LightningModule):
             totals = torch.stack([self._epoch_loss_sum, self._epoch_batches]).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             # one collective for sum and count: a torchmetrics mean synchronised its two states with a barrier and
-            # two all-gathers each, 5% of a 2-rank step on the digits with a linear model
+            # two all-gathers each, which a small 2-rank step feels
             dist.all_reduce(totals)
         return totals
 

@@ -87,8 +87,9 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
 
 def skip_lightning_sigterm_broadcast(trainer: pl.Trainer) -> None:
     """Stop Lightning broadcasting its SIGTERM flag from rank 0 before every training batch (a collective and a
-    host sync per step, 9% of a small CNN's DDP step on 2 shared cores). StepAgreement's handlers replace
-    Lightning's, so that flag is never set, and ranks agree on preemption at logged steps instead."""
+    host sync per step, which small DDP steps feel; benchmarks/README.md, Figures cited elsewhere).
+    StepAgreement's handlers replace Lightning's, so that flag is never set, and ranks agree on preemption at
+    logged steps instead."""
     epoch_loop = trainer.fit_loop.epoch_loop
     if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # a private method of Lightning >= 2.5's loop
         epoch_loop._broadcast_sigterm_tensor = lambda: None
