@@ -3,10 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is installed first, so that no other requirement pulls a multi-GB CUDA build.
 # On a GPU machine: make TORCH_SPEC=torch
-# The rest goes through uv, which keeps the torch already there and installs the ~140 others in about 30 s where
-# pip takes about 110 s (the same versions: both resolve the newest releases pyproject.toml admits). Compiled to
-# bytecode at install, as pip does: uv leaves it to the first import, and where bytecode is never written
-# (PYTHONDONTWRITEBYTECODE) every process then compiles what it imports (importing Lightning: 14.6 s, not 8.6).
+# The rest goes through uv, which keeps the torch already there and installs the ~140 others several times faster
+# than pip (the same versions: both resolve the newest releases pyproject.toml admits). Compiled to bytecode at
+# install, as pip does: uv leaves it to the first import, and where bytecode is never written
+# (PYTHONDONTWRITEBYTECODE) every process then compiles what it imports, which slows every import of Lightning
+# (benchmarks/README.md, Figures cited elsewhere).
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install train test test-gpu lint clean

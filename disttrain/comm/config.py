@@ -14,7 +14,7 @@ codes with stochastic rounding; onebit: signs and a mean magnitude. All are redu
 
 DEFAULT_POWERSGD_RANK = 16
 """PowerSGD's rank where none is given: on GPT nano under AdamW it tracks fp32 from the first step, where rank 4
-and 8 ended 7.9% and 3.2% above it even after 100 fp32 steps (benchmarks/README.md)."""
+and 8 ended above it even after 100 fp32 steps (benchmarks/README.md, Figures cited elsewhere)."""
 
 SHARDED_CODECS = ("none", "fp16", "bf16")
 """What ZeRO-2/3 can send: FSDP2 reduce-scatters gradients itself, in its ``reduce_dtype``."""

@@ -1,7 +1,7 @@
 """Starting a worker rank: forked from a server process that has imported torch, Lightning and disttrain once.
 
-A fresh interpreter per rank spends about 3.5 s importing them (on 2 cores, ranks importing side by side
-share them), on every start and every restart. multiprocessing's fork server imports them once, before any
+A fresh interpreter per rank spends seconds importing them (ranks importing side by side share the cores), on
+every start and every restart. multiprocessing's fork server imports them once, before any
 thread or accelerator context exists, and forks each rank from there in milliseconds; the job process itself
 could not be forked safely (its rendezvous store runs threads). A rank receives its environment, working
 directory, import path and output descriptors from the job at the moment it starts, as a new process would.
@@ -26,14 +26,12 @@ from disttrain.fault.config import PREEMPTION_SIGNALS
 PRELOAD = ["disttrain.launch.gc_paused", "disttrain.rank.run", "sklearn.datasets", "sklearn.model_selection",
            "disttrain.launch.warm_data", "disttrain.launch.schema_nodes", "disttrain.launch.frozen_heap"]
 """What the fork server imports before it forks a rank. First the module that turns the garbage collector off
-while the server imports: its full collections walked the growing heap of modules again and again, 1.15-1.58 s
-of the server's CPU, now one collection of 0.49 s before the heap is frozen (the server's CPU until its first
-fork: 7.95-10.07 s -> 7.48-8.29 s, four alternating pairs). Then the worker and, through it, torch and
-Lightning; what the default data's split imports where it runs (0.17 s in every rank of a digits run, once
-here) and the data itself (``warm_data``: 27 ms in every such rank); the module that builds the config
-schemas' nodes every rank's validation merges into (``schema_nodes``). Last, the module that freezes the
-server's heap for the garbage collector and turns it back on (the freeze: a two-rank two-step DDP run 3.42 ->
-2.81 s of CPU, a four-rank hybrid GPT run 15.0 -> 12.8 s, means of four runs each)."""
+while the server imports: its full collections walked the growing heap of modules again and again, where one
+collection before the heap is frozen now does. Then the worker and, through it, torch and Lightning; what the
+default data's split imports where it runs (in every rank of a digits run otherwise, once here) and the data
+itself (``warm_data``); the module that builds the config schemas' nodes every rank's validation merges into
+(``schema_nodes``). Last, the module that freezes the server's heap for the garbage collector and turns it back
+on, which saves every forked rank CPU time (benchmarks/README.md, Figures cited elsewhere)."""
 
 
 def forks_ranks(rank_start: str) -> bool:
@@ -62,7 +60,7 @@ def warm_fork_server() -> None:
 def _streams_to_devnull() -> Iterator[None]:
     """Point this process's stdout and stderr at /dev/null while the fork server starts: every rank gets its
     streams passed explicitly, and a server holding the job's would keep a pipe reading the job's output open
-    until the server's own teardown (about 0.6 s here) after the job has ended."""
+    until the server's own teardown after the job has ended."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = [os.dup(1), os.dup(2)]

@@ -1,8 +1,8 @@
 """Imported by the fork server before it forks a rank: builds the structured config node of every schema a run's
-config can name (the top level, the schedule, each registered model, data set and optimiser: 18 nodes in 94 ms),
-which ``disttrain.config.typed.schema_node`` keeps. A forked rank's validation then finds the nodes it merges into
-already built, where each rank built its own (45 ms for the top level alone): a two-rank four-step DDP run of GPT
-micro took 1.43 -> 1.21 s of CPU (means of four processes of ten runs each, alternating)."""
+config can name (the top level, the schedule, each registered model, data set and optimiser), which
+``disttrain.config.typed.schema_node`` keeps. A forked rank's validation then finds the nodes it merges into
+already built, where each rank built its own, which saves a short DDP run of GPT micro CPU time
+(benchmarks/README.md, Figures cited elsewhere)."""
 
 from disttrain.config.schema import TrainConfig
 from disttrain.config.typed import schema_node

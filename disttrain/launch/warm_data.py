@@ -1,5 +1,5 @@
 """Imported by the fork server before it forks ranks: the default data's images and labels read there once
-(``digits_arrays``), so that no rank of a digits run reads them again (27 ms of CPU in each)."""
+(``digits_arrays``), so that no rank of a digits run spends CPU reading them again."""
 
 from disttrain.data.digits import digits_arrays
 
