@@ -27,3 +27,11 @@ def test_model_checkpoints_private_methods_are_there():
         assert callable(getattr(ModelCheckpoint, name, None)), name
     assert list(inspect.signature(ModelCheckpoint._save_last_checkpoint).parameters) == [
         "self", "trainer", "monitor_candidates"]
+
+
+def test_a_logged_results_step_cache_is_the_name_the_torchft_kind_clears():
+    # forget_step_values (disttrain.rank.kinds.torchft) sets it to None on each step-logged result
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    source = inspect.getsource(_ResultMetric)
+    assert "self._forward_cache: Optional[Any] = None" in source  # set per step, read for the logger's row
