@@ -52,6 +52,34 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn: Callab
         dist.destroy_process_group()
 
 
+def _failure(rank: int, payload: tuple, world_size: int, results, procs: list) -> RankError:
+    """The error to raise once ``rank`` has failed: every rank's failure that arrives within a few seconds, the
+    cause first. A rank that raises closes its connections, so its peers fail too, often before its own report
+    arrives; a rank that died without a report is named with its exit code."""
+    failures = {rank: payload}
+    deadline = time.monotonic() + 5
+    while len(failures) < world_size and time.monotonic() < deadline:
+        try:
+            other, ok, other_payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(p.exitcode is not None for r, p in enumerate(procs) if r not in failures):
+                break
+            continue
+        if not ok:
+            failures[other] = other_payload
+    dead = [f"rank {r} exited with code {p.exitcode} without a report" for r, p in enumerate(procs)
+            if r not in failures and p.exitcode not in (None, 0)]
+
+    def is_echo(text: str) -> bool:
+        return "Connection reset by peer" in text or "Connection closed by peer" in text
+
+    order = sorted(failures, key=lambda r: (is_echo(failures[r][0]), r))
+    parts = dead + [f"rank {r} of {world_size} failed:\n{failures[r][0]}" for r in order]
+    error = RankError("\n".join(parts))
+    error.__cause__ = failures[order[0]][1]
+    return error
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """``[fn(*args) on rank 0, ..., on rank world_size - 1]``, each rank in its own gloo process."""
     warm_fork_server()
@@ -78,8 +106,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                         raise RankError(f"rank {r} exited with code {p.exitcode} without a result") from None
                 continue
             if not ok:
-                text, exc = payload
-                raise RankError(f"rank {rank} of {world_size} failed:\n{text}") from exc
+                raise _failure(rank, payload, world_size, results, procs)
             values[rank] = pickle.loads(payload)  # noqa: S301  (bytes this test's own ranks pickled)
         for p in procs:
             p.join(timeout=30)
