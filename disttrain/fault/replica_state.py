@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer import call
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,6 +22,9 @@ from disttrain.fault.per_rank import PerRankState
 
 PEER_CHECKPOINT = "<replica group peer>"
 """The ``ckpt_path`` a restarted group fits with: its state comes from a live group, not from a file."""
+
+LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+"""The Trainer's loops, whose states a checkpoint's ``loops`` holds by these names."""
 
 
 def _local(value: Any) -> Any:
@@ -54,12 +56,11 @@ def own_callback_states(trainer: pl.Trainer) -> dict[str, Any]:
 
 def peer_state(trainer: pl.Trainer) -> dict[str, Any]:
     """This rank's whole training state, as a checkpoint dictionary a restarted rank can resume from."""
-    connector = trainer._checkpoint_connector
     state: dict[str, Any] = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": pl.__version__,
-        "loops": _between_steps(connector._get_loops_state_dict()),
+        "loops": _between_steps({name: getattr(trainer, name).state_dict() for name in LOOPS}),
         "callbacks": own_callback_states(trainer),
         "optimizer_states": [],  # the optimisers travel whole in "peer_optimizers" (see load_peer_state)
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -68,7 +69,7 @@ def peer_state(trainer: pl.Trainer) -> dict[str, Any]:
     }
     datamodule = trainer.datamodule
     if datamodule is not None:
-        data_state = call._call_lightning_datamodule_hook(trainer, "state_dict")
+        data_state = datamodule.state_dict()
         if data_state:
             state[datamodule.__class__.__qualname__] = data_state
     return state

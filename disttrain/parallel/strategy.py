@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,6 +25,7 @@ from disttrain.checkpoint.sharded import SameStateAs, ShardedCheckpoints
 from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
+from disttrain.lightning_internals import join_process_group, optimizers_to_device, set_device_mesh
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
@@ -93,12 +93,12 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 5-D mesh."""
-        self._setup_distributed()
+        join_process_group(self)
         device_type = self.root_device.type
-        self._device_mesh = init_device_mesh(device_type, self.dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self, self.lightning_module,
+                        init_device_mesh(device_type, self.dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES))
         if self.dims.cp_enabled:
-            self.sequence_split = sequence_split_of(self._device_mesh)
+            self.sequence_split = sequence_split_of(self.device_mesh)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -154,7 +154,7 @@ class DistTrainStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Under context parallelism, this rank's slice of every sequence of the batch (inputs and targets alike)

@@ -9,14 +9,14 @@ from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 from disttrain.checkpoint.sharded import SameStateAs
+from disttrain.lightning_internals import ModelCheckpointSteps, summary_table, validation_follows
 
 
-class NewestAndBestCheckpoint(ModelCheckpoint):
+class NewestAndBestCheckpoint(ModelCheckpointSteps):
     """Save points and the ranking of checkpoints, kept apart.
 
     A save point writes the newest state to ``last.ckpt`` (keeping ``keep_last`` of them): every
@@ -56,15 +56,15 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         and builds it from five settings that do not change after construction."""
         return self._state_key
 
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+    def write_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Lightning's write, or, while ``last.ckpt`` saves the state just ranked, a link to its shards; timed."""
         started = time.perf_counter()
         if self._same_state_as is None:
-            super()._save_checkpoint(trainer, filepath)
+            super().write_checkpoint(trainer, filepath)
         else:  # Lightning's own steps, within the strategy's link to the shards already written
             with trainer.strategy.linking_state(SameStateAs(self._same_state_as)):
                 trainer.save_checkpoint(filepath, self.save_weights_only)
-            self._last_global_step_saved = trainer.global_step
-            self._last_checkpoint_saved = filepath
+            self.note_written(trainer, filepath)
             if trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.after_save_checkpoint(proxy(self))
@@ -76,7 +76,7 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
             return
         saved, self.save_last = self.save_last, True
         try:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self.save_last_checkpoint(trainer, self.monitor_candidates(trainer))
         finally:
             self.save_last = saved
 
@@ -89,11 +89,11 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         """A save point every ``every_n_train_steps`` optimiser steps (the runner sets no time interval), at the
         batch that took the step; where a validation follows this batch, the save point waits for it, so that
         ``last.ckpt`` holds its ranking."""
-        every = self._every_n_train_steps
+        every = self.steps_between_saves
         # a batch that only accumulates keeps the step number: after a resume its step is the checkpoint's own,
         # and a save there would hold half an accumulation window
         stepped, self._step_at_batch_end = trainer.global_step != self._step_at_batch_end, trainer.global_step
-        if every >= 1 and stepped and trainer.global_step % every == 0 and not _validation_follows(trainer):
+        if every >= 1 and stepped and trainer.global_step % every == 0 and not validation_follows(trainer):
             self._save_point(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -101,12 +101,12 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         self.validated_step = trainer.global_step
-        if not self._should_save_on_train_epoch_end(trainer):
+        if not self.saves_at_epoch_end(trainer):
             self._save_point(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A save point where validation runs once an epoch (it ran just before) or not at all."""
-        if self._should_save_on_train_epoch_end(trainer):
+        if self.saves_at_epoch_end(trainer):
             self._save_point(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -121,38 +121,31 @@ class NewestAndBestCheckpoint(ModelCheckpoint):
         writes_last = self.save_last and self.last_step_written != step
         if not ranks and not writes_last:  # the candidates copy every logged value: built for nothing otherwise
             return
-        candidates = self._monitor_candidates(trainer)
+        candidates = self.monitor_candidates(trainer)
         ranked = None
         if ranks:
             self.ranked_step = step
-            saved_before = self._last_checkpoint_saved
-            self._save_topk_checkpoint(trainer, candidates)
+            saved_before = self.newest_file
+            self.save_ranked(trainer, candidates)
             # written now only where the score made the top k; nothing changes the state between the two saves
-            ranked = self._last_checkpoint_saved if self._last_checkpoint_saved != saved_before else None
+            ranked = self.newest_file if self.newest_file != saved_before else None
         if writes_last:
             self._same_state_as = ranked
             try:
-                self._save_last_checkpoint(trainer, candidates)
+                self.save_last_checkpoint(trainer, candidates)
             finally:
                 self._same_state_as = None
 
-    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+    def save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        """Lightning's save of ``last.ckpt``, after retiring the previous one (``keep_last`` are kept)."""
         gate = getattr(trainer.strategy, "checkpoint_gate", None)  # one of several replica groups writes
         if self.save_last and trainer.is_global_zero and self.dirpath is not None and (gate is None or gate()):
             from disttrain.checkpoint.folders import retire_and_prune
 
             retire_and_prune(Path(self.dirpath), self.keep_last)
-        super()._save_last_checkpoint(trainer, monitor_candidates)
+        super().save_last_checkpoint(trainer, monitor_candidates)
         if self.save_last:
             self.last_step_written = trainer.global_step
-
-
-def _validation_follows(trainer: pl.Trainer) -> bool:
-    """Whether Lightning validates right after the training batch that just ended (its own decision, asked
-    early through its epoch loop's private test; where that is missing, no validation is assumed)."""
-    loop, fetcher = trainer.fit_loop.epoch_loop, getattr(trainer.fit_loop, "_data_fetcher", None)
-    decide = getattr(loop, "_should_check_val_fx", None)
-    return bool(decide is not None and fetcher is not None and decide(fetcher))
 
 
 class ThroughputMeter(pl.Callback):
@@ -289,8 +282,8 @@ class SummaryWithoutFlops(ModelSummary):
                   **summarize_kwargs: Any) -> None:
         """Print the table of layers and parameter counts, leaving FLOPs out unless they were counted."""
         columns = [c for c in summary_data if total_flops or c[0] != "FLOPs"]
-        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
-                                      total_flops, *columns)
+        table = summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, total_flops,
+                              *columns)
         if not total_flops:
             table = table.rsplit("\n", 1)[0]  # the last line is the "Total Flops" row
         print(table, flush=True)

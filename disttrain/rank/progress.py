@@ -8,9 +8,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+from lightning_utilities.core.imports import RequirementCache
 
 from disttrain.rank.callbacks import ThroughputMeter
+
+RICH = RequirementCache("rich>=10.2.2")
+"""Whether rich is installed at the version Lightning's rich bar needs (Lightning's own test of it)."""
 
 LOSS_KEY = "train/loss"
 """The logged training loss that both displays show."""
@@ -47,7 +50,7 @@ class RichLossBar(LossShown, RichProgressBar):
 
 def loss_bar() -> pl.Callback:
     """The bar Lightning would choose (rich where installed, else tqdm), showing the training loss."""
-    return RichLossBar() if _RICH_AVAILABLE else TqdmLossBar()
+    return RichLossBar() if RICH else TqdmLossBar()
 
 
 class PlainProgress(pl.Callback):

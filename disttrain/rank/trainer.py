@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 from disttrain.config.validation import RunConfig
+from disttrain.lightning_internals import skip_sigterm_broadcast
 from disttrain.parallel.process_group import rank_layout
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.callbacks import NewestAndBestCheckpoint, SummaryWithoutFlops, ThroughputMeter
@@ -81,18 +82,8 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         default_root_dir=cfg.run_dir,
         profiler=NoProfiler(),
     )
-    skip_lightning_sigterm_broadcast(trainer)
+    skip_sigterm_broadcast(trainer)
     return trainer
-
-
-def skip_lightning_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Stop Lightning broadcasting its SIGTERM flag from rank 0 before every training batch (a collective and a
-    host sync per step, which small DDP steps feel; benchmarks/README.md, Figures cited elsewhere).
-    StepAgreement's handlers replace Lightning's, so that flag is never set, and ranks agree on preemption at
-    logged steps instead."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # a private method of Lightning >= 2.5's loop
-        epoch_loop._broadcast_sigterm_tensor = lambda: None
 
 
 def mode_of(metric: str) -> str:

@@ -4,7 +4,6 @@ emitted (one logging filter per logger, one warnings filter per message), and no
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -47,9 +46,11 @@ def quiet_noise() -> None:
     (idempotent)."""
     # the ``lightning`` package gives its logger a console handler of its own and lets records propagate too: under
     # Hydra's job logging (the console and train.log on the root logger) every Lightning line printed twice
-    lightning_console = getattr(sys.modules.get("lightning"), "_console", None)
-    if logging.getLogger().handlers and lightning_console is not None:
-        logging.getLogger("lightning").removeHandler(lightning_console)
+    if logging.getLogger().handlers:
+        lightning_logger = logging.getLogger("lightning")
+        for handler in list(lightning_logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                lightning_logger.removeHandler(handler)
     by_logger: dict[str, tuple[str, ...]] = {}
     for name, prefix in _NOISE:
         by_logger[name] = (*by_logger.get(name, ()), prefix)

@@ -25,6 +25,7 @@ from disttrain.fault.replica_state import PEER_CHECKPOINT, load_peer_state, peer
 from disttrain.fault.replica_steps import ReplicaSteps
 from disttrain.fault.steps import StepAgreement
 from disttrain.fault.stops import SkippedStep
+from disttrain.lightning_internals import count_stepped_batches, forget_step_values
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.kinds.base import RunKind
@@ -37,14 +38,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 PEER_EPOCH_LOSS = "peer_epoch_loss"
 """In a state served to a restarted or healing group: the serving rank's own part of the epoch's loss sums."""
-
-
-def forget_step_values(trainer: pl.Trainer) -> None:
-    """Drop the per-step values logged so far in this epoch (the epoch's own aggregates stay): Lightning's row
-    after this batch, if it writes one, then holds only what this batch logged."""
-    for result in trainer.fit_loop.epoch_loop._results.values():
-        if result.meta.on_step:
-            result._forward_cache = None
 
 
 class ReplicaTask(TrainTask):
@@ -115,9 +108,8 @@ class ReplicaTask(TrainTask):
         accumulating step, although no optimiser step was taken. Counted so, the rows moved one batch later after
         the first uncommitted step, repeated the last logged values there, and the run's last row was never
         written. Here the count is the committed steps (Lightning adds this batch once it has decided on the
-        row), and a batch that committed no step leaves no step values for a row to repeat. Both are Lightning's
-        private names; the torchft tests of logged rows fail where they change."""
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step - 1
+        row), and a batch that committed no step leaves no step values for a row to repeat."""
+        count_stepped_batches(self.trainer, self.global_step - 1)
         if not self._committed:
             forget_step_values(self.trainer)
 
