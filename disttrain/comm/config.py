@@ -49,9 +49,9 @@ class CommConfig:
         if self.warmup_steps < 0:
             raise ConfigError("comm.warmup_steps", self.warmup_steps, "a number of optimiser steps >= 0")
 
-    def check_layout(self, zero_stage: int, pipelined: bool, data_parallel: int, sync_every: int = 0,
-                     servers: int = 0) -> None:
-        """Refuse a codec on a layout whose gradients it cannot carry."""
+    def check_layout(self, layout: Any, sync_every: int = 0, servers: int = 0) -> None:
+        """Refuse a codec on a layout whose gradients it cannot carry (``layout``: the run's
+        ``disttrain.parallel.layout.Layout``; ``sync_every`` and ``servers``: ``parallel``'s)."""
         if self.name == "none":
             return
         if sync_every:
@@ -60,13 +60,13 @@ class CommConfig:
         if servers:
             raise ConfigError("comm", self.name, "none with a parameter server (parallel.servers > 0: it sends fp32 "
                               "gradients and parameters point to point)")
-        if data_parallel < 2:
+        if layout.dp < 2:
             raise ConfigError("comm", self.name, "none on a run without data-parallel ranks (nothing to exchange)")
-        if pipelined:
+        if layout.pp_enabled:
             raise ConfigError("comm", self.name, "none with pipeline stages (their gradients are not exchanged "
                               "by DDP or FSDP2 as one model's)")
-        if zero_stage in (2, 3) and self.name not in SHARDED_CODECS:
-            raise ConfigError("comm", self.name, f"one of {', '.join(SHARDED_CODECS)} with ZeRO-{zero_stage} "
+        if layout.shards_parameters and self.name not in SHARDED_CODECS:
+            raise ConfigError("comm", self.name, f"one of {', '.join(SHARDED_CODECS)} with {layout.zero_name} "
                               "(FSDP2 reduce-scatters the gradients in a reduce dtype; the other codecs compress "
                               "DDP's all-reduce: parallel=ddp or zero1)")
 

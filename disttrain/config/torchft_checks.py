@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from disttrain.errors import ConfigError
-from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.layout import Layout
 
 KEY = "fault_tolerance.engine"
 
@@ -25,7 +25,7 @@ def torchft_installed() -> bool:
     return find_spec("torchft") is not None
 
 
-def check_torchft(top: Any, dims: ParallelDims, net: nn.Module) -> None:
+def check_torchft(top: Any, layout: Layout, net: nn.Module) -> None:
     """Raise ConfigError where ``engine=torchft`` cannot run this config: the package missing, no replicas to
     survive, a kind of run with its own membership or per-rank state, BatchNorm, or ``min_groups`` out of range."""
     ft, p = top.fault_tolerance, top.parallel
@@ -39,16 +39,16 @@ def check_torchft(top: Any, dims: ParallelDims, net: nn.Module) -> None:
                                                          else f"parallel.sync_every={p.sync_every}")
         raise ConfigError(KEY, "torchft", f"restart with {what} (federated rounds, parameter servers and Local SGD "
                           "keep their own membership or replicas apart; torchft replica groups average every step)")
-    if dims.pp_enabled:
-        raise ConfigError(KEY, "torchft", f"restart with parallel.pp={dims.pp} (pipeline stages step by hand; "
+    if layout.pp_enabled:
+        raise ConfigError(KEY, "torchft", f"restart with parallel.pp={layout.pp} (pipeline stages step by hand; "
                           "replica groups run DDP or HSDP layouts)")
-    if dims.dp_replicate < 2:
-        raise ConfigError(KEY, "torchft", f"restart with parallel.dp_replicate={dims.dp_replicate} (replica groups "
+    if layout.dp_replicate < 2:
+        raise ConfigError(KEY, "torchft", f"restart with parallel.dp_replicate={layout.dp_replicate} (replica groups "
                           "are the replicas of parallel.dp_replicate: at least 2, e.g. parallel=ddp or parallel=hsdp "
                           "parallel.dp_replicate=3)")
-    if p.zero_stage == 1:
-        raise ConfigError(KEY, "torchft", "restart with parallel.zero_stage=1 (ZeRO-1 shards optimiser state over "
-                          "the replicas that fail independently; use parallel=ddp or parallel=hsdp)")
+    if layout.shards_only_optimizer_state:
+        raise ConfigError(KEY, "torchft", f"restart with parallel.{layout.zero_setting} (ZeRO-1 shards optimiser "
+                          "state over the replicas that fail independently; use parallel=ddp or parallel=hsdp)")
     if top.comm.name != "none":
         raise ConfigError(KEY, "torchft", f"restart with comm={top.comm.name}, or comm=none (replica groups "
                           "exchange fp32 gradients through torchft; a codec's residuals and factors are per rank "
@@ -56,6 +56,6 @@ def check_torchft(top: Any, dims: ParallelDims, net: nn.Module) -> None:
     if any(isinstance(m, _BatchNorm) for m in net.modules()):
         raise ConfigError(KEY, "torchft", "restart for a model with BatchNorm layers (their running statistics "
                           "are buffers that no replica-group exchange averages, so groups would drift apart)")
-    if ft.min_groups > dims.dp_replicate:
+    if ft.min_groups > layout.dp_replicate:
         raise ConfigError("fault_tolerance.min_groups", ft.min_groups,
-                          f"1 to parallel.dp_replicate={dims.dp_replicate} replica groups")
+                          f"1 to parallel.dp_replicate={layout.dp_replicate} replica groups")

@@ -8,6 +8,7 @@ from disttrain.config.precision import MATMUL_PRECISIONS
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainerConfig, fork_server_available
 from disttrain.errors import ConfigError
 from disttrain.parallel.compile import COMPILE_MODES, CUDA_GRAPH_MODES
+from disttrain.parallel.layout import Layout
 
 
 def check_trainer(t: TrainerConfig) -> None:
@@ -43,7 +44,7 @@ def check_trainer(t: TrainerConfig) -> None:
         checks.count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")
 
 
-def check_compile_mode(trainer: TrainerConfig, world: int, zero_stage: int, accumulation: int) -> None:
+def check_compile_mode(trainer: TrainerConfig, layout: Layout, accumulation: int) -> None:
     """``trainer.compile_mode`` is one of torch.compile's modes, with ``trainer.compile`` on, and the modes that
     record CUDA graphs run on one rank whose step launches no collective (a graph replays no communication) and
     takes one micro-batch (the next micro-batch's replay would write over the gradients being summed)."""
@@ -51,7 +52,7 @@ def check_compile_mode(trainer: TrainerConfig, world: int, zero_stage: int, accu
     checks.one_of("trainer.compile_mode", mode, COMPILE_MODES)
     if mode != "default" and not trainer.compile:
         raise ConfigError("trainer.compile_mode", mode, "default unless trainer.compile=true")
-    if mode in CUDA_GRAPH_MODES and (world > 1 or zero_stage):
+    if mode in CUDA_GRAPH_MODES and (layout.world_size > 1 or layout.shards_optimizer_state):
         raise ConfigError("trainer.compile_mode", mode, "default or max-autotune-no-cudagraphs on more than one "
                           "rank or under ZeRO (CUDA graphs replay no collectives); parallel=single runs it")
     if mode in CUDA_GRAPH_MODES and accumulation > 1:

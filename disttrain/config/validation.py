@@ -31,6 +31,7 @@ from disttrain.models.hf_weights import check_starting_weights
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_checks import check_model_plan, model_on_meta
 
 
@@ -48,8 +49,8 @@ class RunConfig:
     """The typed optimiser config."""
     scheduler: Any
     """The learning-rate schedule."""
-    dims: ParallelDims
-    """The resolved parallel degrees."""
+    layout: Layout
+    """The resolved degrees and where model state lives (what the strategy, the kinds and the planner read)."""
     batch: ResolvedBatch
     """The resolved batch numbers."""
     yaml: str
@@ -63,6 +64,11 @@ class RunConfig:
     world_sizes: tuple[int, ...] = ()
     """With ``trainer.devices=MIN:MAX`` under disttrain's supervisor: the world sizes, largest first, that the
     run may restart on after losing ranks (empty: only its own)."""
+
+    @property
+    def dims(self) -> Layout:
+        """The resolved parallel degrees: the layout itself (a ``Layout`` is a ``ParallelDims``)."""
+        return self.layout
 
     @property
     def config_hash(self) -> str:
@@ -155,32 +161,32 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
     if chose_layout:
         notices.append(_choose_parallel(top, model, data, optim, world))
     p = top.parallel
-    dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
-    p.check_dims(dims)
-    if top.trainer.compile and dims.pp_enabled:
+    layout = Layout.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
+    p.check_layout(layout)
+    if top.trainer.compile and layout.pp_enabled:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
-    top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every, p.servers)
+    top.comm.check_layout(layout, p.sync_every, p.servers)
     if elastic:  # the global batch of the largest world, on every world of the range
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
-        top.batch = elastic_batch(top.batch, dims.dp if largest == world else
+        top.batch = elastic_batch(top.batch, layout.dp if largest == world else
                                   ParallelDims.resolve(largest, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep).dp)
-    batch = resolve_batch(top.batch, dims.dp)
-    check_compile_mode(top.trainer, world, p.zero_stage, batch.accumulation)
+    batch = resolve_batch(top.batch, layout.dp)
+    check_compile_mode(top.trainer, layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
-    net = None if resolved is not None else _check_model(top, model, optim, dims, batch, datamodule.spec,
+    net = None if resolved is not None else _check_model(top, model, optim, layout, batch, datamodule.spec,
                                                           chose_layout)
-    notices += check_federated(top, dims.world_size, dims.dp_replicate, datamodule)
-    plan = execution_plan(dims, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
+    notices += check_federated(top, layout, datamodule)
+    plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)
         notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
     if resolved is not None:  # a rank of a job that checked all of the rest
-        return RunConfig(top, model, data, optim, scheduler, dims, batch, resolved, tuple(notices), plan, datamodule)
+        return RunConfig(top, model, data, optim, scheduler, layout, batch, resolved, tuple(notices), plan, datamodule)
     world_sizes: tuple[int, ...] = ()
     if elastic:
         world_sizes = restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
@@ -188,8 +194,8 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
         if world_sizes and devices_range and not top.fault_tolerance.max_restarts:
             notices.append(f"trainer.devices={devices_range.text} with fault_tolerance.max_restarts=0: no "
                            f"restart, so the run trains on {world} ranks only")
-    if dims.world_size == 1 and p.zero_stage in (2, 3) and not p.cpu_offload:
-        notices.append(f"parallel.zero_stage={p.zero_stage} on 1 rank: nothing to shard, yet FSDP2 runs its hooks "
+    if layout.world_size == 1 and layout.shards_parameters and not layout.cpu_offload:
+        notices.append(f"parallel.{layout.zero_setting} on 1 rank: nothing to shard, yet FSDP2 runs its hooks "
                        "around every unit, host time in every step (on one H200, at the tokens/s of parallel=single: "
                        "GPT-2 0.41x, a 1.2B Llama 0.93x); parallel=single trains the same model without them")
     if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
@@ -197,7 +203,7 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
                        f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
                        "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
     yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
-    return RunConfig(top, model, data, optim, scheduler, dims, batch, yaml, tuple(notices), plan, datamodule,
+    return RunConfig(top, model, data, optim, scheduler, layout, batch, yaml, tuple(notices), plan, datamodule,
                      world_sizes)
 
 
@@ -205,29 +211,29 @@ def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any)
     """Raise the ConfigError that a run of this config on ``world`` ranks would meet (degrees, batch, the model's
     plan); nothing if it runs."""
     p = top.parallel
-    dims = ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep)
-    p.check_dims(dims)
-    top.comm.check_layout(p.zero_stage, dims.pp_enabled, dims.dp, p.sync_every, p.servers)
-    check_model_plan(model_name, net, p, dims, resolve_batch(top.batch, dims.dp).micro_size, spec)
+    layout = Layout.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
+    p.check_layout(layout)
+    top.comm.check_layout(layout, p.sync_every, p.servers)
+    check_model_plan(model_name, net, p, layout, resolve_batch(top.batch, layout.dp).micro_size, spec)
 
 
-def _check_model(top: TrainConfig, model: Any, optim: Any, dims: ParallelDims, batch: ResolvedBatch, spec: Any,
+def _check_model(top: TrainConfig, model: Any, optim: Any, layout: Layout, batch: ResolvedBatch, spec: Any,
                  chose_layout: bool) -> Any:
     """The model built on the meta device and checked against the layout: its parallel plan, the headers of the
     weights it starts from, the checkpoint it resumes from, the gradient codec's rank (resolved here when unset),
     torchft and the memory budget. Returns the model (the notices that follow read it)."""
     p = top.parallel
     net = model_on_meta(model, spec)
-    check_model_plan(model.name, net, p, dims, batch.micro_size, spec)
+    check_model_plan(model.name, net, p, layout, batch.micro_size, spec)
     check_starting_weights(net)
     if top.resume not in (None, "auto"):
         check_resume_fits(top.resume, net)
     top.comm.check_model(net)
-    check_torchft(top, dims, net)
+    check_torchft(top, layout, net)
     if top.plan.memory_gb is not None and top.mode == "train" and not chose_layout:
         from disttrain.plan.planner import check_memory_budget
 
-        check_memory_budget(net, spec, dims, p, batch, optim, top.trainer.precision, top.plan.memory_gb)
+        check_memory_budget(net, spec, layout, p, batch, optim, top.trainer.precision, top.plan.memory_gb)
     return net
 
 

@@ -61,9 +61,9 @@ def group_view(run: Any) -> Any:
     of their own, for the steps group 0 missed (``replica_rows``)."""
     from disttrain.fault.replica_rows import shadow_logger
 
-    dims = dataclasses.replace(run.dims, dp_replicate=1)
+    layout = dataclasses.replace(run.layout, dp_replicate=1)
     group = replica_group()
     train = run.train
     if group is not None and group[0] != 0:
         train = dataclasses.replace(train, logger=shadow_logger(train.logger, train.run_dir, group[0]))
-    return dataclasses.replace(run, dims=dims, train=train)
+    return dataclasses.replace(run, layout=layout, train=train)

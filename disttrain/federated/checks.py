@@ -7,6 +7,7 @@ from typing import Any
 from disttrain.errors import ConfigError
 from disttrain.federated.partition import empty_clients, labels_of
 from disttrain.federated.robust import KRUM_RULES
+from disttrain.parallel.layout import ZERO_FIELD, Layout
 
 
 def krum_f(fed: Any) -> str:
@@ -21,7 +22,7 @@ def default_attackers_notice(fed: Any) -> str:
             f"most that {n} reporting clients outvote (n > 2f + 2); set it to the number you expect")
 
 
-def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: Any) -> list[str]:
+def check_federated(top: Any, layout: Layout, datamodule: Any) -> list[str]:
     """Refuse impossible federated settings; set ``trainer.max_steps`` to the rounds; notices for the user."""
     from disttrain.federated.partition import client_partitions
 
@@ -33,8 +34,8 @@ def check_federated(top: Any, world_size: int, dp_replicate: int, datamodule: An
         return []
     if not p.federated:
         raise ConfigError("federated.clients", fed.clients, f"0 unless parallel=federated (parallel is {p.name})")
-    if dp_replicate != world_size or p.zero_stage or p.sync_every or p.servers:
-        raise ConfigError("parallel.dp_replicate", p.dp_replicate, "-1 with parallel=federated, and no zero_stage, "
+    if layout.dp_replicate != layout.world_size or layout.shards_optimizer_state or p.sync_every or p.servers:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate, f"-1 with parallel=federated, and no {ZERO_FIELD}, "
                           "sync_every, servers, tp or pp: every rank simulates clients on the whole model")
     if top.comm.name != "none":
         raise ConfigError("comm.name", top.comm.name, "none with parallel=federated (client updates travel whole)")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.layout import Layout
 
 
 @dataclass
@@ -71,13 +72,6 @@ ACTIVATION_CHECKPOINT = ("none", "full", "selective")
 
 SPLIT_BACKWARD = ("zero_bubble", "zbv")
 """Pipeline schedules that split a stage's backward into an input-gradient and a weight-gradient pass."""
-
-
-def accumulates_sharded(zero_stage: int, accumulate_grads: str) -> bool:
-    """Whether gradient accumulation keeps ZeRO-2/3's gradients sharded: every micro-batch reduce-scatters its
-    gradients into the shards (``auto`` and ``sharded``); ``unsharded`` keeps whole local gradients until the
-    step's last micro-batch, which reduce-scatters once. Stages 0 and 1 never shard gradients."""
-    return zero_stage in (2, 3) and accumulate_grads != "unsharded"
 
 
 @dataclass
@@ -172,8 +166,9 @@ class ParallelConfig:
 
     @property
     def sharded_accumulation(self) -> bool:
-        """Accumulation micro-batches reduce-scatter their gradients (see ``accumulate_grads``)."""
-        return accumulates_sharded(self.zero_stage, self.accumulate_grads)
+        """Accumulation micro-batches reduce-scatter their gradients (see ``accumulate_grads``), as the layout of
+        these options without pipelining says (``Layout.sharded_accumulation``)."""
+        return Layout.of(self, ParallelDims()).sharded_accumulation
 
     def fixed_ranks(self) -> int | None:
         """The one world size this preset runs on when none of its degrees is -1 (``single``: 1), else None."""
@@ -225,69 +220,69 @@ class ParallelConfig:
         if self.outer.nesterov and self.outer.momentum == 0:
             raise ConfigError("parallel.outer.nesterov", True, "false unless parallel.outer.momentum > 0")
 
-    def check_dims(self, dims: ParallelDims) -> None:
-        """Checks of the combination of options and resolved degrees."""
+    def check_layout(self, layout: Layout) -> None:
+        """Checks of the combination of options and resolved degrees: ``layout`` is ``Layout.of(self, dims)``."""
         for key, value in (("sync_every", self.sync_every), ("servers", self.servers)):
-            if value and (dims.dp_replicate < 2 or dims.world_size != dims.dp_replicate):
+            if value and (layout.dp_replicate < 2 or layout.world_size != layout.dp_replicate):
                 raise ConfigError(f"parallel.{key}", value,
                                   f"0 unless every rank is a data-parallel replica (dp_replicate = world size >= 2; "
-                                  f"got dp_replicate={dims.dp_replicate} of {dims.world_size} ranks, zero_stage="
-                                  f"{self.zero_stage}, tp={dims.tp}, pp={dims.pp})")
-        if self.servers > dims.world_size:
-            raise ConfigError("parallel.servers", self.servers, f"at most the {dims.world_size} ranks of the run")
-        if dims.pp_enabled and (dims.dp_replicate_enabled or self.zero_stage == 1):
-            raise ConfigError("parallel.pp", dims.pp,
+                                  f"got dp_replicate={layout.dp_replicate} of {layout.world_size} ranks, zero_stage="
+                                  f"{self.zero_stage}, tp={layout.tp}, pp={layout.pp})")
+        if self.servers > layout.world_size:
+            raise ConfigError("parallel.servers", self.servers, f"at most the {layout.world_size} ranks of the run")
+        if layout.pp_enabled and (layout.dp_replicate_enabled or layout.shards_only_optimizer_state):
+            raise ConfigError("parallel.pp", layout.pp,
                               "pp > 1 combines with tp and with dp_shard (zero_stage 2 or 3); dp_replicate and "
                               "zero_stage=1 with pipelining are not available yet")
-        if dims.pp_enabled and self.sequence_parallel:
+        if layout.pp_enabled and self.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel", True, "false with pp > 1 (not available yet)")
-        if dims.pp_enabled and self.activation_checkpoint == "selective" and self.pipeline.schedule in SPLIT_BACKWARD:
+        if layout.pp_enabled and self.activation_checkpoint == "selective" and self.pipeline.schedule in SPLIT_BACKWARD:
             raise ConfigError("parallel.activation_checkpoint", "selective",
                               f"none or full with the {self.pipeline.schedule} schedule (it runs a block's backward "
                               "in two passes, input then weight gradients, and torch's selective checkpoint "
                               "recomputes a block for one backward only)")
-        if dims.tp_enabled and dims.dp_replicate_enabled and self.zero_stage in (0, 1):
-            raise ConfigError("parallel.dp_replicate", dims.dp_replicate,
+        if layout.tp_enabled and layout.dp_replicate_enabled and not layout.shards_parameters:
+            raise ConfigError("parallel.dp_replicate", layout.dp_replicate,
                               "1 with tp > 1 unless zero_stage is 2 or 3 (DDP cannot replicate tensor-parallel "
                               "parameters; shard them with dp_shard, or use hybrid sharding)")
-        if dims.tp_enabled and dims.cp_enabled and self.zero_stage in (0, 1):
+        if layout.tp_enabled and layout.cp_enabled and not layout.shards_parameters:
             raise ConfigError("parallel.zero_stage", self.zero_stage,
                               "2 or 3 with tp > 1 and cp > 1 (DDP cannot average tensor-parallel parameters' gradients "
                               "over the cp ranks; FSDP shards them over dp_shard x cp)")
-        if self.sequence_parallel and not dims.tp_enabled:
-            raise ConfigError("parallel.sequence_parallel", True, f"false unless parallel.tp > 1 (tp={dims.tp} of "
-                              f"{dims.world_size} rank(s) here)")
-        if dims.dp_shard > 1 and self.zero_stage == 0:
+        if self.sequence_parallel and not layout.tp_enabled:
+            raise ConfigError("parallel.sequence_parallel", True, f"false unless parallel.tp > 1 (tp={layout.tp} of "
+                              f"{layout.world_size} rank(s) here)")
+        if layout.dp_shard > 1 and not layout.shards_optimizer_state:
             raise ConfigError("parallel.zero_stage", 0, "1, 2 or 3 when parallel.dp_shard > 1 (sharding is ZeRO)")
         # one rank under ZeRO-2/3 is FSDP2 with nothing to shard: still its mixed-precision policy and CPU offload
-        single_device_fsdp = self.zero_stage in (2, 3) and dims.world_size == 1
-        if self.zero_stage and dims.shard_degree == 1 and not single_device_fsdp:
-            raise ConfigError("parallel.dp_shard", dims.dp_shard,
+        single_device_fsdp = layout.shards_parameters and layout.world_size == 1
+        if layout.shards_optimizer_state and layout.shard_degree == 1 and not single_device_fsdp:
+            raise ConfigError("parallel.dp_shard", layout.dp_shard,
                               f"> 1 (or parallel.cp > 1) for zero_stage={self.zero_stage} (the ranks that share the "
-                              f"model state), or zero_stage 2 or 3 on one rank; world size {dims.world_size} gives "
+                              f"model state), or zero_stage 2 or 3 on one rank; world size {layout.world_size} gives "
                               "nothing to shard")
-        if dims.cp_enabled and self.zero_stage == 1:
+        if layout.cp_enabled and layout.shards_only_optimizer_state:
             raise ConfigError("parallel.zero_stage", 1, "0, 2 or 3 with parallel.cp > 1 (ZeRO-1 shards optimiser "
                               "state over the data-parallel ranks only)")
-        if dims.cp_enabled and dims.pp_enabled and self.zero_stage not in (2, 3):
+        if layout.cp_enabled and layout.pp_enabled and not layout.shards_parameters:
             raise ConfigError("parallel.zero_stage", self.zero_stage, "2 or 3 with parallel.cp > 1 and pp > 1 (the "
                               "stages' gradients are averaged over dp_shard x cp by FSDP)")
-        if self.accumulate_grads != "auto" and (self.zero_stage not in (2, 3) or dims.pp_enabled):
+        if self.accumulate_grads != "auto" and (not layout.shards_gradients or layout.pp_enabled):
             raise ConfigError("parallel.accumulate_grads", self.accumulate_grads,
                               f"auto unless zero_stage is 2 or 3 and pp is 1 (only ZeRO-2/3 shard gradients; a "
                               f"pipeline schedule reduces them once per batch; got zero_stage={self.zero_stage}, "
-                              f"pp={dims.pp})")
-        if dims.ep_enabled and self.zero_stage not in (2, 3):
+                              f"pp={layout.pp})")
+        if layout.ep_enabled and not layout.shards_parameters:
             raise ConfigError("parallel.zero_stage", self.zero_stage,
-                              f"2 or 3 with parallel.ep={dims.ep} (experts' gradients are averaged over other ranks "
+                              f"2 or 3 with parallel.ep={layout.ep} (experts' gradients are averaged over other ranks "
                               "than the dense layers', which FSDP does per unit), e.g. parallel=zero3")
-        if dims.ep_enabled and self.activation_checkpoint == "selective":
+        if layout.ep_enabled and self.activation_checkpoint == "selective":
             raise ConfigError("parallel.activation_checkpoint", "selective",
-                              f"none or full with parallel.ep={dims.ep} (each experts' module is an FSDP unit of its "
+                              f"none or full with parallel.ep={layout.ep} (each experts' module is an FSDP unit of its "
                               "own inside its block, whose hooks run a different sequence of operations when torch's "
                               "selective checkpoint recomputes the block; not available yet)")
-        if dims.ep_enabled and self.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", True, f"false with parallel.ep={dims.ep} (the mixture "
+        if layout.ep_enabled and self.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", True, f"false with parallel.ep={layout.ep} (the mixture "
                               "layers take whole sequences; not available yet)")
-        if self.cpu_offload and self.zero_stage not in (2, 3):
+        if self.cpu_offload and not layout.shards_parameters:
             raise ConfigError("parallel.cpu_offload", True, "false unless zero_stage is 2 or 3")

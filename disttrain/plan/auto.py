@@ -62,8 +62,9 @@ SIMPLICITY = {"none": 0, "full": 1, "selective": 2}
 def complexity(layout: Layout) -> tuple:
     """Ordering of simplicity: fewer kinds of parallelism, lower ZeRO stage, simpler checkpointing, less
     accumulation."""
+    zero = (layout.shards_optimizer_state, layout.shards_gradients, layout.reshards_after_forward)  # by stage
     return (layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1, layout.dp_replicate > 1 and layout.dp_shard > 1,
-            layout.zero_stage, SIMPLICITY[layout.activation_checkpoint], layout.accumulation)
+            zero, SIMPLICITY[layout.activation_checkpoint], layout.accumulation)
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,14 +101,14 @@ def candidate_layouts(world: int, global_batch: int, inputs: PlanInputs, pipelin
                 if global_batch % dp:
                     continue
                 for replicate, shard, stage in _data_parallel_ways(dp, tp, cp, devices_per_node, pp):
-                    for ep in expert_degrees(inputs.stats, shard, stage):
+                    way = Layout.of_stage(stage, pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, cp=cp,
+                                          accumulate_grads=accumulate_grads)
+                    for ep in expert_degrees(inputs.stats, shard, way.shards_parameters):
                         for policy in CHECKPOINT_POLICIES:
                             if (policy != "none" and pp > 1) or (policy == "selective" and ep > 1):
-                                continue  # what the run refuses (``ParallelConfig.check_dims``)
-                            group = _micro_batches(Layout(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
-                                                          cp=cp, ep=ep, zero_stage=stage,
-                                                          activation_checkpoint=policy,
-                                                          accumulate_grads=accumulate_grads), global_batch // dp)
+                                continue  # what the run refuses (``ParallelConfig.check_layout``)
+                            group = _micro_batches(replace(way, ep=ep, activation_checkpoint=policy),
+                                                   global_batch // dp)
                             if group:
                                 groups.append(group)
     return groups
@@ -130,7 +131,7 @@ def _micro_batches(base: Layout, per_replica: int) -> list[Layout]:
 
 
 def _data_parallel_ways(dp: int, tp: int, cp: int, devices_per_node: int, pp: int) -> list[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero_stage) ways to spread ``dp`` ranks (ZeRO shards over dp_shard x cp)."""
+    """(dp_replicate, dp_shard, ZeRO stage) ways to spread ``dp`` ranks (ZeRO shards over dp_shard x cp)."""
     replicable = tp == 1 and pp == 1  # DDP cannot replicate tp/pp stages here
     if dp == 1:
         ways = [(1, 1, 0)] if cp == 1 or replicable else []

@@ -89,14 +89,14 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
     # FSDP2 under bf16-mixed on a GPU gathers bf16 copies of the parameters (reduces gradients in fp32)
     param_bytes = 2 if gather_bf16 else state.param
     grads, weights = dense * state.grad, dense * param_bytes
-    if layout.zero_stage == 0 and dr * cp > 1:  # DDP averages over the replicas and the cp ranks
+    if not layout.shards_optimizer_state and dr * cp > 1:  # DDP averages over the replicas and the cp ranks
         out.append(collective("all_reduce", "dp_cp" if cp > 1 else "dp_replicate", dr * cp, grads, 1, link_dr))
-    if layout.zero_stage == 1 and ds > 1:
+    if layout.shards_only_optimizer_state and ds > 1:
         out.append(collective("all_reduce", "dp_shard", ds, grads, 1, link_ds))
         # each rank broadcasts the parameters it stepped: after the optimiser step, so nothing overlaps it
         out.append(collective("broadcast", "dp_shard", ds, weights, ds, link_ds, after_step=True))
-    if layout.zero_stage >= 2:
-        gathers = acc * (2 if layout.zero_stage == 3 else 1)
+    if layout.shards_gradients:
+        gathers = acc * layout.gathers_per_microbatch
         scatters = acc if layout.sharded_accumulation else 1  # every micro-batch, or once per step
         groups = [(shard_group, shards, dense)]
         if expert_parallel:  # the rank's own experts, over the ranks that share them (their span is dp_shard's)

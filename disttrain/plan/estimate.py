@@ -147,7 +147,7 @@ def activation_dtype(stats: ModelStats, bf16: bool) -> float:
 
 def weight_copies(layout: Layout, gather_bf16: bool) -> bool:
     """Whether autocast makes bf16 copies of the weights: not where FSDP2 (ZeRO-2/3) gathers them in bf16."""
-    return not (gather_bf16 and layout.zero_stage >= 2)
+    return not (gather_bf16 and layout.shards_parameters)
 
 
 def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state: StateBytes,
@@ -158,7 +158,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     ranks = rank_units(stats, layout)
     params, experts = busiest_params(stats, layout, ranks)
     alternative = None
-    if layout.zero_stage >= 2 and layout.pp == 1 and layout.accumulation > 1:
+    if layout.shards_gradients and layout.pp == 1 and layout.accumulation > 1:
         other = replace(layout, accumulate_grads="unsharded" if layout.sharded_accumulation else "sharded")
         alternative = model_state(params, other, state, experts)["grads"]
     gather_bf16 = bf16 and not profile.cpu
@@ -187,7 +187,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     tokens = layout.micro_size * layout.accumulation * layout.dp * stats.tokens_per_sample
     by_ep = {}
     if stats.has_experts:
-        fitting = expert_degrees(stats, layout.dp_shard, layout.zero_stage)
+        fitting = expert_degrees(stats, layout.dp_shard, layout.shards_parameters)
         for ep in sorted({*EP_DEGREES, layout.ep}):
             by_ep[ep] = _at_ep(stats, replace(layout, ep=ep), state, ranks, scale, act_dtype, profile,
                                gather_bf16) if ep in fitting else None

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.parallel.config import accumulates_sharded
-from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.layout import Layout as RunLayout
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.recorder import ROOT
 
@@ -39,20 +38,11 @@ def state_bytes(optimiser: str, momentum: float = 0.0) -> StateBytes:
 
 
 @dataclass(frozen=True)
-class Layout(ParallelDims):
-    """A candidate run: its degrees (``ParallelDims``), ZeRO stage, checkpointing and batch split. It exists for
-    layouts no config names yet (``parallel=auto`` weighs many)."""
+class Layout(RunLayout):
+    """A candidate of the plan: a run's layout (``disttrain.parallel.layout.Layout``: degrees, ZeRO stage,
+    checkpointing) with the batch split and pipeline schedule it is weighed with. It exists for layouts no config
+    names yet (``parallel=auto`` weighs many)."""
 
-    zero_stage: int = 0
-    """ZeRO stage of the dp_shard dimension (sharded over dp_shard x cp)."""
-    activation_checkpoint: str = "none"
-    """Checkpointing policy of the shard units (``CHECKPOINT_POLICIES``): none; full (keep each unit's input,
-    recompute its forward in backward); selective (keep also the outputs of its matrix products and attention,
-    recompute the rest)."""
-    checkpoint_every_n_blocks: int = 1
-    """The policy applies to every n-th shard unit only (``policy_of_units``); the others keep everything."""
-    sequence_parallel: bool = False
-    """Shard norms and dropout along the sequence too (tp > 1)."""
     micro_size: int = 1
     """Samples per rank per forward."""
     accumulation: int = 1
@@ -63,45 +53,17 @@ class Layout(ParallelDims):
     """Pipeline schedule (pp > 1)."""
     stages_per_rank: int = 1
     """Pipeline stages per rank (interleaved schedules)."""
-    accumulate_grads: str = "auto"
-    """``parallel.accumulate_grads``: where ZeRO-2/3 accumulate gradients between micro-batches."""
-
-    @property
-    def state_shards(self) -> int:
-        """Ranks one copy of the model state is sharded over: dp_shard x cp under ZeRO (ZeRO-1 with cp > 1 is
-        refused), none without."""
-        return self.shard_degree if self.zero_stage else 1
-
-    @property
-    def expert_state_shards(self) -> int:
-        """Ranks one copy of an expert's state is sharded over: dp_shard / ep x cp under ZeRO (expert parallelism
-        needs ZeRO-2/3; each rank holds 1/ep of the experts besides), none without."""
-        return self.expert_shard_degree if self.zero_stage else 1
-
-    @property
-    def sharded_accumulation(self) -> bool:
-        """Accumulation micro-batches reduce-scatter into gradient shards (ZeRO-2/3 without pipelining)."""
-        return self.pp == 1 and accumulates_sharded(self.zero_stage, self.accumulate_grads)
 
     @property
     def whole_grads(self) -> bool:
         """Each rank holds its gradients unsharded at their largest: no ZeRO-2/3, or micro-batches that
         accumulate whole gradients before one reduce-scatter."""
-        return self.zero_stage < 2 or (self.accumulation > 1 and not self.sharded_accumulation)
+        return not self.shards_gradients or (self.accumulation > 1 and not self.sharded_accumulation)
 
     def describe(self) -> str:
         """Short text, e.g. ``dp_shard=4 ep=2 cp=2 zero3 tp=2 ac=selective micro=8x2`` (``ac=full every 2`` when the
         policy covers every second unit)."""
-        parts = [f"{k}={v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                         ("ep", self.ep), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
-                 if v > 1] or ["single"]
-        if self.zero_stage:
-            parts.append(f"zero{self.zero_stage}")
-        if self.sequence_parallel:
-            parts.append("sp")
-        if self.activation_checkpoint != "none":
-            every = self.checkpoint_every_n_blocks
-            parts.append(f"ac={self.activation_checkpoint}" + (f" every {every}" if every > 1 else ""))
+        parts = [super().describe()]
         if self.pp > 1:
             parts.append(f"{self.schedule} m={self.microbatches}")
         parts.append(f"micro={self.micro_size}x{self.accumulation}")
@@ -167,10 +129,10 @@ def rank_expert_params(stats: ModelStats, layout: Layout, units: list[str] | Non
                if name in stats.expert_params and param_on_rank(stats, name, units))
 
 
-def expert_degrees(stats: ModelStats, dp_shard: int, zero_stage: int) -> list[int]:
-    """Expert-parallel degrees a layout with ``dp_shard`` and ``zero_stage`` can take: 1, and for a model with
-    experts under ZeRO-2/3 each divisor of dp_shard that divides every layer's number of experts."""
-    if not stats.has_experts or zero_stage < 2:
+def expert_degrees(stats: ModelStats, dp_shard: int, shards_parameters: bool) -> list[int]:
+    """Expert-parallel degrees a layout with ``dp_shard`` can take: 1, and for a model with experts under ZeRO-2/3
+    (``shards_parameters``) each divisor of dp_shard that divides every layer's number of experts."""
+    if not stats.has_experts or not shards_parameters:
         return [1]
     return [ep for ep in range(1, dp_shard + 1)
             if dp_shard % ep == 0 and all(n % ep == 0 for n in stats.expert_counts)]

@@ -31,9 +31,9 @@ def model_state(params: float, layout: Layout, state: StateBytes, experts: float
 def _state(params: float, shard: int, layout: Layout, state: StateBytes) -> dict[str, float]:
     """``model_state`` of ``params`` elements that ZeRO shards over ``shard`` ranks."""
     p = params * state.param
-    if layout.zero_stage == 3:
+    if layout.reshards_after_forward:
         held = p / shard
-    elif layout.zero_stage == 2 and state.zero2_keeps_shards:
+    elif layout.keeps_gathered_parameters and state.zero2_keeps_shards:
         held = p + p / shard
     else:
         held = p
@@ -51,7 +51,7 @@ def state_peak(params: float, layout: Layout, state: StateBytes, experts: float 
     """Model state at the two moments it peaks: after forward (ZeRO-2 holds whole parameters; gradients exist
     only while accumulating) and after backward (ZeRO-2 has resharded; every gradient exists)."""
     terms = model_state(params, layout, state, experts)
-    if layout.zero_stage == 2 and state.zero2_keeps_shards:
+    if layout.keeps_gathered_parameters and state.zero2_keeps_shards:
         resharded = sharded_params(params, layout, experts) * state.param
     else:
         resharded = terms["params"]
@@ -211,7 +211,7 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
 def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
     """Short-lived buffers: under ZeRO-3 the gathered unit and the one prefetched; under ZeRO-2/3 one unit's
     whole gradients before their reduce-scatter (of its experts, the rank's 1/ep)."""
-    if layout.zero_stage < 2:
+    if not layout.shards_gradients:
         return 0.0
     units = stats.shard_units or [ROOT]
 
@@ -220,5 +220,5 @@ def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
 
     largest = max(sum(whole(name, n) for name, n in stats.param_numel.items() if within(stats.param_unit[name], u))
                   for u in units)
-    gathered = 2 * largest * state.param if layout.zero_stage == 3 else 0.0
+    gathered = 2 * largest * state.param if layout.reshards_after_forward else 0.0
     return gathered + largest * state.grad

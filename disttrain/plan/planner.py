@@ -47,13 +47,9 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
 def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
     """The layout of a validated run (its resolved degrees, options and batch)."""
     pipe = parallel.pipeline
-    return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, cp=dims.cp,
-                  ep=dims.ep, zero_stage=parallel.zero_stage, activation_checkpoint=parallel.activation_checkpoint,
-                  checkpoint_every_n_blocks=parallel.checkpoint_every_n_blocks,
-                  sequence_parallel=parallel.sequence_parallel, micro_size=batch.micro_size,
-                  accumulation=batch.accumulation, microbatches=pipe.microbatches if dims.pp > 1 else 1,
-                  schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1,
-                  accumulate_grads=parallel.accumulate_grads)
+    return Layout.of(parallel, dims, micro_size=batch.micro_size, accumulation=batch.accumulation,
+                     microbatches=pipe.microbatches if dims.pp > 1 else 1, schedule=pipe.schedule,
+                     stages_per_rank=pipe.stages_per_rank if dims.pp > 1 else 1)
 
 
 def predicted_activation_bytes(net: nn.Module, spec: Any, micro_size: int, cp: int = 1,
@@ -100,8 +96,8 @@ def _data_and_model_preset(layout: Layout) -> str:
         return "tp" if layout.dp == 1 else "hybrid"
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         return "hsdp"
-    if layout.zero_stage:
-        return f"zero{layout.zero_stage}"
+    if layout.shards_optimizer_state:
+        return layout.zero_preset
     return "ddp" if layout.dp_replicate > 1 else "single"
 
 
@@ -119,7 +115,7 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
         dims = ParallelDims.resolve(world, layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp,
                                     layout.ep)
         try:
-            candidate.check_dims(dims)
+            candidate.check_layout(Layout.of(candidate, dims))
             check_model_plan("model", net, candidate, dims, layout.micro_size, spec)
         except ConfigError:
             return False
@@ -141,11 +137,7 @@ def apply_layout(parallel: Any, layout: Layout) -> Any:
     pipeline = replace(parallel.pipeline, microbatches=layout.microbatches if layout.pp > 1 else
                        parallel.pipeline.microbatches, schedule=layout.schedule if layout.pp > 1 else
                        parallel.pipeline.schedule)
-    return replace(parallel, name=preset_name(layout), dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                   tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero_stage=layout.zero_stage,
-                   activation_checkpoint=layout.activation_checkpoint,
-                   checkpoint_every_n_blocks=layout.checkpoint_every_n_blocks,
-                   sequence_parallel=layout.sequence_parallel, pipeline=pipeline)
+    return replace(layout.applied_to(parallel), name=preset_name(layout), pipeline=pipeline)
 
 
 def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, batch: Any, optim: Any,
@@ -166,7 +158,7 @@ def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, bat
     if est.fits:
         return
     fitting = []
-    for ep in expert_degrees(inputs.stats, layout.dp_shard, layout.zero_stage):  # the same ranks, experts split
+    for ep in expert_degrees(inputs.stats, layout.dp_shard, layout.shards_parameters):  # the same ranks, experts split
         if ep > layout.ep and inputs.estimate(replace(layout, ep=ep)).fits:
             fitting.append(f"parallel.ep={ep}")
             break

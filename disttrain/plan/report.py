@@ -101,7 +101,7 @@ def expert_table(e: Estimate, stats: ModelStats) -> list[str]:
              f"parameters are experts', {human_count(stats.active_params)} active per token"]
     if all(row is None for ep, row in e.by_ep.items() if ep > 1):
         return [*lines, f"expert parallelism: none in this layout (ep must divide dp_shard={e.layout.dp_shard} and "
-                f"every layer's {counts} experts, under ZeRO-2/3; this run: zero_stage={e.layout.zero_stage})", ""]
+                f"every layer's {counts} experts, under ZeRO-2/3; this run: {e.layout.zero_setting})", ""]
     lines += ["expert parallelism: this layout at each ep, per rank (all-to-all and FSDP: bytes a rank sends per "
               "optimiser step; FSDP's gathers and reduce-scatters, the experts' over their own ranks included)",
               "| ep | " + " | ".join(EP_COLUMNS.values()) + " |", "|---" * (len(EP_COLUMNS) + 1) + "|"]
@@ -111,7 +111,7 @@ def expert_table(e: Estimate, stats: ModelStats) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if None in e.by_ep.values():
         lines.append(f"-: ep must divide dp_shard={e.layout.dp_shard} and every layer's {counts} experts, under "
-                     f"ZeRO-2/3 (this run: zero_stage={e.layout.zero_stage})")
+                     f"ZeRO-2/3 (this run: {e.layout.zero_setting})")
     return [*lines, ""]
 
 
