@@ -28,6 +28,7 @@ from disttrain.parallel.activation_checkpoint import (
 from disttrain.parallel.apply import apply_parallelism
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_plan import pipeline_units_of
 from disttrain.parallel.pipeline.runtime import checkpoint_stage_blocks
 from disttrain.parallel.pipeline.split import build_stage_module
@@ -153,10 +154,11 @@ def test_applying_twice_keeps_the_first_policy_and_none_changes_nothing():
 
 def test_the_run_applies_the_configured_policy_to_every_nth_block():
     parallel = ParallelConfig(activation_checkpoint="selective", checkpoint_every_n_blocks=3)
-    model = apply_parallelism(make_gpt(), None, ParallelDims(), parallel, torch.device("cpu"))
+    model = apply_parallelism(make_gpt(), None, Layout.of(parallel, ParallelDims()), torch.device("cpu"))
     assert [checkpoint_policy(block) for block in model.blocks] == ["none", "none", "selective", "none"]
     assert not any(is_checkpointed(block) for block in
-                   apply_parallelism(make_gpt(), None, ParallelDims(), ParallelConfig(), torch.device("cpu")).blocks)
+                   apply_parallelism(make_gpt(), None, Layout.of(ParallelConfig(), ParallelDims()),
+                                     torch.device("cpu")).blocks)
 
 
 def test_pipeline_stages_checkpoint_their_blocks_counted_over_the_whole_model():
@@ -164,9 +166,9 @@ def test_pipeline_stages_checkpoint_their_blocks_counted_over_the_whole_model():
     units = pipeline_units_of(model)  # embed, blocks.0-3, ln_f, lm_head
     stages = [build_stage_module(model, units, i, [0, 3]) for i in range(2)]  # blocks 0, 1 | blocks 2, 3
     parallel = ParallelConfig(activation_checkpoint="full", checkpoint_every_n_blocks=2)
-    checkpoint_stage_blocks(model, stages[1:], parallel)  # the second stage's rank
+    checkpoint_stage_blocks(model, stages[1:], Layout.of(parallel, ParallelDims()), parallel)  # the second stage's rank
     assert [checkpoint_policy(block) for block in model.blocks] == ["none", "none", "none", "full"]
-    checkpoint_stage_blocks(model, stages[:1], parallel)
+    checkpoint_stage_blocks(model, stages[:1], Layout.of(parallel, ParallelDims()), parallel)
     assert [checkpoint_policy(block) for block in model.blocks] == ["none", "full", "none", "full"]
 
 

@@ -1,8 +1,11 @@
-"""The run's ``Layout``: what each ZeRO stage means as predicates, and how it is built from the config."""
+"""The run's ``Layout``: what each ZeRO stage means as predicates, how it is built from the config, and that no module
+outside it tests the stage as a number."""
 
 from __future__ import annotations
 
+import ast
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,11 @@ from disttrain.config.validation import validate
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.layout import Layout
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "disttrain"
+SPELL_THE_STAGE = {"disttrain/parallel/layout.py", "disttrain/parallel/config.py"}
+"""The only modules that name ``zero_stage``: the layout, and the config that declares, checks and hands it over."""
 
 # stage: (optimizer state, only it, gradients, parameters, gathered kept, reshards, gathers per micro-batch)
 PREDICATES = {
@@ -84,3 +92,34 @@ def test_validation_builds_the_layout_once_and_the_run_reads_it(make_config):
     run = validate(make_config(["parallel=zero3", "trainer.devices=2"]))
     assert run.layout == Layout.of(run.train.parallel, ParallelDims(dp_shard=2))
     assert run.dims is run.layout and run.layout.shards_parameters
+
+
+def zero_stage_lines() -> list[str]:
+    """Every line of ``disttrain`` outside ``SPELL_THE_STAGE`` that names ``zero_stage``."""
+    hits = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name not in SPELL_THE_STAGE:
+            hits += [f"{name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+                     if "zero_stage" in line]
+    return hits
+
+
+def test_no_module_but_the_layout_and_the_config_names_the_zero_stage():
+    hits = zero_stage_lines()
+    assert not hits, "ask the Layout's predicates (disttrain.parallel.layout), not the stage:\n" + "\n".join(hits)
+
+
+def test_the_config_branches_on_the_stage_only_to_check_its_value():
+    """ParallelConfig declares the stage, checks its value (``validate``) and names it in messages; its other
+    checks ask the layout."""
+    tree = ast.parse((PACKAGE / "parallel" / "config.py").read_text())
+    branching = []
+    for function in (node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)):
+        for node in ast.walk(function):
+            tested = node.test if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)) else \
+                node if isinstance(node, (ast.Compare, ast.BoolOp)) else None
+            if tested is not None and function.name != "validate" and any(
+                    isinstance(part, ast.Attribute) and part.attr == "zero_stage" for part in ast.walk(tested)):
+                branching.append(f"{function.name}:{node.lineno}")
+    assert not branching, f"ParallelConfig tests the stage outside validate(): {branching}"

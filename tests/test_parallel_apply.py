@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from disttrain.parallel.layout import Layout
 from tests.dist_utils import run_on_ranks
 
 
@@ -22,7 +23,7 @@ def count_ddp_communication() -> tuple[int, int]:
     torch.manual_seed(0)
     dims = ParallelDims(pp=1, dp_replicate=2, dp_shard=1, tp=1)
     mesh = init_device_mesh("cpu", dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
-    model = apply_parallelism(nn.Linear(8, 8), mesh, dims, ParallelConfig(name="ddp", dp_replicate=2),
+    model = apply_parallelism(nn.Linear(8, 8), mesh, Layout.of(ParallelConfig(name="ddp", dp_replicate=2), dims),
                               torch.device("cpu"))
     calls = []
 
@@ -57,8 +58,8 @@ def test_the_strategy_accumulates_as_the_config_says(monkeypatch, zero_stage, mo
         yield
 
     monkeypatch.setattr(strategy, "backward_sync_disabled", recording)
-    owner = SimpleNamespace(parallel=ParallelConfig(zero_stage=zero_stage, accumulate_grads=mode),
-                            lightning_module=SimpleNamespace(net="the net"))
+    layout = Layout.of(ParallelConfig(zero_stage=zero_stage, accumulate_grads=mode), ParallelDims())
+    owner = SimpleNamespace(layout=layout, lightning_module=SimpleNamespace(net="the net"))
     with strategy.DistTrainStrategy.block_backward_sync(owner):
         pass
     assert seen == [("the net", sharded)]

@@ -15,14 +15,15 @@ def ring_allreduce_messages(world: int) -> int:
 
 
 def sharded_bytes(numel: int, shard: int, replicate: int, reduce_itemsize: int, param_itemsize: int,
-                  zero_stage: int) -> int:
+                  gathers: int) -> int:
     """Bytes each rank sends per step under FSDP2 (ZeRO-2/3, hybrid sharding over ``replicate`` groups of
     ``shard`` ranks), as ring collectives: the gradients' reduce-scatter, the all-reduce of each gradient
-    shard over the replicas, and the parameters' all-gather (twice for ZeRO-3, again in backward)."""
+    shard over the replicas, and the parameters' all-gather ``gathers`` times (``Layout.gathers_per_microbatch``:
+    twice for ZeRO-3, again in backward)."""
     reduce_scatter = (shard - 1) * numel * reduce_itemsize // shard
     across_replicas = ring_allreduce_bytes(numel // shard, reduce_itemsize, replicate)
     all_gather = (shard - 1) * numel * param_itemsize // shard
-    return reduce_scatter + across_replicas + all_gather * (2 if zero_stage == 3 else 1)
+    return reduce_scatter + across_replicas + all_gather * gathers
 
 
 class ByteCounter:

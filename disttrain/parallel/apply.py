@@ -26,9 +26,9 @@ from disttrain.parallel.activation_checkpoint import apply_activation_checkpoint
 from disttrain.parallel.buffers import step_broadcast_needed
 from disttrain.parallel.compile import compile_model
 from disttrain.parallel.config import DDPOptions, ParallelConfig
-from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.experts import apply_expert_parallel
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
+from disttrain.parallel.layout import Layout
 from disttrain.parallel.local_sgd import broadcast_module
 from disttrain.parallel.model_plan import shard_units_of, tp_plan_of
 from disttrain.parallel.tp import apply_tp
@@ -37,53 +37,53 @@ from disttrain.parallel.tp import apply_tp
 def apply_parallelism(
     model: nn.Module,
     mesh: DeviceMesh,
-    dims: ParallelDims,
-    parallel: ParallelConfig,
+    layout: Layout,
     device: torch.device,
+    parallel: ParallelConfig | None = None,
     precision: str = "32-true",
     sync_batchnorm: bool = False,
     comm: CommConfig | None = None,
     counter: ByteCounter | None = None,
     exchange: ExchangeState | None = None,
     compile_mode: str | None = None,
-    ddp_exchange: bool = True,
 ) -> nn.Module:
-    """Apply the plan of ``parallel`` to ``model`` (already split by sequence under context parallelism, see
-    ``disttrain.parallel.context``); returns the module to train (maybe a wrapper). ``comm``:
-    what data-parallel gradients are sent as, with the bytes counted in ``counter`` and what carries over
-    between steps kept in ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this
-    mode; None: eager.
-    ``ddp_exchange``: replicas exchange gradients through DDP (False: the kind of run exchanges them itself)."""
-    if dims.tp_enabled:
-        apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), parallel.sequence_parallel)
-    experts = apply_expert_parallel(model, dims.expert_meshes(mesh)[0]) if dims.ep_enabled else []
+    """Lay ``model`` out as ``layout`` says (``model`` is already split by sequence under context parallelism, see
+    ``disttrain.parallel.context``); returns the module to train (maybe a wrapper, ``layout.wrapper``).
+    ``parallel``: the config's model-plan overrides (tp_plan, shard_units, min_params_per_unit) and DDP's options
+    (None: the defaults); what the layout decides is read from ``layout`` only. ``comm``: what data-parallel
+    gradients are sent as, with the bytes counted in ``counter`` and what carries over between steps kept in
+    ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this mode; None: eager."""
+    parallel = parallel or ParallelConfig()
+    if layout.tp_enabled:
+        apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), layout.sequence_parallel)
+    experts = apply_expert_parallel(model, layout.expert_meshes(mesh)[0]) if layout.ep_enabled else []
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
-    if parallel.activation_checkpoint != "none":
-        apply_activation_checkpointing(model, units, parallel.activation_checkpoint, parallel.checkpoint_every_n_blocks)
+    if layout.activation_checkpoint != "none":
+        apply_activation_checkpointing(model, units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
     if compile_mode is not None:
-        compile_model(model, units, per_unit=dims.tp_enabled or parallel.zero_stage in (2, 3), mode=compile_mode)
-    if parallel.zero_stage in (2, 3):
+        compile_model(model, units, per_unit=layout.tp_enabled or layout.shards_parameters, mode=compile_mode)
+    wrapper = layout.wrapper
+    if wrapper == "fsdp":
         return apply_fsdp(
             model,
-            dims.shard_mesh(mesh),
-            reshard_after_forward=parallel.zero_stage == 3,
+            layout.shard_mesh(mesh),
+            reshard_after_forward=layout.reshards_after_forward,
             mp_policy=mixed_precision_policy(precision, device.type, wire_dtype(comm)),
-            offload_policy=CPUOffloadPolicy() if parallel.cpu_offload else None,
+            offload_policy=CPUOffloadPolicy() if layout.cpu_offload else None,
             units=units,
             experts=experts,
-            expert_mesh=dims.expert_meshes(mesh)[1] if experts else None,
+            expert_mesh=layout.expert_meshes(mesh)[1] if experts else None,
         )
-    if dims.dp_enabled and not ddp_exchange:  # replicas without DDP's all-reduce
-        broadcast_module(model, dims.dp_mesh(mesh).get_group())
-        return model
-    if dims.gradient_ranks > 1:  # data-parallel ranks, and context-parallel ones averaging their slices' gradients
-        dp_mesh = dims.gradient_mesh(mesh)
+    if wrapper == "ddp":  # data-parallel ranks, and context-parallel ones averaging their slices' gradients
+        dp_mesh = layout.gradient_mesh(mesh)
         if sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, dp_mesh.get_group())
         ddp = apply_ddp(model, dp_mesh, parallel.ddp, device)
         if comm is not None:
             register_compression(ddp, comm, counter or ByteCounter(), exchange or ExchangeState())
         return ddp
+    if wrapper == "none" and layout.dp_enabled:  # replicas whose kind of run exchanges updates: they start equal
+        broadcast_module(model, layout.dp_mesh(mesh).get_group())
     return model
 
 
@@ -113,7 +113,7 @@ def buffer_sync_option(every_step: bool) -> dict[str, bool]:
 @contextmanager
 def backward_sync_disabled(model: nn.Module, sharded: bool = False) -> Generator[None, None, None]:
     """Within this context backward passes accumulate gradients without the step's exchange: locally and whole
-    (DDP; FSDP2 unless ``sharded``) or, with ``sharded`` (``ParallelConfig.sharded_accumulation``), reduce-
+    (DDP; FSDP2 unless ``sharded``) or, with ``sharded`` (``Layout.sharded_accumulation``), reduce-
     scattered into FSDP2's gradient shards every micro-batch, with only hybrid sharding's all-reduce deferred."""
     set_gradient_sync(model, False, sharded)
     try:

@@ -30,7 +30,8 @@ from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.context import SequenceSplit, apply_context_parallel, sequence_split_of
-from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from disttrain.parallel.dims import MESH_DIM_NAMES
+from disttrain.parallel.layout import Layout
 from disttrain.parallel.pipeline.runtime import PipelineSlot, build_pipeline
 from disttrain.parallel.pretrained import load_pretrained
 
@@ -39,24 +40,26 @@ OptimizerWrap = Callable[[torch.optim.Optimizer, "DistTrainStrategy"], torch.opt
 
 
 class DistTrainStrategy(ModelParallelStrategy):
-    """Builds the mesh of ``dims`` and applies ``parallel`` to the task's ``net`` before optimisers exist."""
+    """Builds the mesh of ``layout`` and lays the task's ``net`` out as it says before optimisers exist; ``parallel``
+    gives what the layout does not decide (process-group backend and timeout, DDP's and the pipeline schedule's
+    options, the model-plan overrides)."""
 
     def __init__(
-        self, parallel: ParallelConfig, dims: ParallelDims, precision: str = "32-true", sync_batchnorm: bool = False,
+        self, layout: Layout, parallel: ParallelConfig, precision: str = "32-true", sync_batchnorm: bool = False,
         pipeline: PipelineSlot | None = None, async_save: bool = False, comm: CommConfig | None = None,
         compile_mode: str | None = None, wrap_optimizer: OptimizerWrap | None = None,
         per_replica_checkpoints: bool = False,
-        ddp_exchange: bool = True,
     ) -> None:
         super().__init__(
-            data_parallel_size=dims.dp,
-            tensor_parallel_size=dims.tp,
+            data_parallel_size=layout.dp,
+            tensor_parallel_size=layout.tp,
             save_distributed_checkpoint=True,
             process_group_backend=parallel.backend,
             timeout=timedelta(seconds=parallel.timeout_s),
         )
+        self.layout = layout
+        """The run's degrees and where its state lives (``disttrain.parallel.layout``)."""
         self.parallel = parallel
-        self.dims = dims
         self.precision = precision
         self.sync_batchnorm = sync_batchnorm
         self.pipeline = pipeline
@@ -69,8 +72,6 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Bytes this rank sent through disttrain's gradient exchange."""
         self.comm_state = ExchangeState()
         """What this rank's gradient exchange carries between steps (residuals, PowerSGD's factors)."""
-        self.ddp_exchange = ddp_exchange
-        """Replicas exchange gradients through DDP (False: the kind of run exchanges them itself)."""
         self.wrap_optimizer = wrap_optimizer
         """How the kind of run wraps the task's optimiser (None: it trains as built)."""
         self.checkpoints = ShardedCheckpoints(self, async_save, per_replica_checkpoints)
@@ -90,6 +91,11 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.in_memory_checkpoint: Callable[[Any, list[Any]], dict[str, Any]] | None = None
         """A state to resume from instead of a file (a live replica group's): given the laid-out model and the
         optimisers, it loads them and returns the rest of the checkpoint; used by the next load, once."""
+
+    @property
+    def dims(self) -> Layout:
+        """The degrees: the layout itself (a ``Layout`` is a ``ParallelDims``)."""
+        return self.layout
 
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 5-D mesh."""
@@ -128,21 +134,20 @@ class DistTrainStrategy(ModelParallelStrategy):
             materialize = getattr(task.net, "materialize", None) if _on_meta(task.net) else None
             # FSDP2 shards a model still on the meta device, so each rank allocates only its shards; every other
             # layout is allocated whole first (DDP broadcasts, stages are cut from the whole model)
-            shards_on_meta = self.pipeline is None and self.parallel.zero_stage in (2, 3)
+            shards_on_meta = self.layout.wrapper == "fsdp"
             if materialize is not None and not shards_on_meta:
                 materialize(self.root_device)
             if self.sequence_split is not None:
                 apply_context_parallel(task.net, self.sequence_split)
             if self.pipeline is not None:
                 task.net, self.pipeline.pipeline = build_pipeline(
-                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.pipeline.loss_fn,
+                    task.net, self.device_mesh, self.layout, self.parallel, self.root_device, self.pipeline.loss_fn,
                     self.pipeline.example_input,
                 )
             else:
                 task.net = apply_parallelism(
-                    task.net, self.device_mesh, self.dims, self.parallel, self.root_device, self.precision,
+                    task.net, self.device_mesh, self.layout, self.root_device, self.parallel, self.precision,
                     self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile_mode,
-                    self.ddp_exchange,
                 )
             if materialize is not None and shards_on_meta:
                 materialize(self.root_device)
@@ -217,7 +222,7 @@ class DistTrainStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient all-reduce on accumulation micro-batches (only the last one syncs); ZeRO-2/3 with
         sharded accumulation still reduce-scatter every micro-batch (``parallel.accumulate_grads``)."""
-        with backward_sync_disabled(self.lightning_module.net, self.parallel.sharded_accumulation):
+        with backward_sync_disabled(self.lightning_module.net, self.layout.sharded_accumulation):
             yield
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter, ring_allreduce_bytes, ring_allreduce_messages, sharded_bytes
-from disttrain.parallel.dims import ParallelDims
+from disttrain.parallel.layout import Layout
 
 
 class CommMeter(pl.Callback):
@@ -19,10 +19,10 @@ class CommMeter(pl.Callback):
     collective calls; DDP's own fp32 all-reduce (``comm=none``) and FSDP2's collectives (ZeRO-2/3) are
     computed from the parameter count as ring collectives, and reported as ``counted: false``."""
 
-    def __init__(self, codec: str, counter: ByteCounter, dims: ParallelDims, zero_stage: int,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    def __init__(self, codec: str, counter: ByteCounter, layout: Layout, param_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype) -> None:
         self.codec, self.counter = codec, counter
-        self.dims, self.zero_stage = dims, zero_stage
+        self.layout = layout
         self.itemsizes = (reduce_dtype.itemsize, param_dtype.itemsize)
         self.fp32_bytes = 0
         """What a ring all-reduce of the fp32 gradients sends per rank and step (the uncompressed reference)."""
@@ -40,25 +40,26 @@ class CommMeter(pl.Callback):
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, world)
             if self.codec == "none":
                 self.computed = (self.fp32_bytes, ddp_buckets(net, numel * 4) * ring_allreduce_messages(world))
-        elif isinstance(net, FSDPModule) and not self.dims.tp_enabled and not self.dims.pp_enabled:
-            shard, replicate = self.dims.shard_degree, self.dims.dp_replicate  # FSDP shards over dp_shard x cp
-            self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
+        elif isinstance(net, FSDPModule) and not self.layout.tp_enabled and not self.layout.pp_enabled:
+            shard, replicate = self.layout.shard_degree, self.layout.dp_replicate  # FSDP shards over dp_shard x cp
+            self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.layout.dp)
             units = sum(isinstance(module, FSDPModule) for module in net.modules())
             # per unit: a reduce-scatter, an all-reduce over the replicas, one all-gather (two for ZeRO-3)
-            per_unit = (shard - 1) * (2 if self.zero_stage == 3 else 1) + (shard - 1)
+            gathers = self.layout.gathers_per_microbatch
+            per_unit = (shard - 1) * gathers + (shard - 1)
             per_unit += ring_allreduce_messages(replicate) if replicate > 1 else 0
             # experts split over ep ranks are sharded over the other shard / ep ranks, at 1/ep of their size
             experts = sum(p.numel() for m in net.modules() if hasattr(m, "expert_parallel")
                           for p in m.parameters(recurse=False) if p.requires_grad)
-            ep = self.dims.ep
-            sent = sharded_bytes(numel - experts, shard, replicate, *self.itemsizes, self.zero_stage)
+            ep = self.layout.ep
+            sent = sharded_bytes(numel - experts, shard, replicate, *self.itemsizes, gathers)
             if experts:
-                sent += sharded_bytes(experts // ep, shard // ep, replicate, *self.itemsizes, self.zero_stage)
+                sent += sharded_bytes(experts // ep, shard // ep, replicate, *self.itemsizes, gathers)
             self.computed = (sent, units * per_unit)
-        elif net is not None and self.dims.dp_enabled and not (isinstance(net, FSDPModule) or self.dims.tp_enabled
-                                                               or self.dims.pp_enabled):
+        elif net is not None and self.layout.dp_enabled and not (isinstance(net, FSDPModule) or self.layout.tp_enabled
+                                                               or self.layout.pp_enabled):
             # replicas outside DDP (Local SGD, DiLoCo, a parameter server): their exchanges are counted
-            self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.dims.dp)
+            self.fp32_bytes = ring_allreduce_bytes(numel, 4, self.layout.dp)
         else:
             return
         self._start = (self.counter.bytes_sent, self.counter.messages, trainer.global_step)
@@ -109,5 +110,4 @@ def comm_meter_of(config: CommConfig, strategy: Any) -> CommMeter:
     policy = mixed_precision_policy(strategy.precision, strategy.root_device.type, wire_dtype(config))
     param_dtype = (policy.param_dtype if policy is not None else None) or torch.float32
     reduce_dtype = (policy.reduce_dtype if policy is not None else None) or param_dtype
-    return CommMeter(config.name, strategy.comm_counter, strategy.dims, strategy.parallel.zero_stage, param_dtype,
-                     reduce_dtype)
+    return CommMeter(config.name, strategy.comm_counter, strategy.layout, param_dtype, reduce_dtype)

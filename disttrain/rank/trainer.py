@@ -51,9 +51,9 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
     callbacks += [c for c in extra if loggers or not isinstance(c, LearningRateMonitor)]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
     strategy = DistTrainStrategy(
-        cfg.parallel, run.dims, t.precision, getattr(run.model, "sync_batchnorm", False), kind.pipeline_slot(),
+        run.layout, cfg.parallel, t.precision, getattr(run.model, "sync_batchnorm", False), kind.pipeline_slot(),
         cfg.checkpoint.async_save, cfg.comm, t.compiled_mode, wrap_optimizer=kind.optimizer_wrap(),
-        per_replica_checkpoints=kind.per_replica_checkpoints, ddp_exchange=kind.exchanges_through_ddp)
+        per_replica_checkpoints=kind.per_replica_checkpoints)
     steps_per_epoch = kind.steps_per_epoch(run.datamodule)
     trainer = pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,

@@ -22,9 +22,9 @@ from torch.distributed.pipelining import PipelineStage
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
-from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.experts import apply_expert_parallel
 from disttrain.parallel.fsdp import apply_fsdp
+from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 from disttrain.parallel.pipeline.split import (
     UnitStage,
@@ -131,38 +131,38 @@ def forward_only(schedule: Any) -> Iterator[None]:
 def build_pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
-    dims: ParallelDims,
+    layout: Layout,
     parallel: ParallelConfig,
     device: torch.device,
     loss_fn: Any,
     example_input: torch.Tensor,
 ) -> tuple[nn.Module, Pipeline]:
-    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, its blocks checkpointed as
-    ``parallel.activation_checkpoint`` says, sharded over dp_shard x cp when zero_stage is 2 or 3), and build the
-    schedule. Returns a module holding exactly this rank's parameters under the full model's
-    names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
+    """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, its blocks checkpointed as the layout
+    says, sharded over dp_shard x cp under ZeRO-2/3), and build the schedule ``parallel.pipeline`` names (the config
+    gives also the model-plan overrides). Returns a module holding exactly this rank's parameters under the full
+    model's names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
-    num_stages = dims.pp * options.stages_per_rank
+    num_stages = layout.pp * options.stages_per_rank
     units = pipeline_units_of(model, parallel.pipeline_units)
     points = unit_split_points(model, units, num_stages, options.split_points)
     pp_rank = mesh.get_local_rank("pp")
-    indices = stage_indices(pp_rank, dims.pp, options.stages_per_rank, placement(options.schedule))
+    indices = stage_indices(pp_rank, layout.pp, options.stages_per_rank, placement(options.schedule))
     every_stage = [build_stage_module(model, units, i, points).to(device) for i in range(num_stages)]
     examples = stage_examples(every_stage, example_input.to(device))
     modules = [every_stage[i] for i in indices]
-    if dims.tp_enabled:  # stages exchange whole activations: no sequence parallelism across a stage boundary
+    if layout.tp_enabled:  # stages exchange whole activations: no sequence parallelism across a stage boundary
         plan = tp_plan_of(model, parallel.tp_plan)
         for module in modules:
             apply_tp(module, mesh["tp"], plan, sequence_parallel=False)
-    experts = [apply_expert_parallel(module, dims.expert_meshes(mesh)[0]) if dims.ep_enabled else []
+    experts = [apply_expert_parallel(module, layout.expert_meshes(mesh)[0]) if layout.ep_enabled else []
                for module in modules]
-    checkpoint_stage_blocks(model, modules, parallel)
-    if parallel.zero_stage in (2, 3):
+    checkpoint_stage_blocks(model, modules, layout, parallel)
+    if layout.shards_parameters:
         for module, held in zip(modules, experts, strict=True):
             # one FSDP unit per stage root (per-block units broke interleaved zero bubble), and one per experts'
             # module, which shards over other ranks
-            apply_fsdp(module, dims.shard_mesh(mesh), reshard_after_forward=parallel.zero_stage == 3, units=[],
-                       experts=held, expert_mesh=dims.expert_meshes(mesh)[1] if held else None)
+            apply_fsdp(module, layout.shard_mesh(mesh), reshard_after_forward=layout.reshards_after_forward,
+                       units=[], experts=held, expert_mesh=layout.expert_meshes(mesh)[1] if held else None)
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
                             group=pp_group) for m, i in zip(modules, indices, strict=True)]
@@ -171,21 +171,24 @@ def build_pipeline(
     schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
     owned = UnitStage(model, [name for m in modules for name in m.unit_names])
     recorder = ActionRecorder(stages, schedule=options.schedule, microbatches=options.microbatches,
-                              num_stages=num_stages, pp=dims.pp) \
+                              num_stages=num_stages, pp=layout.pp) \
         if options.timeline and records_on(pp_group) else None
     return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group, recorder=recorder)
 
 
-def checkpoint_stage_blocks(model: nn.Module, stages: list[nn.Module], parallel: ParallelConfig) -> None:
-    """Checkpoint the blocks of ``model`` that lie in ``stages`` as ``parallel`` says; every n-th block is
-    counted over the whole model, so a block is checkpointed or not whatever stage it lands on."""
-    if parallel.activation_checkpoint == "none":
+def checkpoint_stage_blocks(model: nn.Module, stages: list[nn.Module], layout: Layout,
+                            parallel: ParallelConfig | None = None) -> None:
+    """Checkpoint the blocks of ``model`` that lie in ``stages`` as ``layout`` says (the blocks: the shard units of
+    ``parallel``'s overrides, None: the model's own); every n-th block is counted over the whole model, so a block
+    is checkpointed or not whatever stage it lands on."""
+    if layout.activation_checkpoint == "none":
         return
+    parallel = parallel or ParallelConfig()
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     held = {id(m) for stage in stages for m in stage.modules()}
-    mine = [block for block in checkpointed_blocks(units, parallel.checkpoint_every_n_blocks) if id(block) in held]
+    mine = [block for block in checkpointed_blocks(units, layout.checkpoint_every_n_blocks) if id(block) in held]
     if mine:  # a stage of only the embedding or the head has no block
-        apply_activation_checkpointing(model, mine, parallel.activation_checkpoint)
+        apply_activation_checkpointing(model, mine, layout.activation_checkpoint)
 
 
 def stage_examples(stages: list[nn.Module], first_input: torch.Tensor) -> list[torch.Tensor]:

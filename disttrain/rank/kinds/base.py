@@ -1,9 +1,9 @@
 """The interface every kind of run implements, with the behaviour of synchronous data/model parallelism.
 
-A kind decides how updates are exchanged (not how the model is cut: that is ``ParallelDims``): which task runs a
-training step, how the strategy wraps the optimiser and writes checkpoints, which callbacks it adds, and its
-sections of ``results.json``. The rank's assembly (``disttrain.rank.run``) calls these and never asks which kind
-it holds; a kind overrides only what it does differently.
+A kind decides how updates are exchanged (not how the model is laid out and wrapped: that is the run's
+``Layout``): which task runs a training step, how the strategy wraps the optimiser and writes checkpoints, which
+callbacks it adds, and its sections of ``results.json``. The rank's assembly (``disttrain.rank.run``) calls these
+and never asks which kind it holds; a kind overrides only what it does differently.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ class RunKind:
 
     name: ClassVar[str] = ""
     """The kind's name in ``ExecutionPlan.kind`` (``disttrain.config.execution.RUN_KINDS``)."""
-    exchanges_through_ddp: ClassVar[bool] = True
-    """Data-parallel replicas exchange gradients through DDP or FSDP2 (False: the kind exchanges them itself)."""
     per_replica_checkpoints: ClassVar[bool] = False
     """Replicas hold different parameters between exchanges: a checkpoint keeps every rank's own."""
     gradients_agree: ClassVar[bool] = True
@@ -65,7 +63,7 @@ class RunKind:
 
     def optimizer_wrap(self) -> OptimizerWrap | None:
         """How the strategy wraps the task's optimiser: ZeRO-1 shards its state over the sharding ranks."""
-        return _zero1 if self.run.train.parallel.zero_stage == 1 else None
+        return _zero1 if self.run.layout.shards_only_optimizer_state else None
 
     def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
         """What the kind adds to the Trainer once the strategy exists: the gradient-exchange meter."""

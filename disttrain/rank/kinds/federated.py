@@ -241,7 +241,6 @@ class Federated(RunKind):
     """Rounds of simulated clients on every rank; the clients' updates travel whole, counted per round."""
 
     name = "federated"
-    exchanges_through_ddp = False
     gradients_agree = False
 
     def steps_per_epoch(self, datamodule: Any) -> int:

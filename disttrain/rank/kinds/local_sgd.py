@@ -15,7 +15,6 @@ class LocalSGD(RunKind):
     """Replicas train apart between outer steps, so they hold different parameters and checkpoint their own."""
 
     name = "local_sgd"
-    exchanges_through_ddp = False
     per_replica_checkpoints = True
     gradients_agree = False
 

@@ -19,7 +19,6 @@ class ParameterServer(RunKind):
     """The optimiser step is the servers' exchange; asynchronous replicas checkpoint their own parameters."""
 
     name = "param_server"
-    exchanges_through_ddp = False
     gradients_agree = False
 
     @property
