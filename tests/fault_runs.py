@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from disttrain.checkpoint.export import consolidated_weights
+from disttrain.config.resolved import RESOLVED_FILE
 from tests.conftest import ROOT, train_cli, train_cli_in_process
 
 STEPS, EVERY = 12, 4
@@ -49,9 +50,9 @@ def assert_same_weights(run_dir: Path, reference: Path) -> None:
 
 
 def assert_no_orphans(run_dir: Path) -> None:
-    """No process of this run is left (every rank's command line names the run's config file). With the
+    """No process of this run is left (every rank's command line names the run's ``resolved.yaml``). With the
     job process gone too, nothing is left to hold the run's ports."""
-    marker = str(run_dir / "config.yaml").encode()
+    marker = str(run_dir / RESOLVED_FILE).encode()
     left = []
     for proc in Path("/proc").iterdir():
         try:

@@ -294,26 +294,44 @@ def test_matmul_precision_auto_is_tf32_on_a_gpu_and_full_fp32_on_a_cpu(make_conf
     ["model=gpt", "data=pydocs", "parallel=ddp", "trainer.devices=2", "comm=powersgd"],
     ["model=gpt", "data=pydocs", "parallel=hybrid", "parallel.tp=2", "trainer.devices=4"],
 ])
-def test_a_rank_takes_the_jobs_model_checks_and_builds_the_same_run(make_config, monkeypatch, overrides):
-    """A rank reads the config the job validated and wrote (``resolved``): the same run comes out as a full
-    validation of that file gives (the PowerSGD rank the job resolved from the model included), with no model
-    built to check it again."""
+def test_a_rank_reads_the_run_the_job_validated_and_decides_nothing_again(make_config, monkeypatch, overrides):
+    """A rank reads ``resolved.yaml`` (``rank_file``): every typed group, the layout, the batch and the plan come
+    out as the job's validation left them (the PowerSGD rank the job resolved from the model included), and the
+    rank neither validates nor builds a model to check it."""
+    import dataclasses
+
     import disttrain.config.validation as validation
+    from disttrain.config.resolved import load_rank_file, rank_file
 
     job = validate(make_config(overrides))
     assert job.train.comm.rank is not None or "comm=powersgd" not in overrides
-    full = validate(OmegaConf.create(job.yaml))
+    text = rank_file(job)
 
-    def no_model(*_args, **_kwargs):
-        raise AssertionError("a rank built the model to check it again")
+    def refused(*_args, **_kwargs):
+        raise AssertionError("a rank validated or built the model to check it again")
 
-    monkeypatch.setattr(validation, "model_on_meta", no_model)
-    rank = validate(OmegaConf.create(job.yaml), resolved=job.yaml)
-    fields = ("train", "model", "data", "optim", "scheduler", "dims", "batch", "plan")
-    assert [getattr(rank, name) for name in fields] == [getattr(full, name) for name in fields]
-    assert rank.yaml == full.yaml == job.yaml and rank.config_hash == job.config_hash
-    with pytest.raises(AssertionError, match="built the model"):  # a validation without it checks the model
-        validate(OmegaConf.create(job.yaml))
+    monkeypatch.setattr(validation, "model_on_meta", refused)
+    monkeypatch.setattr(validation, "validate", refused)
+    rank = load_rank_file(text, job.layout.world_size)
+    groups = ("model", "data", "optim", "scheduler", "layout", "batch", "plan")
+    assert [getattr(rank, name) for name in groups] == [getattr(job, name) for name in groups]
+    raw = {name: None for name in ("model", "data", "optim", "scheduler")}  # the top level's copies of the groups
+    assert dataclasses.replace(rank.train, **raw) == dataclasses.replace(job.train, **raw)
+    assert rank.yaml == job.yaml and rank.config_hash == job.config_hash
+
+
+def test_a_rank_of_a_smaller_world_reads_the_decisions_the_job_made_for_it(make_config):
+    from disttrain.config.resolved import load_rank_file, rank_file
+
+    job = validate(make_config(["parallel=ddp", "trainer.devices=1:2", "fault_tolerance.max_restarts=1",
+                                "batch.global_size=32"]), world_size=2)
+    assert job.world_sizes == (2, 1)
+    text = rank_file(job)
+    alone = load_rank_file(text, 1)
+    assert (alone.layout.world_size, alone.batch.global_size, alone.batch.micro_size) == (1, 32, 32)
+    assert load_rank_file(text, 2).batch == job.batch
+    with pytest.raises(ConfigError, match="one of the world sizes the job validated"):
+        load_rank_file(text, 3)
 
 
 def test_a_refusal_spells_the_value_as_the_user_typed_it():

@@ -125,19 +125,14 @@ def check_gpu_count(trainer: TrainerConfig, devices_range: RankRange | None = No
                       f"trainer.accelerator=cpu runs {ranks} CPU ranks")
 
 
-def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | None = None) -> RunConfig:
+def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     """Check a composed config once and return typed, resolved objects; raise ConfigError on bad input.
 
     A straight sequence: the groups as typed objects, the checks of their values, then named steps that decide
     what the checks cannot (ranks per node, the planner's layout for ``parallel=auto``, the data, the precision
     probe, the model's parallel plan, the kind of run). ``cfg`` itself is never changed: the decisions are
-    written into the resolved copy that workers read (``RunConfig.yaml``).
-
-    ``resolved``: the text of ``cfg`` as the job process wrote it after validating it at this world size (a rank
-    it started, reading it back). The checks of the model against the layout, the notices and the restart worlds
-    are the job's and are not repeated; the typed groups, the degrees, the batch, the data and the plan are built
-    again, and ``resolved`` is the run's YAML, which shortens every rank's validation noticeably
-    (benchmarks/README.md, Figures cited elsewhere).
+    written into the typed groups and the resolved copy of ``cfg`` (``RunConfig.yaml``). It runs once per job: the
+    ranks the job starts read the result (``disttrain.config.resolved``) and decide nothing again.
     """
     from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -148,7 +143,7 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(str(getattr(err, "full_key", "config")), None, f"cannot be resolved: {err}") from None
-    top, model, data, optim, scheduler = _typed_groups(cfg)
+    top, model, data, optim, scheduler = typed_groups(cfg)
     devices_range, nodes_range = rank_ranges(top.trainer)
     notices = _check_options(top, model, data, optim, scheduler)
     top.trainer.devices, devices_notice = resolve_devices(top.trainer, top.parallel)
@@ -161,15 +156,14 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
     if chose_layout:
         notices.append(_choose_parallel(top, model, data, optim, world))
     p = top.parallel
-    layout = Layout.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
+    layout = layout_at(p, world)
     p.check_layout(layout)
     if top.trainer.compile and layout.pp_enabled:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
     top.comm.check_layout(layout, p.sync_every, p.servers)
     if elastic:  # the global batch of the largest world, on every world of the range
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
-        top.batch = elastic_batch(top.batch, layout.dp if largest == world else
-                                  ParallelDims.resolve(largest, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep).dp)
+        top.batch = elastic_batch(top.batch, layout_at(p, largest).dp)
     batch = resolve_batch(top.batch, layout.dp)
     check_compile_mode(top.trainer, layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
@@ -177,16 +171,13 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
-    net = None if resolved is not None else _check_model(top, model, optim, layout, batch, datamodule.spec,
-                                                          chose_layout)
+    net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += check_federated(top, layout, datamodule)
     plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)
         notices += validation_schedule(top.trainer, steps_per_epoch * batch.accumulation, batch.accumulation)
-    if resolved is not None:  # a rank of a job that checked all of the rest
-        return RunConfig(top, model, data, optim, scheduler, layout, batch, resolved, tuple(notices), plan, datamodule)
     world_sizes: tuple[int, ...] = ()
     if elastic:
         world_sizes = restart_worlds(top, plan.kind, devices_range or nodes_range,  # type: ignore[arg-type]
@@ -207,11 +198,17 @@ def validate(cfg: DictConfig, world_size: int | None = None, resolved: str | Non
                      world_sizes)
 
 
+def layout_at(parallel: ParallelConfig, world: int) -> Layout:
+    """The layout of ``parallel`` on ``world`` ranks (a degree of -1 takes the ranks the others leave)."""
+    p = parallel
+    return Layout.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
+
+
 def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
     """Raise the ConfigError that a run of this config on ``world`` ranks would meet (degrees, batch, the model's
     plan); nothing if it runs."""
     p = top.parallel
-    layout = Layout.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
+    layout = layout_at(p, world)
     p.check_layout(layout)
     top.comm.check_layout(layout, p.sync_every, p.servers)
     check_model_plan(model_name, net, p, layout, resolve_batch(top.batch, layout.dp).micro_size, spec)
@@ -237,7 +234,7 @@ def _check_model(top: TrainConfig, model: Any, optim: Any, layout: Layout, batch
     return net
 
 
-def _typed_groups(cfg: DictConfig) -> tuple[TrainConfig, Any, Any, Any, Any]:
+def typed_groups(cfg: DictConfig) -> tuple[TrainConfig, Any, Any, Any, Any]:
     """The config's groups as typed objects: the top level, model, data, optimiser and schedule."""
     from disttrain.data import DATA
     from disttrain.models import MODELS

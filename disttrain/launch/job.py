@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from disttrain.config.resolved import RESOLVED_FILE, rank_file
 from disttrain.config.typed import parallel_options
 from disttrain.config.validation import validate
 from disttrain.launch.fork_server import forks_ranks
@@ -27,7 +28,7 @@ from disttrain.report.timing import record_command_start
 # where this process becomes a rank, so that a config error prints before them.
 
 CONFIG_FILE = "config.yaml"
-"""In the run directory: the resolved config, which every worker rank reads."""
+"""In the run directory: the resolved config, for people and tools (the ranks read ``resolved.yaml``)."""
 RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -59,8 +60,9 @@ def train(cfg: DictConfig) -> float | None:
         print_plan(run)
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / CONFIG_FILE
-    config_path.write_text(run.yaml)
+    (run_dir / CONFIG_FILE).write_text(run.yaml)
+    config_path = run_dir / RESOLVED_FILE  # what the ranks read
+    config_path.write_text(rank_file(run))
     restarts = run.train.fault_tolerance.max_restarts
     if run.plan.kind == "torchft":  # replica groups: the job runs the lighthouse and restarts groups one by one
         groups = run.dims.dp_replicate

@@ -11,11 +11,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from disttrain.checkpoint.folders import resume_path
 from disttrain.comm.state import ExchangeStateCheckpoint
-from disttrain.config.validation import RunConfig, validate
+from disttrain.config.resolved import load_rank_file
+from disttrain.config.validation import RunConfig
 from disttrain.errors import SaveFailed
 from disttrain.fault.config import LOST_PEER_EXIT, restart_count
 from disttrain.fault.replica_groups import group_view, job_world_size
@@ -107,17 +107,14 @@ def run_rank(run: RunConfig) -> float | None:
         shutdown_process_group()
 
 
-def run_worker(config_path: Path) -> None:
-    """A worker rank started by the job process: the resolved config, validated here once, no Hydra. The job
-    checked the model against this world's layout already (``validate``'s ``resolved``); a torchft replica group's
-    world is its own, and is checked here."""
-    text = config_path.read_text()
-    cfg = OmegaConf.create(text)
-    groups_world = job_world_size(int(os.environ.get("WORLD_SIZE", "1")))
-    if groups_world is None:
-        run_rank(validate(cfg, resolved=text))
-    else:  # a torchft replica group: the config describes the whole job, this rank's world is its group
-        run_rank(group_view(validate(cfg, world_size=groups_world)))
+def run_worker(resolved_path: Path) -> None:
+    """A worker rank started by the job process: the run the job validated, read from ``resolved_path`` with the
+    decisions for this rank's world (no Hydra, no validation). A torchft replica group reads the whole job's
+    decisions and trains its own group's view of them."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    groups_world = job_world_size(world)
+    run = load_rank_file(resolved_path.read_text(), world if groups_world is None else groups_world)
+    run_rank(run if groups_world is None else group_view(run))
 
 
 def lost_a_peer(err: BaseException) -> bool:
