@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from disttrain.counter_random import seeded_generator
+from disttrain.loss import token_cross_entropy
 from disttrain.optim import build_optimizer
 from disttrain.parallel.clip import clip_grad_norm
 
@@ -76,7 +76,7 @@ def loss_of(net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, reducti
                                                                                                        torch.Tensor]:
     """Cross-entropy of ``net`` on a batch (classes or next tokens), and the logits."""
     logits = net(inputs)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction), logits
+    return token_cross_entropy(logits, targets, reduction), logits
 
 
 def copy_state(source: list[torch.Tensor], target: list[torch.Tensor]) -> None:

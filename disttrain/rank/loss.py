@@ -1,4 +1,4 @@
-"""The task's cross-entropy, compiled with the model when ``trainer.compile`` is on.
+"""The task's cross-entropy (``disttrain.loss``), compiled with the model when ``trainer.compile`` is on.
 
 Under bf16 autocast ``F.cross_entropy`` runs in fp32: eager, it writes an fp32 copy of the logits, keeps an fp32
 log-softmax for backward and starts backward with an fp32 gradient of the logits beside its bf16 cast. With a
@@ -12,19 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from disttrain.data.base import IGNORE_INDEX
+from disttrain.loss import token_cross_entropy
 from disttrain.parallel.compile import torch_compile_mode
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
 """``(logits [..., classes], targets [...], reduction) -> loss``."""
-
-
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of ``logits`` over their last dimension against ``targets`` (``IGNORE_INDEX`` counts nowhere)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction,
-                           ignore_index=IGNORE_INDEX)
 
 
 def loss_function(compile_mode: str | None) -> LossFunction:

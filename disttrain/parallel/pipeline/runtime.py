@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from disttrain.data.base import IGNORE_INDEX
+from disttrain.loss import token_cross_entropy
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
@@ -98,9 +97,7 @@ def scaled_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, divisor: i
     """Microbatch cross-entropy summed over its targets / (their count x ``divisor``): with ``divisor`` =
     microbatches x accumulation the summed gradients are those of the step's mean (evaluation padding,
     ``IGNORE_INDEX``, adds nothing to the sum)."""
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
-    return loss / (targets.numel() * divisor)
+    return token_cross_entropy(logits, targets, "sum") / (targets.numel() * divisor)
 
 
 BACKWARD_ACTIONS = frozenset({"B", "I", "W", "OVERLAP_F_B", "SEND_B", "RECV_B", "REDUCE_GRAD"})
