@@ -187,8 +187,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                            f"restart, so the run trains on {world} ranks only")
     if layout.world_size == 1 and layout.shards_parameters and not layout.cpu_offload:
         notices.append(f"parallel.{layout.zero_setting} on 1 rank: nothing to shard, yet FSDP2 runs its hooks "
-                       "around every unit, host time in every step (on one H200, at the tokens/s of parallel=single: "
-                       "GPT-2 0.41x, a 1.2B Llama 0.93x); parallel=single trains the same model without them")
+                       "around every unit, host time in every step (benchmarks/README.md measures its cost); "
+                       "parallel=single trains the same model without them")
     if batch.accumulation > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
         notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
                        f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
