@@ -19,6 +19,5 @@ OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optim")
 
 
 def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
-    """Validate ``cfg`` and build the optimiser it names over ``model``'s trainable parameters."""
-    cfg.validate()
+    """Build the optimiser ``cfg`` names over ``model``'s trainable parameters (``cfg`` was validated with the run)."""
     return OPTIMIZERS.build(cfg, model)

@@ -65,8 +65,8 @@ def lr_factor(cfg: SchedulerConfig, total_steps: int, step: int) -> float:
 
 
 def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
-    """A per-step ``LambdaLR`` over ``total_steps`` optimiser steps (step it after every optimiser step)."""
-    cfg.validate()
+    """A per-step ``LambdaLR`` over ``total_steps`` optimiser steps (step it after every optimiser step); ``cfg``
+    was validated with the run, only its warm-up against the run's length is checked here."""
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be >= 1")
     if cfg.warmup(total_steps) > total_steps:
