@@ -30,7 +30,8 @@ from disttrain.data.base import DataModule, InMemoryTensors
 from disttrain.data.position import batches_done, epoch_position, samples_done, skip_per_rank
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.launch.supervisor import Failure, RanksStopped, Supervisor
+from disttrain.launch.restart_all import RestartAll as Supervisor
+from disttrain.launch.supervisor import Failure, RanksStopped
 from disttrain.parallel.process_group import free_port
 from disttrain.rank.elastic import changed_layout
 from tests.conftest import ROOT, attach, compose_config, train_cli_in_process

@@ -84,7 +84,7 @@ def test_the_torchft_supervisors_lighthouse_and_stores_listen_on_loopback(tmp_pa
     pytest.importorskip("torchft")
     from disttrain.fault.config import FaultToleranceConfig
     from disttrain.fault.replica_groups import JOB_STORE_VAR, LIGHTHOUSE_VAR
-    from disttrain.launch.group_supervisor import GroupSupervisor
+    from disttrain.launch.restart_group import RestartGroup as GroupSupervisor
 
     monkeypatch.setenv("RUST_LOG", "error")
     seen = {}

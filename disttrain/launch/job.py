@@ -19,8 +19,8 @@ from disttrain.config.resolved import RESOLVED_FILE, rank_file
 from disttrain.config.typed import parallel_options
 from disttrain.config.validation import validate
 from disttrain.launch.fork_server import forks_ranks
-from disttrain.launch.group_supervisor import GroupSupervisor
-from disttrain.launch.supervisor import Supervisor
+from disttrain.launch.restart_all import RestartAll
+from disttrain.launch.restart_group import RestartGroup
 from disttrain.report.results_file import objective_of
 from disttrain.report.timing import record_command_start
 
@@ -66,8 +66,8 @@ def train(cfg: DictConfig) -> float | None:
     restarts = run.train.fault_tolerance.max_restarts
     if run.plan.kind == "torchft":  # replica groups: the job runs the lighthouse and restarts groups one by one
         groups = run.dims.dp_replicate
-        GroupSupervisor(groups, run.dims.world_size // groups, config_path, run_dir / "logs", run.train.fault_tolerance,
-                        forks_ranks(run.train.trainer.rank_start)).run()
+        RestartGroup(groups, run.dims.world_size // groups, config_path, run_dir / "logs", run.train.fault_tolerance,
+                     forks_ranks(run.train.trainer.rank_start)).run()
         return objective_of(run_dir)
     if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
         from disttrain.rank.run import run_rank
@@ -75,8 +75,8 @@ def train(cfg: DictConfig) -> float | None:
         with rank_environment(single_rank_environment()):
             return run_rank(run)
     # the job hosts the rendezvous store, shows rank 0's output as its own and restarts failed ranks
-    Supervisor(run.dims.world_size, config_path, run_dir / "logs", restarts,
-               forks_ranks(run.train.trainer.rank_start), run.world_sizes).run()
+    RestartAll(run.dims.world_size, config_path, run_dir / "logs", restarts, forks_ranks(run.train.trainer.rank_start),
+               run.world_sizes).run()
     return objective_of(run_dir)
 
 
