@@ -30,7 +30,7 @@ from disttrain.data.base import DataModule, InMemoryTensors
 from disttrain.data.position import batches_done, epoch_position, samples_done, skip_per_rank
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.launch.restart_all import RestartAll as Supervisor
+from disttrain.launch.restart_all import RestartAll
 from disttrain.launch.supervisor import Failure, RanksStopped
 from disttrain.parallel.process_group import free_port
 from disttrain.rank.elastic import changed_layout
@@ -244,8 +244,8 @@ def test_the_change_is_said_in_one_line():
     assert changed_layout(2, 2, 1, 4, 2, 1) == "resumed on 4 data-parallel ranks instead of 2: global batch 4 -> 8"
 
 
-def supervisor(tmp_path: Path, sizes: tuple[int, ...]) -> Supervisor:
-    return Supervisor(sizes[0], tmp_path / "config.yaml", tmp_path / "logs", 3, False, sizes)
+def supervisor(tmp_path: Path, sizes: tuple[int, ...]) -> RestartAll:
+    return RestartAll(sizes[0], tmp_path / "config.yaml", tmp_path / "logs", 3, False, sizes)
 
 
 def test_each_failure_costs_a_device_and_the_run_goes_on_on_the_largest_world_left(tmp_path, monkeypatch):

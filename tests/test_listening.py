@@ -84,7 +84,7 @@ def test_the_torchft_supervisors_lighthouse_and_stores_listen_on_loopback(tmp_pa
     pytest.importorskip("torchft")
     from disttrain.fault.config import FaultToleranceConfig
     from disttrain.fault.replica_groups import JOB_STORE_VAR, LIGHTHOUSE_VAR
-    from disttrain.launch.restart_group import RestartGroup as GroupSupervisor
+    from disttrain.launch.restart_group import RestartGroup
 
     monkeypatch.setenv("RUST_LOG", "error")
     seen = {}
@@ -95,7 +95,7 @@ def test_the_torchft_supervisors_lighthouse_and_stores_listen_on_loopback(tmp_pa
             seen[name] = (address, listening_addresses(int(address.rsplit(":", 1)[1])))
         return _Finished()
 
-    supervisor = GroupSupervisor(1, 1, tmp_path / "config.yaml", tmp_path / "logs", FaultToleranceConfig(), False)
+    supervisor = RestartGroup(1, 1, tmp_path / "config.yaml", tmp_path / "logs", FaultToleranceConfig(), False)
     monkeypatch.setattr(supervisor, "_launch", launch)
     assert supervisor.run() == 0
     assert {name: listening for name, (_, listening) in seen.items()} == {

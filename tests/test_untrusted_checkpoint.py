@@ -205,11 +205,11 @@ def test_resume_from_a_crafted_checkpoint_is_one_line_and_exit_2(run_dir, tmp_pa
 
 def test_a_preempted_jobs_step_is_unknown_where_its_checkpoint_is_crafted(run_dir, tmp_path):
     # the supervisor names the step the ranks saved as they stopped: a crafted meta.pt leaves it unnamed
-    from disttrain.launch.restart_all import RestartAll as Supervisor
+    from disttrain.launch.restart_all import RestartAll
 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    supervisor = object.__new__(Supervisor)  # only its run's config path is read
+    supervisor = object.__new__(RestartAll)  # only its run's config path is read
     supervisor.config_path = copy / "config.yaml"
     assert supervisor._saved_step() == 2
     damage(copy / "checkpoints" / "last.ckpt", "crafted meta.pt", tmp_path / "ran")
