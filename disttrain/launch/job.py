@@ -61,22 +61,21 @@ def train(cfg: DictConfig) -> float | None:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(run.yaml)
-    config_path = run_dir / RESOLVED_FILE  # what the ranks read
-    config_path.write_text(rank_file(run))
-    restarts = run.train.fault_tolerance.max_restarts
+    resolved_path = run_dir / RESOLVED_FILE  # what the ranks read
+    resolved_path.write_text(rank_file(run))
+    restarts, forks = run.train.fault_tolerance.max_restarts, forks_ranks(run.train.trainer.rank_start)
     if run.plan.kind == "torchft":  # replica groups: the job runs the lighthouse and restarts groups one by one
-        groups = run.dims.dp_replicate
-        RestartGroup(groups, run.dims.world_size // groups, config_path, run_dir / "logs", run.train.fault_tolerance,
-                     forks_ranks(run.train.trainer.rank_start)).run()
+        groups = run.layout.dp_replicate
+        RestartGroup(groups, run.layout.world_size // groups, resolved_path, run_dir / "logs",
+                     run.train.fault_tolerance, forks).run()
         return objective_of(run_dir)
-    if run.dims.world_size == 1 and not restarts:  # nothing to supervise: train in this process
+    if run.layout.world_size == 1 and not restarts:  # nothing to supervise: train in this process
         from disttrain.rank.run import run_rank
 
         with rank_environment(single_rank_environment()):
             return run_rank(run)
     # the job hosts the rendezvous store, shows rank 0's output as its own and restarts failed ranks
-    RestartAll(run.dims.world_size, config_path, run_dir / "logs", restarts, forks_ranks(run.train.trainer.rank_start),
-               run.world_sizes).run()
+    RestartAll(run.layout.world_size, resolved_path, run_dir / "logs", restarts, forks, run.world_sizes).run()
     return objective_of(run_dir)
 
 

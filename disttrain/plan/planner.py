@@ -191,7 +191,7 @@ def print_plan(run: Any) -> Estimate:
     net = model_on_meta(run.model, run.datamodule.spec)
     inputs = plan_inputs(net, run.datamodule.spec, run.batch.micro_size, cfg.parallel, run.optim,
                          planned_precision(cfg.trainer.precision, profile), profile)
-    est = inputs.estimate(layout_of(run.dims, cfg.parallel, run.batch))
+    est = inputs.estimate(layout_of(run.layout, cfg.parallel, run.batch))
     print(render(est, profile, inputs.stats.params, run.model.name, inputs.stats), flush=True)
     for path in write_plan(est, profile, Path(cfg.run_dir), cfg.plots):
         print(f"wrote {path}")
