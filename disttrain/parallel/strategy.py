@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +39,31 @@ from disttrain.parallel.pretrained import load_pretrained
 OptimizerWrap = Callable[[torch.optim.Optimizer, "DistTrainStrategy"], torch.optim.Optimizer]
 """How a kind of run wraps the task's optimiser, given the strategy (its mesh, byte counter and module)."""
 
+InMemoryCheckpoint = Callable[[Any, torch.nn.Module, list[torch.optim.Optimizer]], "dict[str, Any] | None"]
+"""Given the path a fit resumes from, the laid-out model and the optimisers: where the path names a state held in
+memory (a live replica group's), load it into them and return the rest of the checkpoint; None: a file to read."""
+
+
+@dataclass(frozen=True)
+class StrategyHooks:
+    """What a kind of run hands the strategy when it is built (``RunKind.strategy_hooks``); the defaults are a
+    synchronous run's. The strategy asks a hook when it needs it, so a value that exists only later (the state a
+    restarted replica group receives) is a callable here."""
+
+    pipeline: PipelineSlot | None = None
+    """Where a pipelined run's stages and schedule go (shared with the task); None: not pipelined."""
+    wrap_optimizer: OptimizerWrap | None = None
+    """How the kind wraps the task's optimiser (ZeRO-1's sharded state, a parameter server); None: as built."""
+    per_replica_checkpoints: bool = False
+    """Replicas hold different parameters between exchanges: a checkpoint keeps every rank's own."""
+    replica_slot: tuple[int, int] | None = None
+    """``(group, groups)`` of torchft replica groups: the group trains on its fixed slot of the data (None: the
+    mesh's data-parallel ranks are all there is)."""
+    checkpoint_gate: Callable[[], bool] | None = None
+    """Whether this Trainer writes (and prunes) checkpoints now (None: always); one replica group does."""
+    in_memory_checkpoint: InMemoryCheckpoint | None = None
+    """A state to resume from instead of a file, asked at every load (None: checkpoints are files)."""
+
 
 class DistTrainStrategy(ModelParallelStrategy):
     """Builds the mesh of ``layout`` and lays the task's ``net`` out as it says before optimisers exist; ``parallel``
@@ -46,9 +72,8 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def __init__(
         self, layout: Layout, parallel: ParallelConfig, precision: str = "32-true", sync_batchnorm: bool = False,
-        pipeline: PipelineSlot | None = None, async_save: bool = False, comm: CommConfig | None = None,
-        compile_mode: str | None = None, wrap_optimizer: OptimizerWrap | None = None,
-        per_replica_checkpoints: bool = False,
+        async_save: bool = False, comm: CommConfig | None = None, compile_mode: str | None = None,
+        hooks: StrategyHooks = StrategyHooks(),
     ) -> None:
         super().__init__(
             data_parallel_size=layout.dp,
@@ -62,8 +87,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         self.parallel = parallel
         self.precision = precision
         self.sync_batchnorm = sync_batchnorm
-        self.pipeline = pipeline
-        """Where a pipelined run's stages and schedule go (shared with the task); None: not pipelined."""
+        self.hooks = hooks
+        """What the kind of run hands the strategy (``StrategyHooks``)."""
         self.comm = comm
         """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
         self.compile_mode = compile_mode
@@ -72,25 +97,15 @@ class DistTrainStrategy(ModelParallelStrategy):
         """Bytes this rank sent through disttrain's gradient exchange."""
         self.comm_state = ExchangeState()
         """What this rank's gradient exchange carries between steps (residuals, PowerSGD's factors)."""
-        self.wrap_optimizer = wrap_optimizer
-        """How the kind of run wraps the task's optimiser (None: it trains as built)."""
-        self.checkpoints = ShardedCheckpoints(self, async_save, per_replica_checkpoints)
+        self.checkpoints = ShardedCheckpoints(self, async_save, hooks.per_replica_checkpoints)
         """This Trainer's checkpoint writer and reader (with the count and blocking time of its saves)."""
         self._parallelised = False
         self._step_broadcast: bool | None = None
         """Whether buffers are broadcast before each training batch (decided at the first one)."""
         self.sequence_split: SequenceSplit | None = None
         """This rank's slice of every sequence under context parallelism (None: whole sequences)."""
-        self.replica_slot: tuple[int, int] | None = None
-        """``(group, groups)`` of torchft replica groups: the group trains on its fixed slot of the data (None:
-        the mesh's data-parallel ranks are all there is)."""
-        self.checkpoint_gate: Callable[[], bool] | None = None
-        """Whether this Trainer writes (and prunes) checkpoints now (None: always); one replica group does."""
         self._linked_state: SameStateAs | None = None
         """The checkpoint whose shards the save under way links, within ``linking_state`` (None: it writes its own)."""
-        self.in_memory_checkpoint: Callable[[Any, list[Any]], dict[str, Any]] | None = None
-        """A state to resume from instead of a file (a live replica group's): given the laid-out model and the
-        optimisers, it loads them and returns the rest of the checkpoint; used by the next load, once."""
 
     @property
     def dims(self) -> Layout:
@@ -116,9 +131,9 @@ class DistTrainStrategy(ModelParallelStrategy):
         """As ``distributed_sampler_kwargs`` for training data; replica groups each read their own slot of it
         (evaluation stays within a group: every group evaluates the whole set)."""
         kwargs = self.distributed_sampler_kwargs
-        if self.replica_slot is None:
+        if self.hooks.replica_slot is None:
             return kwargs
-        group, groups = self.replica_slot
+        group, groups = self.hooks.replica_slot
         return {"num_replicas": groups * kwargs["num_replicas"], "rank": group * kwargs["num_replicas"] +
                 kwargs["rank"]}
 
@@ -139,11 +154,10 @@ class DistTrainStrategy(ModelParallelStrategy):
                 materialize(self.root_device)
             if self.sequence_split is not None:
                 apply_context_parallel(task.net, self.sequence_split)
-            if self.pipeline is not None:
-                task.net, self.pipeline.pipeline = build_pipeline(
-                    task.net, self.device_mesh, self.layout, self.parallel, self.root_device, self.pipeline.loss_fn,
-                    self.pipeline.example_input,
-                )
+            slot = self.hooks.pipeline
+            if slot is not None:
+                task.net, slot.pipeline = build_pipeline(task.net, self.device_mesh, self.layout, self.parallel,
+                                                         self.root_device, slot.loss_fn, slot.example_input)
             else:
                 task.net = apply_parallelism(
                     task.net, self.device_mesh, self.layout, self.root_device, self.parallel, self.precision,
@@ -227,7 +241,8 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimiser as the kind of run wraps it (ZeRO-1's sharded state, a parameter server), else itself."""
-        return self.wrap_optimizer(optimizer, self) if self.wrap_optimizer is not None else optimizer
+        wrap = self.hooks.wrap_optimizer
+        return wrap(optimizer, self) if wrap is not None else optimizer
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """State keyed by parameter name under every layout: sharded (DTensor) for FSDP, whole otherwise; none while
@@ -237,9 +252,12 @@ class DistTrainStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A sharded folder swapped in whole (``disttrain.checkpoint.sharded``); within ``linking_state``, its
         shards are links to the checkpoint that already holds them."""
-        if self.checkpoint_gate is not None and not self.checkpoint_gate():
-            return
-        self.checkpoints.save(checkpoint, filepath, self._linked_state)
+        if self.writes_checkpoints():
+            self.checkpoints.save(checkpoint, filepath, self._linked_state)
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this Trainer writes (and prunes) checkpoints now: always, unless the kind gates it."""
+        return self.hooks.checkpoint_gate is None or self.hooks.checkpoint_gate()
 
     def wait_for_checkpoint(self) -> None:
         """Finish the save in flight, if any (every rank calls this at the same point)."""
@@ -248,16 +266,16 @@ class DistTrainStrategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's removal of a superseded checkpoint, after the save in flight has landed."""
         self.checkpoints.wait()
-        if self.checkpoint_gate is not None and not self.checkpoint_gate():
-            return
-        super().remove_checkpoint(filepath)
+        if self.writes_checkpoints():
+            super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimiser shards into the already-parallelised model (any world size); the model's alone
         outside fit (the end-of-run test of the best checkpoint), which restores no optimiser state."""
-        if self.in_memory_checkpoint is not None:
-            load, self.in_memory_checkpoint = self.in_memory_checkpoint, None
-            return load(self.model, self.optimizers)
+        in_memory = self.hooks.in_memory_checkpoint
+        loaded = in_memory(checkpoint_path, self.model, self.optimizers) if in_memory is not None else None
+        if loaded is not None:
+            return loaded
         # outside fit the optimiser's AdamW moments and its hundreds of small entries are neither read nor planned,
         # most of a test's checkpoint load (benchmarks/README.md, Figures cited elsewhere)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING

@@ -138,8 +138,8 @@ class NewestAndBestCheckpoint(ModelCheckpointSteps):
 
     def save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         """Lightning's save of ``last.ckpt``, after retiring the previous one (``keep_last`` are kept)."""
-        gate = getattr(trainer.strategy, "checkpoint_gate", None)  # one of several replica groups writes
-        if self.save_last and trainer.is_global_zero and self.dirpath is not None and (gate is None or gate()):
+        writes = getattr(trainer.strategy, "writes_checkpoints", None)  # one of several replica groups writes
+        if self.save_last and trainer.is_global_zero and self.dirpath is not None and (writes is None or writes()):
             from disttrain.checkpoint.folders import retire_and_prune
 
             retire_and_prune(Path(self.dirpath), self.keep_last)

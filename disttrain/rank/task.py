@@ -173,11 +173,19 @@ class TrainTask(pl.LightningModule):
         if self.gradients_agree and not self.logs_this_step():
             self._step_loss.clear()
             return
+        loss = self.agreement.reduce_loss(self._step_mean(), self.trainer.world_size)
+        self._log_step_row(loss, optimizer)
+        self._check_finite("the training loss", loss)
+
+    def _step_mean(self) -> torch.Tensor:
+        """This rank's mean of the batch losses of the step being taken (the list starts over for the next step)."""
         local = torch.stack(self._step_loss).mean()
         self._step_loss.clear()
-        loss = self.agreement.reduce_loss(local, self.trainer.world_size)
-        self._log_step_row(loss, optimizer)
-        self.agreement.check_finite("the training loss", loss, self.global_step + 1)
+        return local
+
+    def _check_finite(self, name: str, value: torch.Tensor) -> None:
+        """Stop the run, or skip the step being taken (``SkippedStep``), where ``value`` is not finite."""
+        self.agreement.check_finite(name, value, self.global_step + 1)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Lightning's step, except that a step whose closure found non-finite numbers (``nan_policy=skip``)
@@ -311,27 +319,32 @@ class TrainTask(pl.LightningModule):
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         """Clip by the global norm of whole parameters, also when some are tensor-parallel shards; log the
-        norm before clipping as ``train/grad_norm``."""
-        server = getattr(optimizer, "_optimizer", optimizer)
-        # an attribute, not isinstance(server, ClipsWhatItApplies): a runtime Protocol check walks the
-        # protocol's members on every call, every step
-        if getattr(server, "clips_averaged_gradients", False):
-            server.clip_value = gradient_clip_val
+        norm before clipping as ``train/grad_norm``; a non-finite norm stops or skips the step."""
+        norm = self._gradient_norm(optimizer, gradient_clip_val)
+        if norm is None:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         if gradient_clip_val:
-            norm = clip_grad_norm(params, gradient_clip_val)
-            if self.logs_this_step():
-                self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-        elif self.gradients_agree:  # the loss is not reduced on this step: the norm guards it
-            norm = grad_norm(params)
-        else:
-            return
+            self._log_grad_norm(norm)
         if self._drops_on_device:  # the optimiser skips on the flag; the host reads the norm a step later
-            self._dropped = server.found_inf = self.agreement.check_finite_later(
-                "the gradient norm", norm, self.global_step + 1)
+            flag = self.agreement.check_finite_later("the gradient norm", norm, self.global_step + 1)
+            self._dropped = getattr(optimizer, "_optimizer", optimizer).found_inf = flag
         else:  # one scalar read per step, as torch.amp's GradScaler does to skip a step with inf/NaN gradients
-            self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
+            self._check_finite("the gradient norm", norm)
+
+    def _gradient_norm(self, optimizer: torch.optim.Optimizer, clip: float | None,
+                       across: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+        """The global norm of the step's gradients, before they are clipped to ``clip`` (where given); ``across``:
+        a group whose ranks hold other parameters (a pipeline's stages). None where neither clipping nor the
+        non-finite check needs it: unless gradients agree, the all-reduced loss guards the step."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if clip:
+            return clip_grad_norm(params, clip, across=across)
+        return grad_norm(params, across) if self.gradients_agree else None
+
+    def _log_grad_norm(self, norm: torch.Tensor) -> None:
+        """Log the gradient norm before clipping, on the steps that write a row."""
+        if self.logs_this_step():
+            self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
     def on_train_start(self) -> None:
         """Start at the schedule's rate for the step training starts from (a resumed optimiser holds the rate of

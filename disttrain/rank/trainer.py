@@ -21,8 +21,7 @@ from disttrain.rank.progress import PlainProgress, loss_bar
 
 def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter: ThroughputMeter,
                   fault_callbacks: list[pl.Callback] = ()) -> pl.Trainer:
-    """The Trainer for ``task``, with a strategy given what ``kind`` decides (pipeline slot, optimiser wrap,
-    per-replica checkpoints, whether DDP exchanges gradients)."""
+    """The Trainer for ``task``, with a strategy built with what ``kind`` hands it (``RunKind.strategy_hooks``)."""
     cfg = run.train
     t = cfg.trainer
     plan = run.plan
@@ -50,10 +49,8 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
     # a learning-rate monitor writes to loggers and refuses to run without one (logger=none)
     callbacks += [c for c in extra if loggers or not isinstance(c, LearningRateMonitor)]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
-    strategy = DistTrainStrategy(
-        run.layout, cfg.parallel, t.precision, getattr(run.model, "sync_batchnorm", False), kind.pipeline_slot(),
-        cfg.checkpoint.async_save, cfg.comm, t.compiled_mode, wrap_optimizer=kind.optimizer_wrap(),
-        per_replica_checkpoints=kind.per_replica_checkpoints)
+    strategy = DistTrainStrategy(run.layout, cfg.parallel, t.precision, getattr(run.model, "sync_batchnorm", False),
+                                 cfg.checkpoint.async_save, cfg.comm, t.compiled_mode, kind.strategy_hooks())
     steps_per_epoch = kind.steps_per_epoch(run.datamodule)
     trainer = pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,

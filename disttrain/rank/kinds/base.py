@@ -1,8 +1,8 @@
 """The interface every kind of run implements, with the behaviour of synchronous data/model parallelism.
 
 A kind decides how updates are exchanged (not how the model is laid out and wrapped: that is the run's
-``Layout``): which task runs a training step, how the strategy wraps the optimiser and writes checkpoints, which
-callbacks it adds, and its sections of ``results.json``. The rank's assembly (``disttrain.rank.run``) calls these
+``Layout``): which task runs a training step, what it hands the strategy when it is built (``strategy_hooks``),
+which callbacks it adds, and its sections of ``results.json``. The rank's assembly (``disttrain.rank.run``) calls these
 and never asks which kind it holds; a kind overrides only what it does differently.
 """
 
@@ -16,8 +16,7 @@ from torch import nn
 
 from disttrain.config.validation import RunConfig
 from disttrain.fault.steps import StepAgreement
-from disttrain.parallel.pipeline.runtime import PipelineSlot
-from disttrain.parallel.strategy import DistTrainStrategy, OptimizerWrap
+from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
 from disttrain.parallel.zero1 import shard_optimizer_state
 from disttrain.rank.comm_meter import comm_meter_of
 from disttrain.rank.task import TrainTask
@@ -28,10 +27,10 @@ class RunKind:
 
     name: ClassVar[str] = ""
     """The kind's name in ``ExecutionPlan.kind`` (``disttrain.config.execution.RUN_KINDS``)."""
-    per_replica_checkpoints: ClassVar[bool] = False
-    """Replicas hold different parameters between exchanges: a checkpoint keeps every rank's own."""
     gradients_agree: ClassVar[bool] = True
     """After backward every rank holds the same gradients or shards of them (see ``TrainTask``)."""
+    task_class: ClassVar[type[TrainTask]] = TrainTask
+    """The task ``task`` builds (a kind that steps by hand builds its own)."""
 
     def __init__(self, run: RunConfig, agreement: StepAgreement) -> None:
         self.run = run
@@ -53,17 +52,15 @@ class RunKind:
     def task(self, net: nn.Module, datamodule: Any) -> tuple[pl.LightningModule, Any]:
         """The task whose training step this kind runs, and the data module the Trainer reads."""
         run = self.run
-        return TrainTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
-                         agreement=self.agreement, gradients_agree=self.gradients_agree,
-                         compile_mode=run.train.trainer.compiled_mode), datamodule
+        task = self.task_class(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
+                               agreement=self.agreement, gradients_agree=self.gradients_agree,
+                               compile_mode=run.train.trainer.compiled_mode)
+        return task, datamodule
 
-    def pipeline_slot(self) -> PipelineSlot | None:
-        """Where pipeline stages and their schedule go (None: the model is not cut into stages)."""
-        return None
-
-    def optimizer_wrap(self) -> OptimizerWrap | None:
-        """How the strategy wraps the task's optimiser: ZeRO-1 shards its state over the sharding ranks."""
-        return _zero1 if self.run.layout.shards_only_optimizer_state else None
+    def strategy_hooks(self) -> StrategyHooks:
+        """What the strategy is built with for this kind; a synchronous run's: ZeRO-1 wraps the optimiser where
+        the layout shards only its state."""
+        return StrategyHooks(wrap_optimizer=_zero1 if self.run.layout.shards_only_optimizer_state else None)
 
     def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
         """What the kind adds to the Trainer once the strategy exists: the gradient-exchange meter."""

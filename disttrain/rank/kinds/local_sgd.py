@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
 
 from disttrain.parallel.local_sgd import OuterSteps
-from disttrain.parallel.strategy import DistTrainStrategy
+from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
 from disttrain.rank.kinds.base import RunKind
 
 
@@ -15,8 +16,11 @@ class LocalSGD(RunKind):
     """Replicas train apart between outer steps, so they hold different parameters and checkpoint their own."""
 
     name = "local_sgd"
-    per_replica_checkpoints = True
     gradients_agree = False
+
+    def strategy_hooks(self) -> StrategyHooks:
+        """Checkpoints keep every replica's own parameters."""
+        return replace(super().strategy_hooks(), per_replica_checkpoints=True)
 
     def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
         """The outer steps, before the exchange meter."""

@@ -11,8 +11,26 @@ import torch
 
 from disttrain.parallel.async_server import AsyncParameterServerOptimizer
 from disttrain.parallel.param_server import ParameterServerOptimizer, ServerTraffic
-from disttrain.parallel.strategy import DistTrainStrategy, OptimizerWrap
+from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
 from disttrain.rank.kinds.base import RunKind
+from disttrain.rank.task import TrainTask
+
+
+class ServerTask(TrainTask):
+    """``TrainTask`` whose synchronous servers clip the averaged gradients, which only they hold: clipping each
+    rank's own would not be what an all-reduce run clips."""
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Hand synchronous servers the norm to clip to; asynchronous ones apply each rank's gradient, clipped
+        here as any task clips."""
+        server = getattr(optimizer, "_optimizer", optimizer)
+        if server.clips_averaged_gradients:
+            server.clip_value = gradient_clip_val
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
 class ParameterServer(RunKind):
@@ -20,14 +38,11 @@ class ParameterServer(RunKind):
 
     name = "param_server"
     gradients_agree = False
+    task_class = ServerTask
 
-    @property
-    def per_replica_checkpoints(self) -> bool:  # type: ignore[override]
-        """Asynchronous replicas hold parameters of different versions."""
-        return bool(self.run.train.parallel.staleness)
-
-    def optimizer_wrap(self) -> OptimizerWrap | None:
-        """The task's optimiser runs on the servers, behind the push and pull."""
+    def strategy_hooks(self) -> StrategyHooks:
+        """The task's optimiser runs on the servers, behind the push and pull; asynchronous replicas hold
+        parameters of different versions, so checkpoints keep every rank's own."""
         p = self.run.train.parallel
 
         def wrap(optimizer: torch.optim.Optimizer, strategy: DistTrainStrategy) -> torch.optim.Optimizer:
@@ -38,7 +53,7 @@ class ParameterServer(RunKind):
                                                      names)
             return ParameterServerOptimizer(optimizer, group, p.servers, strategy.comm_counter)
 
-        return wrap
+        return StrategyHooks(wrap_optimizer=wrap, per_replica_checkpoints=bool(p.staleness))
 
     def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
         """The servers' traffic, before the exchange meter."""

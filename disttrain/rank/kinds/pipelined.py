@@ -3,7 +3,8 @@ micro-batches of a batch at once; the task accumulates, clips and steps itself."
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import replace
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +12,15 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from disttrain.fault.stops import SkippedStep
-from disttrain.parallel.clip import clip_grad_norm
 from disttrain.parallel.pipeline.runtime import PipelineSlot, scaled_cross_entropy
+from disttrain.parallel.strategy import StrategyHooks
 from disttrain.rank.kinds.base import RunKind
-from disttrain.rank.task import TrainTask
+from disttrain.rank.manual_step import ManualStepTask
 
 
-class PipelineTask(TrainTask):
-    """TrainTask under manual optimisation: accumulation, clipping and the step happen here.
+class PipelineTask(ManualStepTask):
+    """The schedule runs each batch's micro-batches; every ``accumulation`` batches the step is taken by hand, its
+    gradients clipped by their norm over the pipeline's stages.
 
     Losses exist on the last stage only; they are summed over the world and divided by the number of
     last-stage ranks (data-parallel x tensor-parallel size) to log the global mean.
@@ -28,14 +29,10 @@ class PipelineTask(TrainTask):
     for warm-up) is timed, and the timeline is gathered and written after training (``on_train_end``).
     """
 
-    def __init__(self, *args: Any, pipeline: PipelineSlot, accumulation: int, clip: float | None, loss_ranks: int,
-                 plots: bool = True, **kwargs: Any):
+    def __init__(self, *args: Any, pipeline: PipelineSlot, loss_ranks: int, plots: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.plots = plots
-        self.automatic_optimization = False
         self.pipeline = pipeline
-        self.accumulation = accumulation
-        self.clip = clip
         self.loss_ranks = loss_ranks
         self._train_batches = 0
         self._timed_step: int | None = None
@@ -45,7 +42,7 @@ class PipelineTask(TrainTask):
         return self.agreement.reduce_loss(value, self.loss_ranks)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        """Run the schedule; every ``accumulation`` batches clip by the global norm and step."""
+        """Run the schedule; every ``accumulation`` batches take the step."""
         # the first batch of the second optimiser step: the first step paid for allocations and set-up
         record = self._train_batches == self.accumulation
         if record:
@@ -55,32 +52,8 @@ class PipelineTask(TrainTask):
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
         batch_loss = self._global_mean(result[0] if result else None) * self.accumulation
         self._record_train_loss(batch_loss)
-        if (batch_idx + 1) % self.accumulation:
-            return
-        optimizer = self.optimizers()
-        step_loss = torch.stack(self._step_loss).mean()
-        self._step_loss.clear()
-        try:
-            if self.clip:
-                params = [p for group in optimizer.param_groups for p in group["params"]]
-                norm = clip_grad_norm(params, self.clip, across=self.pipeline.pipeline.pp_group)
-                if self.logs_this_step():
-                    self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-            # logged here, not in on_before_optimizer_step, so batches that only accumulate log nothing
-            self._log_step_row(step_loss, optimizer.optimizer)
-            self.agreement.check_finite("the training loss", step_loss, self.global_step + 1)
-            if self.clip:
-                self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
-            optimizer.step()
-            self._count_applied_step(True)
-        except SkippedStep:
-            # without gradients the optimiser leaves every parameter and its state alone, and Lightning still
-            # counts the step, as it does under automatic optimisation
-            self._count_applied_step(False)
-            optimizer.zero_grad(set_to_none=True)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.lr_schedulers().step()
+        if (batch_idx + 1) % self.accumulation == 0:  # the batch losses were global already
+            self.take_step(self._step_mean(), across=self.pipeline.pipeline.pp_group)
 
     def on_train_end(self) -> None:
         """With ``parallel.pipeline.timeline``: rank 0 gathers the timed step from its pipeline's ranks and
@@ -101,9 +74,6 @@ class PipelineTask(TrainTask):
         print(f"disttrain: pipeline timeline, bubble {timeline['bubble_fraction']:.2f}: "
               f"{', '.join(map(str, written))}", flush=True)
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step's loss is already global here (see training_step); nothing to reduce."""
-
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         result = self.pipeline.run(batch[0], batch[1], train=False)
         if result is not None:  # last stage: undo the training-time scaling of the loss function
@@ -118,19 +88,21 @@ class Pipelined(RunKind):
     name = "pipelined"
     gradients_agree = False
 
-    def pipeline_slot(self) -> PipelineSlot:
+    @cached_property
+    def slot(self) -> PipelineSlot:
         """The slot the strategy fills with the stages and schedule, and the task runs (one per rank)."""
-        if not hasattr(self, "_slot"):
-            plan = self.run.plan
-            example = torch.zeros(plan.microbatch_shape, dtype=getattr(torch, plan.microbatch_dtype))
-            self._slot = PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
-        return self._slot
+        plan = self.run.plan
+        example = torch.zeros(plan.microbatch_shape, dtype=getattr(torch, plan.microbatch_dtype))
+        return PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
+
+    def strategy_hooks(self) -> StrategyHooks:
+        """The pipeline's slot, beside what a synchronous run hands the strategy."""
+        return replace(super().strategy_hooks(), pipeline=self.slot)
 
     def task(self, net: nn.Module, datamodule: Any) -> tuple[pl.LightningModule, Any]:
         """``PipelineTask``: the schedule per batch, accumulation and clipping by hand."""
         run, cfg = self.run, self.run.train
         task = PipelineTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
-                            agreement=self.agreement, pipeline=self.pipeline_slot(),
-                            accumulation=run.batch.accumulation, clip=cfg.trainer.gradient_clip_val,
-                            loss_ranks=run.plan.loss_ranks, plots=cfg.plots)
+                            agreement=self.agreement, pipeline=self.slot, accumulation=run.batch.accumulation,
+                            clip=cfg.trainer.gradient_clip_val, loss_ranks=run.plan.loss_ranks, plots=cfg.plots)
         return task, datamodule

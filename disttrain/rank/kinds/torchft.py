@@ -8,6 +8,7 @@ under automatic optimisation an uncommitted step would still be counted and the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,10 @@ from disttrain.fault.replica_rows import SHADOW_NAME, csv_file, fill_missing_row
 from disttrain.fault.replica_state import PEER_CHECKPOINT, load_peer_state, peer_state
 from disttrain.fault.replica_steps import ReplicaSteps
 from disttrain.fault.steps import StepAgreement
-from disttrain.fault.stops import SkippedStep
 from disttrain.lightning_internals import count_stepped_batches, forget_step_values
-from disttrain.parallel.clip import clip_grad_norm, grad_norm
-from disttrain.parallel.strategy import DistTrainStrategy
+from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
 from disttrain.rank.kinds.base import RunKind
-from disttrain.rank.task import TrainTask
+from disttrain.rank.manual_step import ManualStepTask
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -40,16 +39,13 @@ PEER_EPOCH_LOSS = "peer_epoch_loss"
 """In a state served to a restarted or healing group: the serving rank's own part of the epoch's loss sums."""
 
 
-class ReplicaTask(TrainTask):
-    """TrainTask under manual optimisation: the quorum before a step's first micro-batch, the mean over the
-    groups after its last backward, and the optimiser step only when the groups commit it."""
+class ReplicaTask(ManualStepTask):
+    """The quorum before a step's first micro-batch, the mean over the groups after its last backward, and the
+    optimiser step only when the groups commit it."""
 
-    def __init__(self, *args: Any, steps: ReplicaSteps, accumulation: int, clip: float | None, **kwargs: Any):
+    def __init__(self, *args: Any, steps: ReplicaSteps, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
         self.steps = steps
-        self.accumulation = accumulation
-        self.clip = clip
         self._committed = False
         """Whether the current batch committed a step."""
 
@@ -68,33 +64,14 @@ class ReplicaTask(TrainTask):
                 self.manual_backward(loss / self.accumulation)
 
     def _finish_step(self) -> None:
-        """Average gradients and loss over the groups, clip, vote, and step when the groups commit."""
-        optimizer = self.optimizers()
-        group_loss = self.agreement.reduce_loss(torch.stack(self._step_loss).mean(), self.trainer.world_size)
-        self._step_loss.clear()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        loss = group_loss.reshape(1).clone()
+        """Average gradients and loss over the groups, then take the step if the groups commit it."""
+        loss = self.agreement.reduce_loss(self._step_mean(), self.trainer.world_size).reshape(1).clone()
+        params = [p for group in self.optimizers().param_groups for p in group["params"]]
         self.steps.average([_local(p.grad) for p in params if p.grad is not None] + [loss])
         # the epoch's mean is of the steps' losses over the groups (the logged ones), not of this group's batches:
         # rank r of every group then holds the same sums, which a restarted group copies from its source
         self._unapplied_losses = [loss[0]] * len(self._unapplied_losses)
-        norm = clip_grad_norm(params, self.clip) if self.clip else grad_norm(params)
-        finite = True
-        try:
-            self.agreement.check_finite("the training loss", loss[0], self.global_step + 1)
-            self.agreement.check_finite("the gradient norm", norm, self.global_step + 1)
-        except SkippedStep:
-            finite = False
-        committed = self._committed = self.steps.commit(finite)
-        if committed:
-            # a step the groups did not commit is tried again under the same number: only the committed one is logged
-            if self.clip and self.logs_this_step():
-                self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-            self._log_step_row(loss[0], optimizer.optimizer)
-            optimizer.step()
-            self.lr_schedulers().step()
-        self._count_applied_step(committed)
-        optimizer.zero_grad(set_to_none=True)
+        self._committed = self.take_step(loss[0], commit=self.steps.commit)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """No step committed yet in this batch (see ``on_train_batch_end``)."""
@@ -112,9 +89,6 @@ class ReplicaTask(TrainTask):
         count_stepped_batches(self.trainer, self.global_step - 1)
         if not self._committed:
             forget_step_values(self.trainer)
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step's loss is already averaged over the groups (see ``_finish_step``)."""
 
     def epoch_loss_part(self) -> dict[str, float]:
         """This rank's own part of the epoch's loss sum and count (no collective: it is read while the rank serves
@@ -179,10 +153,13 @@ class TorchFT(RunKind):
                            accumulation=run.batch.accumulation, clip=run.train.trainer.gradient_clip_val)
         return task, datamodule
 
+    def strategy_hooks(self) -> StrategyHooks:
+        """The group's slot of the data, who writes checkpoints, and a live group's state to resume from."""
+        return replace(super().strategy_hooks(), replica_slot=(self.group, self.groups),
+                       checkpoint_gate=self.writes_checkpoints, in_memory_checkpoint=self._peer_checkpoint)
+
     def callbacks(self, strategy: DistTrainStrategy) -> list[pl.Callback]:
-        """Tell the strategy the group's data slot and who writes checkpoints; count the steps."""
-        strategy.replica_slot = (self.group, self.groups)
-        strategy.checkpoint_gate = self.writes_checkpoints
+        """Count the steps, beside the exchange meter."""
         return [ReplicaCounters(self.steps), *super().callbacks(strategy)]
 
     def resume_from(self, trainer: pl.Trainer) -> str | None:
@@ -194,11 +171,15 @@ class TorchFT(RunKind):
             return None
         self.steps.take_quorum()
         self.steps.quorum_taken = True  # the task's first step must not ask for another
-        if self._peer is None:
+        return PEER_CHECKPOINT if self._peer is not None else None
+
+    def _peer_checkpoint(self, path: Any, model: nn.Module, optimizers: list[Any]) -> dict[str, Any] | None:
+        """Where a fit resumes from ``PEER_CHECKPOINT``: load the state a live group sent (once) and return the rest
+        of it; None for a checkpoint on disk."""
+        if path != PEER_CHECKPOINT or self._peer is None:
             return None
         peer, self._peer = self._peer, None
-        trainer.strategy.in_memory_checkpoint = lambda model, optimizers: load_peer_state(peer, model, optimizers)
-        return PEER_CHECKPOINT
+        return load_peer_state(peer, model, optimizers)
 
     def _send(self) -> dict[str, Any]:
         if self.trainer is None or not self.trainer.training:
