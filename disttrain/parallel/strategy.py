@@ -107,24 +107,19 @@ class DistTrainStrategy(ModelParallelStrategy):
         self._linked_state: SameStateAs | None = None
         """The checkpoint whose shards the save under way links, within ``linking_state`` (None: it writes its own)."""
 
-    @property
-    def dims(self) -> Layout:
-        """The degrees: the layout itself (a ``Layout`` is a ``ParallelDims``)."""
-        return self.layout
-
     def setup_environment(self) -> None:
         """Join the process group (or reuse the launcher's) and build the named 5-D mesh."""
         join_process_group(self)
         device_type = self.root_device.type
         set_device_mesh(self, self.lightning_module,
-                        init_device_mesh(device_type, self.dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES))
-        if self.dims.cp_enabled:
+                        init_device_mesh(device_type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES))
+        if self.layout.cp_enabled:
             self.sequence_split = sequence_split_of(self.device_mesh)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel replicas and this rank's index among them (tp/pp peers read the same data)."""
-        return {"num_replicas": self.dims.dp, "rank": dp_rank(self.device_mesh)}
+        return {"num_replicas": self.layout.dp, "rank": dp_rank(self.device_mesh)}
 
     @property
     def train_sampler_kwargs(self) -> dict[str, Any]:
@@ -229,8 +224,8 @@ class DistTrainStrategy(ModelParallelStrategy):
             self._linked_state = None
 
     def _broadcast_buffers(self) -> None:
-        if self.dims.gradient_ranks > 1:
-            broadcast_buffers(self.lightning_module.net, self.dims.gradient_mesh(self.device_mesh).get_group())
+        if self.layout.gradient_ranks > 1:
+            broadcast_buffers(self.lightning_module.net, self.layout.gradient_mesh(self.device_mesh).get_group())
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.models.experts import moe_layers
+from disttrain.parallel.strategy import DistTrainStrategy
 
 
 def _layer_index(name: str, position: int) -> int:
@@ -107,11 +108,11 @@ class ExpertBalance(pl.Callback):
     def _groups(self, trainer: pl.Trainer) -> list[dist.ProcessGroup]:
         """The groups whose counts add up: data x context-parallel ranks, then the pipeline stages."""
         strategy = trainer.strategy
-        dims, mesh = getattr(strategy, "dims", None), getattr(strategy, "device_mesh", None)
-        if dims is None or mesh is None:
+        if not isinstance(strategy, DistTrainStrategy):  # one process under a strategy of Lightning's own
             return []
-        groups = [dims.gradient_mesh(mesh).get_group()] if dims.gradient_ranks > 1 else []
-        return groups + ([mesh["pp"].get_group()] if dims.pp_enabled else [])
+        layout, mesh = strategy.layout, strategy.device_mesh
+        groups = [layout.gradient_mesh(mesh).get_group()] if layout.gradient_ranks > 1 else []
+        return groups + ([mesh["pp"].get_group()] if layout.pp_enabled else [])
 
     def _statistics(self, load: torch.Tensor, extra: torch.Tensor) -> dict[str, float]:
         routed = load.sum(1)

@@ -139,7 +139,7 @@ class TorchFT(RunKind):
         cfg = run.train
         self.log_dir = Path(cfg.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        samples = run.batch.micro_size * run.batch.accumulation * run.dims.dp
+        samples = run.batch.micro_size * run.batch.accumulation * run.layout.dp
         self.steps = ReplicaSteps(cfg.fault_tolerance, self.group, self.groups, samples, self.log_dir,
                                   send=self._send, receive=self._receive)
         self.trainer: pl.Trainer | None = None
@@ -225,7 +225,7 @@ class TorchFT(RunKind):
             print(summary_line(section), flush=True)
         # this rank's degrees are its group's; the job's ranks are every group's
         return {**super().results(trainer), "fault_tolerance": section,
-                "world_size": self.groups * self.run.dims.world_size}
+                "world_size": self.groups * self.run.layout.world_size}
 
     def close(self) -> None:
         """Leave the groups (the Manager's servers and the heartbeat)."""
