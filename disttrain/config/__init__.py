@@ -3,6 +3,7 @@
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan
 from disttrain.config.resume import checkpoint_folder
+from disttrain.config.run import RunConfig
 from disttrain.config.schema import (
     PRECISIONS,
     BatchConfig,
@@ -13,7 +14,7 @@ from disttrain.config.schema import (
     register,
 )
 from disttrain.config.typed import parallel_options
-from disttrain.config.validation import RunConfig, validate
+from disttrain.config.validation import validate
 
 __all__ = [
     "PRECISIONS",

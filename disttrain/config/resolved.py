@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
-from disttrain.config.typed import typed
-from disttrain.config.validation import RunConfig, layout_at, typed_groups
+from disttrain.config.run import RunConfig
+from disttrain.config.typed import typed, typed_groups
 from disttrain.data import UserDataConfig, build_datamodule
 from disttrain.errors import ConfigError
 from disttrain.models.target import TargetModelConfig
@@ -67,7 +67,7 @@ def _decided_at(run: RunConfig, world: int) -> tuple[Layout, ResolvedBatch, Exec
     """The layout, batch and plan of ``run`` on ``world`` ranks (a world it may restart on; validation checked that
     the run fits it)."""
     top = run.train
-    layout = layout_at(top.parallel, world)
+    layout = Layout.on(top.parallel, world)
     batch = resolve_batch(top.batch, layout.dp)
     return layout, batch, execution_plan(layout, batch, top.trainer, top.parallel, run.datamodule.spec,
                                          top.fault_tolerance.engine)

@@ -119,3 +119,14 @@ def parallel_options(cfg: DictConfig) -> ParallelConfig:
     """The typed ``parallel`` node alone (its backend and timeout join a launcher's process group before the
     run directory is agreed and the whole config validated)."""
     return typed("parallel", cfg.parallel, ParallelConfig)
+
+
+def typed_groups(cfg: DictConfig) -> tuple[Any, Any, Any, Any, Any]:
+    """The config's groups as typed objects: the top level, model, data, optimiser and schedule."""
+    from disttrain.config.schema import TrainConfig
+    from disttrain.data import DATA
+    from disttrain.models import MODELS
+    from disttrain.optim import OPTIMIZERS, SchedulerConfig
+
+    return (typed("", cfg, TrainConfig), model_typed(cfg.model, MODELS), data_typed(cfg.data, DATA),
+            registry_typed("optim", cfg.optim, OPTIMIZERS), typed("scheduler", cfg.scheduler, SchedulerConfig))

@@ -8,74 +8,29 @@ key, the value and what is allowed. The pieces live beside it: ``typed`` (nodes 
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from disttrain.config.batch import ResolvedBatch, resolve_batch
-from disttrain.config.execution import ExecutionPlan, execution_plan
+from disttrain.config.execution import execution_plan
 from disttrain.config.precision import resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
 from disttrain.config.resume import check_resume_fits, checkpoint_folder
+from disttrain.config.run import RunConfig
 from disttrain.config.schema import TrainConfig, TrainerConfig
 from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.trainer_checks import check_compile_mode, check_trainer
-from disttrain.config.typed import data_typed, model_typed, registry_typed, typed
+from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf_weights import check_starting_weights
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
-from disttrain.parallel.dims import ParallelDims
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_checks import check_model_plan, model_on_meta
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """A validated run: typed objects for every group plus the resolved numbers derived from them."""
-
-    train: TrainConfig
-    """The top-level groups (trainer, parallel, comm, checkpoint, fault tolerance, federated, ...)."""
-    model: Any
-    """The typed model config (a registered model's schema, or a user model by ``_target_``)."""
-    data: Any
-    """The typed data config."""
-    optim: Any
-    """The typed optimiser config."""
-    scheduler: Any
-    """The learning-rate schedule."""
-    layout: Layout
-    """The resolved degrees and where model state lives (what the strategy, the kinds and the planner read)."""
-    batch: ResolvedBatch
-    """The resolved batch numbers."""
-    yaml: str
-    """The resolved config as YAML (what workers receive and what is written to the run directory)."""
-    notices: tuple[str, ...] = ()
-    """Lines to show the user before ranks start (e.g. how many ranks ``trainer.devices=auto`` chose)."""
-    plan: ExecutionPlan | None = None
-    """How the run executes."""
-    datamodule: Any = field(default=None, compare=False, repr=False)
-    """The data module validation built (its datasets load on first use): a rank builds no other."""
-    world_sizes: tuple[int, ...] = ()
-    """With ``trainer.devices=MIN:MAX`` under disttrain's supervisor: the world sizes, largest first, that the
-    run may restart on after losing ranks (empty: only its own)."""
-
-    @property
-    def dims(self) -> Layout:
-        """The resolved parallel degrees: the layout itself (a ``Layout`` is a ``ParallelDims``)."""
-        return self.layout
-
-    @property
-    def config_hash(self) -> str:
-        """Short hash of the resolved config, excluding where it runs (run_dir, resume)."""
-        text = self.yaml.replace(self.train.run_dir, "<run_dir>")
-        text = "\n".join(line for line in text.splitlines() if not line.startswith(("run_dir:", "resume:")))
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def world_size_of(trainer: TrainerConfig) -> int:
@@ -156,14 +111,14 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if chose_layout:
         notices.append(_choose_parallel(top, model, data, optim, world))
     p = top.parallel
-    layout = layout_at(p, world)
+    layout = Layout.on(p, world)
     p.check_layout(layout)
     if top.trainer.compile and layout.pp_enabled:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
     top.comm.check_layout(layout, p.sync_every, p.servers)
     if elastic:  # the global batch of the largest world, on every world of the range
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
-        top.batch = elastic_batch(top.batch, layout_at(p, largest).dp)
+        top.batch = elastic_batch(top.batch, Layout.on(p, largest).dp)
     batch = resolve_batch(top.batch, layout.dp)
     check_compile_mode(top.trainer, layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
@@ -198,17 +153,11 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                      world_sizes)
 
 
-def layout_at(parallel: ParallelConfig, world: int) -> Layout:
-    """The layout of ``parallel`` on ``world`` ranks (a degree of -1 takes the ranks the others leave)."""
-    p = parallel
-    return Layout.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
-
-
 def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
     """Raise the ConfigError that a run of this config on ``world`` ranks would meet (degrees, batch, the model's
     plan); nothing if it runs."""
     p = top.parallel
-    layout = layout_at(p, world)
+    layout = Layout.on(p, world)
     p.check_layout(layout)
     top.comm.check_layout(layout, p.sync_every, p.servers)
     check_model_plan(model_name, net, p, layout, resolve_batch(top.batch, layout.dp).micro_size, spec)
@@ -232,16 +181,6 @@ def _check_model(top: TrainConfig, model: Any, optim: Any, layout: Layout, batch
 
         check_memory_budget(net, spec, layout, p, batch, optim, top.trainer.precision, top.plan.memory_gb)
     return net
-
-
-def typed_groups(cfg: DictConfig) -> tuple[TrainConfig, Any, Any, Any, Any]:
-    """The config's groups as typed objects: the top level, model, data, optimiser and schedule."""
-    from disttrain.data import DATA
-    from disttrain.models import MODELS
-    from disttrain.optim import OPTIMIZERS, SchedulerConfig
-
-    return (typed("", cfg, TrainConfig), model_typed(cfg.model, MODELS), data_typed(cfg.data, DATA),
-            registry_typed("optim", cfg.optim, OPTIMIZERS), typed("scheduler", cfg.scheduler, SchedulerConfig))
 
 
 def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, scheduler: Any) -> list[str]:

@@ -65,6 +65,13 @@ class Layout(ParallelDims):
                    ddp_exchange=not (parallel.federated or parallel.sync_every or parallel.servers), **extra)
 
     @classmethod
+    def on(cls, parallel: Any, world: int) -> Layout:
+        """The layout of ``parallel`` (a ``ParallelConfig``) on ``world`` ranks: its degrees resolved (a degree of -1
+        takes the ranks the others leave)."""
+        p = parallel
+        return cls.of(p, ParallelDims.resolve(world, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.cp, p.ep))
+
+    @classmethod
     def of_stage(cls, stage: int, **fields: Any) -> Layout:
         """A layout of ZeRO stage ``stage`` (0 to 3) and ``fields``: how the planner enumerates candidates."""
         return cls(zero_stage=stage, **fields)

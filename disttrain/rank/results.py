@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from disttrain.config.validation import RunConfig
+from disttrain.config.run import RunConfig
 from disttrain.fault.config import RESTARTS_FILE
 from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.report.console import run_summary, skipped_steps_warning

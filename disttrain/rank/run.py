@@ -15,7 +15,7 @@ import torch.distributed as dist
 from disttrain.checkpoint.folders import resume_path
 from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config.resolved import load_rank_file
-from disttrain.config.validation import RunConfig
+from disttrain.config.run import RunConfig
 from disttrain.errors import SaveFailed
 from disttrain.fault.config import LOST_PEER_EXIT, restart_count
 from disttrain.fault.replica_groups import group_view, job_world_size

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 
-from disttrain.config.validation import RunConfig
+from disttrain.config.run import RunConfig
 from disttrain.lightning_internals import skip_sigterm_broadcast
 from disttrain.parallel.process_group import rank_layout
 from disttrain.parallel.strategy import DistTrainStrategy

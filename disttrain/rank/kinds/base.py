@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from disttrain.config.validation import RunConfig
+from disttrain.config.run import RunConfig
 from disttrain.fault.steps import StepAgreement
 from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
 from disttrain.parallel.zero1 import shard_optimizer_state

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from disttrain.config.validation import RunConfig
+from disttrain.config.run import RunConfig
 from disttrain.fault.config import restart_count
 from disttrain.fault.replica_groups import replica_group
 from disttrain.fault.replica_report import fault_tolerance_section, summary_line
