@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from disttrain.checkpoint.sharded import SameStateAs
 from disttrain.lightning_internals import ModelCheckpointSteps, summary_table, validation_follows
+from disttrain.parallel.strategy import DistTrainStrategy
 
 
 class NewestAndBestCheckpoint(ModelCheckpointSteps):
@@ -138,8 +139,9 @@ class NewestAndBestCheckpoint(ModelCheckpointSteps):
 
     def save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         """Lightning's save of ``last.ckpt``, after retiring the previous one (``keep_last`` are kept)."""
-        writes = getattr(trainer.strategy, "writes_checkpoints", None)  # one of several replica groups writes
-        if self.save_last and trainer.is_global_zero and self.dirpath is not None and (writes is None or writes()):
+        strategy = trainer.strategy  # under torchft, one of several replica groups writes
+        writes = not isinstance(strategy, DistTrainStrategy) or strategy.writes_checkpoints()
+        if self.save_last and trainer.is_global_zero and self.dirpath is not None and writes:
             from disttrain.checkpoint.folders import retire_and_prune
 
             retire_and_prune(Path(self.dirpath), self.keep_last)

@@ -23,6 +23,7 @@ from disttrain.optim.groups import drops_steps_on_device
 from disttrain.optim.scheduler import apply_rate_of_current_step
 from disttrain.parallel.clip import clip_grad_norm, grad_norm
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
+from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.loss import loss_function
 
 FOLD_EVERY = 256
@@ -355,9 +356,9 @@ class TrainTask(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimiser over the (already wrapped) parameters and a per-step learning-rate schedule."""
         optimizer = build_optimizer(self.optim_cfg, self.net)
-        shard = getattr(self.trainer.strategy, "shard_optimizer", None)
-        if shard is not None:  # ZeRO-1 wraps the optimiser; the schedule must drive the wrapper
-            optimizer = shard(optimizer)
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DistTrainStrategy):  # ZeRO-1 wraps the optimiser; the schedule must drive the wrapper
+            optimizer = strategy.shard_optimizer(optimizer)
         scheduler = build_scheduler(self.scheduler_cfg, optimizer, self.total_steps)
         # torch's GradScaler sets the optimiser's found_inf itself (16-bit mixed precision)
         self._drops_on_device = self.agreement.defers and drops_steps_on_device(optimizer) and getattr(
