@@ -133,17 +133,20 @@ def private_uses(sources: dict[str, str]) -> list[str]:
                     found |= bases.get(base.rsplit(".", 1)[-1], set())
                 if found:
                     bases[node.name] = found
-    own: set[str] = set()  # private names disttrain defines for itself
+    # private names disttrain defines for itself: a module's own functions, classes and globals, and attributes it
+    # sets by name (``object.__setattr__(self, "_model", ...)``); its methods and the attributes it sets on self are
+    # read on self, so a name that is also one of theirs gives no licence to read it on another object
+    own: set[str] = set()
     for tree in trees.values():
-        for node in ast.walk(tree):
+        for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.ClassDef):
                 own.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                own.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                own.add(node.id)
-            elif (isinstance(node, ast.Call) and "setattr" in ast.unparse(node.func) and len(node.args) > 1
-                  and isinstance(node.args[1], ast.Constant)):
+            elif isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                own.update(target.id for target in targets if isinstance(target, ast.Name))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and "setattr" in ast.unparse(node.func) and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant)):
                 own.add(node.args[1].value)
     uses = []
     for path, tree in trees.items():
@@ -189,5 +192,8 @@ def test_the_scan_finds_each_way_of_touching_a_private_name():
         "d.py": ("import lightning.pytorch as pl\n\n\nclass D(pl.Callback):\n    def __init__(self):\n"
                  "        self._start = 0\n"),  # a name of its own, not one Callback defines
         "e.py": "import sys\n\n\ndef f():\n    return getattr(sys.modules['lightning'], '_console')\n",
+        # a name disttrain also gives an attribute of its own, read on Lightning's optimizer wrapper
+        "f.py": ("class Outer:\n    def __init__(self):\n        self._optimizer = None\n\n\n"
+                 "def f(optimizer):\n    return getattr(optimizer, '_optimizer', optimizer)\n"),
     }
-    assert [use.split(":")[0] for use in private_uses(cases)] == ["a.py", "b.py", "c.py", "e.py"]
+    assert [use.split(":")[0] for use in private_uses(cases)] == ["a.py", "b.py", "c.py", "e.py", "f.py"]

@@ -51,7 +51,9 @@ class CheckpointedOptimizer(Protocol):
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     """The optimiser behind Lightning's ``LightningOptimizer`` (itself where it is none)."""
-    return getattr(optimizer, "_optimizer", optimizer)
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

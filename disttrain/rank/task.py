@@ -13,6 +13,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from disttrain.checkpoint.optimizer_state import unwrapped
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import StepAgreement
@@ -328,7 +329,7 @@ class TrainTask(pl.LightningModule):
             self._log_grad_norm(norm)
         if self._drops_on_device:  # the optimiser skips on the flag; the host reads the norm a step later
             flag = self.agreement.check_finite_later("the gradient norm", norm, self.global_step + 1)
-            self._dropped = getattr(optimizer, "_optimizer", optimizer).found_inf = flag
+            self._dropped = unwrapped(optimizer).found_inf = flag
         else:  # one scalar read per step, as torch.amp's GradScaler does to skip a step with inf/NaN gradients
             self._check_finite("the gradient norm", norm)
 

@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from disttrain.checkpoint.optimizer_state import unwrapped
 from disttrain.parallel.async_server import AsyncParameterServerOptimizer
 from disttrain.parallel.param_server import ParameterServerOptimizer, ServerTraffic
 from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
@@ -26,7 +27,7 @@ class ServerTask(TrainTask):
     ) -> None:
         """Hand synchronous servers the norm to clip to; asynchronous ones apply each rank's gradient, clipped
         here as any task clips."""
-        server = getattr(optimizer, "_optimizer", optimizer)
+        server = unwrapped(optimizer)
         if server.clips_averaged_gradients:
             server.clip_value = gradient_clip_val
         else:
