@@ -138,6 +138,9 @@ def test_the_job_sees_a_rank_end_when_it_ends_not_a_poll_interval_later():
     finally:
         slow.kill()
         slow.wait()
+    started = time.monotonic()
+    wait_for_an_exit([quick, slow], 20.0)  # nothing runs any more: nothing to wait for
+    assert time.monotonic() - started < 10
 
 
 def test_a_forked_rank_ends_as_soon_as_its_job_is_killed():
