@@ -59,6 +59,8 @@ def hand_rolled_greedy(run_dir: Path, checkpoint: Path, prompt: list[int], new_t
     from disttrain.models import build_model
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
+    if cfg.model.get("pretrained"):  # built with real tensors here: every weight comes from the checkpoint
+        OmegaConf.update(cfg, "model.pretrained", False)
     run = validate(cfg, world_size=cfg.trainer.devices)
     spec = build_datamodule(run.data, run.batch.micro_size, run.train.seed).spec
     model = build_model(run.model, spec)
@@ -194,6 +196,22 @@ def test_a_data_tokenizer_encodes_and_decodes(tmp_path):
     assert codec.decode(ids) == "def main():"
     with pytest.raises(ConfigError, match="data.tokenizer="):
         codec_for(SimpleNamespace(name="text", tokenizer=str(tmp_path / "none")), SimpleNamespace(kind="text"))
+
+
+def test_a_model_fine_tuned_from_its_weights_generates_greedily_as_the_argmax_loop(tmp_path_factory):
+    """A run that started from a folder's weights (``model.pretrained=true``, its model first built on the meta
+    device) generates from its checkpoint as the model rebuilt with real tensors and loaded from it does."""
+    pytest.importorskip("transformers")
+    from tests.test_hf_models import saved_folder
+
+    folder = saved_folder(tmp_path_factory.mktemp("weights") / "llama")
+    run_dir = trained(tmp_path_factory, [
+        "model=hf", f"model.path={folder}", "model.pretrained=true", "data=pydocs", "data.block_size=32",
+        "batch.global_size=8", "trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.run_test=false",
+        "logger=csv", "callbacks=none", "optim.lr=1e-4"])
+    text = generate(parse(cli(run_dir, "--prompt", LONG_PROMPT, "--max-new-tokens", "24", "--temperature", "0")))
+    expected = hand_rolled_greedy(run_dir, run_dir / "checkpoints" / "last.ckpt", list(LONG_PROMPT.encode()), 24)
+    assert text == ByteCodec().decode(expected)
 
 
 def test_a_hugging_face_model_generates_greedily_as_the_argmax_loop(tmp_path_factory):

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from disttrain.data.spec import DataSpec
@@ -89,6 +90,8 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu") 
     codec = codec_for(run.data, spec)  # before building: data with no text is refused without a model's cost
     path = choose_checkpoint(run_dir, checkpoint)
     model = build_model(run.model, spec)
+    if any(p.is_meta for p in model.parameters()):  # built to be filled from its starting weights: allocate it
+        model.materialize(torch.device(device))
     try:
         model.load_state_dict(consolidated_weights(path), strict=True)
     except RuntimeError as err:
