@@ -49,6 +49,10 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, fn: Callab
             exc = None
         results.put((rank, False, (text, exc)))
     finally:
+        # the report reaches the parent before the process group is torn down: a teardown that aborts in torch's
+        # C++ threads (exit -6) must not take a finished rank's result with it
+        results.close()
+        results.join_thread()
         dist.destroy_process_group()
 
 
