@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -170,7 +171,7 @@ class RankGroup:
             proc.wait()
 
 
-class Supervisor:
+class Supervisor(ABC):
     """Runs ``groups`` of worker ranks until each has finished or is down; a subclass is the restart policy: it
     finds a group's failure (``_failure``) and decides what it costs (``_recover``)."""
 
@@ -211,13 +212,13 @@ class Supervisor:
             for sig, handler in forwarded.items():
                 signal.signal(sig, handler)
 
+    @abstractmethod
     def _failure(self, group: RankGroup) -> Failure | None:
         """The failure that ends ``group``'s attempt, if any; sets ``group.finished`` once its ranks are done."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _recover(self, group: RankGroup, failure: Failure) -> None:
         """After ``group`` failed and was killed: start it again, mark it down, or raise to stop the run."""
-        raise NotImplementedError
 
     def _group_env(self, group: RankGroup) -> dict[str, str]:
         """Variables the policy adds to ``group``'s ranks."""
