@@ -34,7 +34,8 @@ def rank_file(run: RunConfig) -> str:
     size it may train on."""
     worlds = {run.layout.world_size: (run.layout, run.batch, run.plan)}
     for world in run.world_sizes:
-        worlds.setdefault(world, _decided_at(run, world))
+        if world not in worlds:  # the run's own world is decided already
+            worlds[world] = _decided_at(run, world)
     config = {**_node_of(run.train), "model": _node_of(run.model), "data": _node_of(run.data),
               "optim": _node_of(run.optim), "scheduler": _node_of(run.scheduler)}
     return OmegaConf.to_yaml(OmegaConf.create({
