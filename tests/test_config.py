@@ -32,6 +32,8 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["trainer.precision=fp8"], "trainer.precision", "one of"),
         (["trainer.max_steps=0"], "trainer.max_steps", "positive"),
         (["trainer.rank_start=fork"], "trainer.rank_start", "one of ['auto', 'fork_server', 'interpreter']"),
+        (["trainer.validate_before_training=true", "trainer.num_sanity_val_steps=2"], "trainer.num_sanity_val_steps",
+         "0 with trainer.validate_before_training=true"),
         (["parallel.dp_replicate=-1", "parallel.dp_shard=-1"], "parallel.dp_shard", "at most one"),
         (["optim=sgd", "optim.momentum=0", "optim.nesterov=true"], "optim.nesterov", "momentum"),
         (["parallel=zero3", "trainer.devices=4", "parallel.dp_replicate=3"], "parallel", "does not divide"),

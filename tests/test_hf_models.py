@@ -126,8 +126,8 @@ def saved_folder(folder: Path, arch: str = "llama") -> Path:
 @pytest.mark.parametrize("layout", ["single", "zero3", "tp", "pp"])
 def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
     """A run started from a saved folder (allocated and read shard by shard under ZeRO-3, slice by slice under
-    tp, stage by stage in a pipeline) validates, before its weights move (a learning rate of 1e-12), to
-    ``transformers``' own loss of that folder on the same windows (``labels`` shift)."""
+    tp, stage by stage in a pipeline) validates before its first step (``trainer.validate_before_training``),
+    logged at step 0, to ``transformers``' own loss of that folder on the same windows (``labels`` shift)."""
     import transformers
 
     from disttrain.launch.job import train
@@ -135,15 +135,15 @@ def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
 
     folder = saved_folder(tmp_path / "hf")
     overrides = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
-    overrides += [f"model.path={folder}", "model.pretrained=true", "trainer.max_steps=1", "optim.lr=1e-12",
-                  "trainer.val_check_interval=1"]
+    overrides += [f"model.path={folder}", "model.pretrained=true", "trainer.max_steps=1",
+                  "trainer.validate_before_training=true"]
     if layout != "single":
         overrides += [*LAYOUTS[layout][0], f"trainer.devices={LAYOUTS[layout][1]}"]
     run_dir = tmp_path / "run"
     cfg = compose_config(overrides, run_dir)
     run = validate(cfg.copy())
     train(cfg)
-    val_loss = logged_metric(run_dir, "val/loss")[-1][1]
+    val_loss = dict(logged_metric(run_dir, "val/loss"))[0]
     val = run.datamodule.datasets["val"]
     count = min(len(val), run.train.trainer.limit_val_batches * run.batch.micro_size * run.dims.dp)
     inputs, targets = (torch.stack(part) for part in zip(*(val[i] for i in range(count)), strict=True))

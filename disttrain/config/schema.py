@@ -108,7 +108,11 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     """How often training metrics are logged."""
     num_sanity_val_steps: int = 0
-    """Validation batches run before training as a smoke check."""
+    """Validation batches run before training as a smoke check (not logged; see ``validate_before_training``)."""
+    validate_before_training: bool = False
+    """Score the weights training starts from (the initialisation, the pretrained weights or the resumed
+    checkpoint) on the validation split before the first step: logged as ``val/*`` at the starting step and
+    printed, through Lightning's sanity validation over ``limit_val_batches``."""
     keep_freed_host_memory: bool = True
     """Keep the host memory that freed tensors leave mapped for the next step (glibc's malloc: allocations up to
     32 MB from its heap, which goes back to the OS only past 1 GB free) rather than returning it and faulting it

@@ -40,6 +40,9 @@ def check_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.rank_start", t.rank_start, "interpreter or auto: this platform has no fork server")
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         raise ConfigError("trainer.gradient_clip_val", t.gradient_clip_val, "a positive norm, or null")
+    if t.validate_before_training and t.num_sanity_val_steps:
+        raise ConfigError("trainer.num_sanity_val_steps", t.num_sanity_val_steps, "0 with "
+                          "trainer.validate_before_training=true (which validates over limit_val_batches)")
     for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):
         checks.count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")
 

@@ -1,4 +1,5 @@
-"""Callbacks the runner always adds: checkpoints, throughput measurement and the model summary."""
+"""Callbacks the runner adds: checkpoints, throughput measurement, the model summary and the score of the starting
+weights."""
 
 from __future__ import annotations
 
@@ -289,3 +290,18 @@ class SummaryWithoutFlops(ModelSummary):
         if not total_flops:
             table = table.rsplit("\n", 1)[0]  # the last line is the "Total Flops" row
         print(table, flush=True)
+
+
+class ScoreBeforeTraining(pl.Callback):
+    """Log and print the validation metrics of Lightning's sanity validation, which runs every validation batch
+    before the first step when this callback is added (``trainer.validate_before_training``): the score of the
+    weights training starts from, at the starting step. Lightning logs nothing of a sanity validation itself."""
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the task's newest evaluation (``eval_metrics``, already reduced over the ranks) to every logger."""
+        metrics = {**pl_module.eval_metrics, "epoch": float(trainer.current_epoch)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        if trainer.is_global_zero:
+            shown = {key: f"{value:.4f}" for key, value in metrics.items() if key.startswith("val/")}
+            print(f"validation before training, at step {trainer.global_step}: {shown}", flush=True)

@@ -89,6 +89,9 @@ class TrainTask(pl.LightningModule):
         self._dropped: torch.Tensor | None = None
         """The device flag of the step being taken: 1.0 where its optimiser dropped it (a deferred check)."""
         self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("val", "test")})
+        self.eval_metrics: dict[str, float] = {}
+        """The metrics of the newest validation or test epoch as logged (``val/loss``, ...), reduced over the
+        ranks."""
         if not self.is_text:
             self.accuracies = nn.ModuleDict({
                 f"{stage}_acc": MulticlassAccuracy(spec.num_classes, average="micro", ignore_index=IGNORE_INDEX)
@@ -262,6 +265,7 @@ class TrainTask(pl.LightningModule):
             metrics[f"{stage}/acc"] = self.accuracies[f"{stage}_acc"].compute()
             self.accuracies[f"{stage}_acc"].reset()
         self.losses[f"{stage}_loss"].reset()
+        self.eval_metrics = {key: float(value) for key, value in metrics.items()}
         self.log_dict(metrics, prog_bar=stage == "val", sync_dist=False)
         self._log_position(self.global_step)  # the steps the evaluated weights have taken
 

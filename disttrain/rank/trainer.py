@@ -13,7 +13,12 @@ from disttrain.config.run import RunConfig
 from disttrain.lightning_internals import skip_sigterm_broadcast
 from disttrain.parallel.process_group import rank_layout
 from disttrain.parallel.strategy import DistTrainStrategy
-from disttrain.rank.callbacks import NewestAndBestCheckpoint, SummaryWithoutFlops, ThroughputMeter
+from disttrain.rank.callbacks import (
+    NewestAndBestCheckpoint,
+    ScoreBeforeTraining,
+    SummaryWithoutFlops,
+    ThroughputMeter,
+)
 from disttrain.rank.kinds.base import RunKind
 from disttrain.rank.profiler import NoProfiler
 from disttrain.rank.progress import PlainProgress, loss_bar
@@ -42,6 +47,8 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         meter,
         *fault_callbacks,
     ]
+    if t.validate_before_training:
+        callbacks.append(ScoreBeforeTraining())
     interactive = sys.stdout.isatty()
     callbacks += [SummaryWithoutFlops(), loss_bar()] if interactive else [PlainProgress(t.log_every_n_steps, meter)]
     loggers = [instantiate(node) for node in cfg.logger.values() if node]
@@ -69,7 +76,8 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
         limit_val_batches=t.limit_val_batches,
         limit_test_batches=t.limit_test_batches,
         log_every_n_steps=t.log_every_n_steps,
-        num_sanity_val_steps=t.num_sanity_val_steps,
+        # Lightning's sanity validation runs before the first step; -1 takes every batch limit_val_batches allows
+        num_sanity_val_steps=-1 if t.validate_before_training else t.num_sanity_val_steps,
         deterministic=t.deterministic or None,
         use_distributed_sampler=False,  # the datamodules shard data by the mesh's data-parallel ranks
         logger=loggers or False,
