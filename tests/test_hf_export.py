@@ -77,7 +77,7 @@ def test_a_run_exports_to_hf_and_transformers_computes_the_same_logits(make_conf
     assert done.returncode == 0, done.stderr
     files = sorted(path.name for path in out.iterdir())
     if shard == "5GB":
-        assert files == ["config.json", "model.safetensors"]
+        assert files == ["config.json", "generation_config.json", "model.safetensors"]
     else:
         index = json.loads((out / "model.safetensors.index.json").read_text())
         shards = sorted(set(index["weight_map"].values()))
@@ -100,7 +100,7 @@ def test_a_run_exports_to_hf_and_transformers_computes_the_same_logits(make_conf
 
     # exporting again replaces the folder whole
     assert export_here(checkpoint, "--format", "hf", out) == 0
-    assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_models_without_an_hf_format_are_refused(make_config, tmp_path):

@@ -6,8 +6,9 @@
 A run directory stands for its ``checkpoints/last.ckpt``. The default format writes only the model's tensors
 (names as in the bare model, e.g. ``embed.wte.weight``), which load with ``torch.load(path, weights_only=True)``
 into a model built from the run's ``config.yaml``. ``--format hf`` (models ``llama`` and ``hf``) writes
-``config.json`` and safetensors weights that ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
-loads; it reads the run's ``config.yaml`` from the run directory (two levels above a checkpoint folder).
+``config.json``, ``generation_config.json``, safetensors weights and the run's tokenizer files, a folder that
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads and generates from; it reads the run's
+``config.yaml`` from the run directory (two levels above a checkpoint folder).
 """
 
 from __future__ import annotations
@@ -60,18 +61,21 @@ def checkpoint_and_run_dir(source: Path) -> tuple[Path, Path]:
 
 def export_hf(source: Path, output: Path, max_shard_size: int | str = "5GB") -> Path:
     """Write the checkpoint that ``source`` names (a run directory or a checkpoint folder) as a Hugging Face model
-    folder ``output``; ConfigError for a model without a Hugging Face format."""
+    folder ``output``, with the tokenizer files of the run's ``data.tokenizer`` where it had one; ConfigError for
+    a model without a Hugging Face format or a tokenizer folder that is not one."""
     from omegaconf import OmegaConf
 
-    from disttrain.checkpoint.hf import check_hf_model, hf_folder, write_hf_folder
+    from disttrain.checkpoint.hf import check_hf_model, hf_folder, run_tokenizer, tokenizer_files, write_hf_folder
 
     checkpoint, run_dir = checkpoint_and_run_dir(source)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"no config.yaml in {run_dir}, the run directory of {checkpoint}")
     cfg = OmegaConf.load(run_dir / "config.yaml")
     check_hf_model(cfg)  # before reading any weights
+    tokenizer = run_tokenizer(cfg)
+    tokenizer_data = tokenizer_files(tokenizer) if tokenizer else None
     config, weights = hf_folder(consolidated_weights(checkpoint), cfg)
-    return write_hf_folder(config, weights, output, max_shard_size)
+    return write_hf_folder(config, weights, output, max_shard_size, tokenizer_data)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""Export a run's checkpoint as a Hugging Face model folder: ``config.json`` and safetensors weights that
-``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads.
+"""Export a run's checkpoint as a Hugging Face model folder that ``transformers`` uses as it would the original:
+``config.json`` (with its KV cache on), ``generation_config.json``, safetensors weights and the run's tokenizer
+files, which ``AutoModelForCausalLM.from_pretrained(folder)`` and ``AutoTokenizer.from_pretrained(folder)`` load.
 
 Two models have that format: the built-in ``llama`` (its config and weights mapped by
 ``disttrain.models.llama_hf``) and ``hf`` (a transformers model, whose parameters already carry HF's names and
@@ -9,6 +10,9 @@ from the run's ``config.yaml`` for its sizes and config, and the weights come fr
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,10 @@ from disttrain.errors import ConfigError
 
 HF_MODELS = ("llama", "hf")
 """The models whose checkpoints export in Hugging Face's format."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
+"""The files of a Hugging Face tokenizer folder that an export carries (data each: none is code);
+``tokenizer.json`` is the one a folder must hold."""
 
 
 def model_on_meta(cfg: DictConfig) -> tuple[Any, Any]:
@@ -58,25 +66,69 @@ def hf_folder(weights: dict[str, torch.Tensor], cfg: DictConfig) -> tuple[Any, d
     name = check_hf_model(cfg)
     model, net = model_on_meta(cfg)
     if name == "hf":
-        return net.hf_config, weights
+        config = copy.deepcopy(net.hf_config)
+        # training runs without a KV cache; the exported model generates with one, as the original does
+        config.use_cache = True
+        config.architectures = [type(net._model).__name__]
+        return config, weights
     dims = net.dims
     sizes = {key: getattr(dims, key) for key in SIZES}
     config = hf_config(sizes, dims.block_size, model.rope_theta, model.norm_eps, weights["embed.tok.weight"].dtype)
     return config, to_hf_state_dict(weights, dims.n_head, dims.n_kv_head)
 
 
+def run_tokenizer(cfg: DictConfig) -> Path | None:
+    """The tokenizer folder a run's data was tokenised with (``data.tokenizer``, as the run read it: relative to
+    the working directory), or None for data without one."""
+    folder = cfg.data.get("tokenizer")
+    return Path(os.path.abspath(os.path.expanduser(folder))) if folder else None
+
+
+def tokenizer_files(folder: Path) -> dict[str, bytes]:
+    """The tokenizer files of ``folder`` (``TOKENIZER_FILES`` it holds), each read as the run reads it and checked
+    to be what its name says: ``tokenizer.json`` a tokenizer ``tokenizers`` loads, the JSON files JSON, the rest
+    UTF-8 text; ConfigError naming ``data.tokenizer`` for a folder that is not one."""
+    from disttrain.data.token_cache import load_tokenizer
+
+    load_tokenizer(str(folder))  # the folder holds a tokenizer.json that parses as one
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+            if name.endswith(".json"):
+                json.loads(text)
+        except ValueError as err:
+            raise ConfigError("data.tokenizer", str(folder), f"a tokenizer folder whose {name} is "
+                              f"{'JSON' if name.endswith('.json') else 'UTF-8 text'} ({err})") from None
+        files[name] = data
+    return files
+
+
 def write_hf_folder(config: Any, weights: dict[str, torch.Tensor], output: Path,
-                    max_shard_size: int | str = "5GB") -> Path:
-    """Write ``config.json`` and the safetensors weights (sharded with an index above ``max_shard_size``) into a
-    staging folder beside ``output``, then rename it to ``output``: a crash leaves no half-written folder there."""
+                    max_shard_size: int | str = "5GB", tokenizer: dict[str, bytes] | None = None) -> Path:
+    """Write ``config.json``, the ``generation_config.json`` that ``transformers`` derives from it, the
+    safetensors weights (sharded with an index above ``max_shard_size``) and the ``tokenizer`` files into a
+    staging folder beside ``output``, then rename it to ``output``: a crash leaves no half-written folder there.
+    The files get the modes the umask gives new files (safetensors writes its own owner-only)."""
     from huggingface_hub import save_torch_state_dict
+    from transformers import GenerationConfig
 
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(output.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)  # what a crashed export left behind
     staging.mkdir()
     config.save_pretrained(staging)
+    GenerationConfig.from_model_config(config).save_pretrained(staging)
     save_torch_state_dict(weights, staging, max_shard_size=max_shard_size)
+    for name, data in (tokenizer or {}).items():
+        (staging / name).write_bytes(data)
+    file_mode = 0o666 & ~_umask()
+    for path in staging.iterdir():
+        path.chmod(file_mode)
     if output.exists():
         previous = output.with_name(output.name + ".previous")
         shutil.rmtree(previous, ignore_errors=True)
@@ -87,3 +139,10 @@ def write_hf_folder(config: Any, weights: dict[str, torch.Tensor], output: Path,
         staging.rename(output)
     return output
 
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

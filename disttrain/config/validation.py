@@ -125,6 +125,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
+        notices += model.notices(datamodule.spec) if hasattr(model, "notices") else []
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += check_federated(top, layout, datamodule)

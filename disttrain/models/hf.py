@@ -13,6 +13,7 @@ trains under data parallelism and ZeRO.
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,11 @@ class HFConfig:
     instead of a folder."""
     pretrained: bool = False
     """Start from the folder's safetensors weights instead of a seeded random initialisation (needs ``path``)."""
+    attn_implementation: str | None = None
+    """How the model attends, as ``transformers`` names it: ``sdpa`` (PyTorch's fused scaled dot-product
+    attention), ``eager`` (its own matmul and softmax, which families such as Gemma2 need for their softcapping)
+    or ``flex_attention`` (torch's flex attention, on a GPU), where the model class has it. None: sdpa where the
+    class has it, else eager (with a notice)."""
     fields: dict[str, Any] = field(default_factory=dict)
     """Fields of the architecture's config set here (``+model.hidden_size=256``), over the folder's or the type's
     defaults; ``vocab_size`` defaults to the data's vocabulary when a type is built from scratch."""
@@ -85,19 +91,45 @@ class HFConfig:
         if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
                               f"a causal language model; transformers has none for {type(config).__name__}")
+        _check_token_ids(config)
+        self.attention(config)
         if self.pretrained and not weight_files(Path(self.path).expanduser()):
             raise ConfigError("model.path", self.path, f"a folder with {WEIGHTS_FILE} or its shards and "
                               f"{INDEX_FILE}, with model.pretrained=true")
         return config
 
+    def attention(self, config: Any) -> tuple[str, str | None]:
+        """The attention implementation the model of ``config`` is built with, and a notice where none was asked
+        for and its class has no SDPA; ConfigError for one its class lacks."""
+        import transformers
+
+        model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        allowed = attention_implementations(model_class)
+        if self.attn_implementation is None:
+            if "sdpa" in allowed:
+                return "sdpa", None
+            others = [name for name in allowed if name != "eager"]
+            return "eager", (f"model.attn_implementation=eager: {model_class.__name__} has no SDPA attention in "
+                             "transformers" + (f" (it also takes {', '.join(others)})" if others else ""))
+        if self.attn_implementation not in allowed:
+            no_gpu = self.attn_implementation == "flex_attention" and getattr(model_class, "_supports_flex_attn",
+                                                                               False)
+            raise ConfigError("model.attn_implementation", self.attn_implementation,
+                              f"one of {', '.join(allowed)} for {model_class.__name__}" + (
+                                  " (flex_attention needs a GPU here: torch's flex attention computes no gradients "
+                                  "on the CPU)" if no_gpu else ""))
+        return self.attn_implementation, None
+
+    def notices(self, spec: DataSpec) -> list[str]:
+        """What validation decided for the user: the attention chosen where it is not sdpa and none was named."""
+        notice = self.attention(self.validate(spec))[1]
+        return [notice] if notice else []
+
     def _config(self, transformers: Any, fields: dict[str, Any]) -> Any:
         if self.arch is not None:
             if self.arch not in transformers.CONFIG_MAPPING:
                 raise ConfigError("model.arch", self.arch, f"a transformers model type; {_known_types(self.arch)}")
-            try:
-                return transformers.AutoConfig.for_model(self.arch, **fields)
-            except (ValueError, TypeError) as err:
-                raise ConfigError("model.arch", self.arch, f"fields its config accepts ({err})") from None
+            return self._built_config(transformers, self.arch, fields, "fields its config accepts")
         folder = Path(self.path).expanduser()
         if not (folder / CONFIG_FILE).is_file():
             raise ConfigError("model.path", self.path, f"a folder with {CONFIG_FILE} (there is no "
@@ -112,10 +144,31 @@ class HFConfig:
             found = "it names none" if model_type is None else f"{model_type!r} is not one"
             raise ConfigError("model.path", self.path, f"a {CONFIG_FILE} whose model_type transformers knows; "
                               f"{found} ({_known_types(str(model_type or ''))})")
+        return self._built_config(transformers, model_type, saved, f"a {CONFIG_FILE} that transformers reads")
+
+    def _built_config(self, transformers: Any, model_type: str, values: dict[str, Any], allowed: str) -> Any:
+        """``transformers``' config of ``model_type`` with ``values``; what it rejects as one line naming the field
+        where ``transformers`` names one (a value of the wrong type), else the folder or type with its reason."""
+        from huggingface_hub.errors import StrictDataclassError, StrictDataclassFieldValidationError
+
         try:
-            return transformers.AutoConfig.for_model(model_type, **saved)
-        except (ValueError, KeyError, TypeError) as err:
-            raise ConfigError("model.path", self.path, f"a config.json that transformers reads ({err})") from None
+            return transformers.AutoConfig.for_model(model_type, **values)
+        except StrictDataclassFieldValidationError as err:
+            named = re.match(r"Validation error for field '(\w+)'", str(err))
+            if named and named.group(1) in values:
+                raise ConfigError(f"model.{named.group(1)}", values[named.group(1)],
+                                  f"a value {model_type}'s config accepts ({_one_line(err.__cause__ or err)})"
+                                  ) from None
+            raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
+                              f"{allowed} ({_one_line(err)})") from None
+        except (StrictDataclassError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
+                              f"{allowed} ({_one_line(err.__cause__ or err)})") from None
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: its type and message, line breaks folded."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def _transformers() -> Any:
@@ -139,6 +192,27 @@ def _known_types(model_type: str) -> str:
     sample = f"close to it: {', '.join(close)}" if close else "e.g. llama, qwen3, mistral, gpt2"
     return (f"{sample}; all {len(known)}: python -c 'import transformers; "
             "print(sorted(transformers.CONFIG_MAPPING))'")
+
+
+def attention_implementations(model_class: type) -> list[str]:
+    """The attention implementations of ``transformers``' ``model_class`` that disttrain builds and trains with
+    here: its own eager attention always, SDPA and flex attention where the class declares them (flex where a
+    GPU computes its gradients)."""
+    allowed = ["sdpa"] if getattr(model_class, "_supports_sdpa", False) else []
+    allowed.append("eager")
+    if getattr(model_class, "_supports_flex_attn", False) and torch.cuda.is_available():
+        allowed.append("flex_attention")
+    return allowed
+
+
+def _check_token_ids(config: Any) -> None:
+    """The padding token, which the model's embedding holds a row for, is one of its vocabulary's (transformers
+    asserts it when it builds the embedding)."""
+    vocab = getattr(config, "vocab_size", None)
+    pad = getattr(config, "pad_token_id", None)
+    if vocab is not None and isinstance(pad, int) and not 0 <= pad < vocab:
+        raise ConfigError("model.pad_token_id", pad, f"null (+model.pad_token_id=null) or a token id below the "
+                          f"model's vocab_size {vocab}: the embedding keeps a row for it")
 
 
 def _check_fits(config: Any, spec: DataSpec) -> None:
@@ -220,14 +294,23 @@ class HFCausalLM(nn.Module):
 
 @MODELS.register("hf", HFConfig)
 def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
-    """Build the ``transformers`` model that ``cfg`` describes (never downloaded), in fp32 with PyTorch's
-    scaled-dot-product attention (causal without a mask, which the pipeline's stages rely on), over a sequence
-    split where the architecture allows one (``disttrain.models.hf_attention``)."""
+    """Build the ``transformers`` model that ``cfg`` describes (never downloaded), in fp32 with the attention
+    ``cfg.attention`` chooses (SDPA by default: causal without a mask, which the pipeline's stages rely on), over a
+    sequence split where the architecture allows one (``disttrain.models.hf_attention``). A config ``transformers``
+    cannot build a model of is a ConfigError naming the source and what it raised."""
     import transformers
 
     config = cfg.validate(spec)
     config.use_cache = False
+    implementation, _ = cfg.attention(config)
     # starting from a checkpoint, the weights are allocated only once laid out over the ranks (``materialize``)
     with on_meta_device() if cfg.pretrained else nullcontext():
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                                  dtype=torch.float32)
+        except (AssertionError, ValueError, TypeError, KeyError, IndexError) as err:
+            # what the config's values make its modules refuse (a size that does not divide, an id out of range)
+            raise ConfigError("model.arch" if cfg.arch else "model.path", cfg.arch or cfg.path,
+                              f"a config transformers builds a model of; {type(config).__name__} fails with "
+                              f"{_one_line(err)}") from None
     return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size)

@@ -12,7 +12,8 @@ implementation without one). Both paths want none: the network feeds whole, unpa
 attends with ``is_causal`` and no mask too, and a split builds its own mask per chunk (the mask ``transformers``
 would build from split positions would read them as packed sequences).
 
-The split is taken only where it leaves the computation as it was: keys attended with the default scale
+The split is taken only where it leaves the computation as it was: a model built with "sdpa" (the split attends
+as it does; eager and flex attention keep their own kernels), keys attended with the default scale
 ``1 / sqrt(head_dim)``, causal, with no sliding window shorter than the data's sequences, and rotary frequencies
 that do not follow the largest position seen (a rank sees only some). Other architectures (learned positions,
 softcapping, attention sinks, other scales) get no attribute, and validation refuses ``parallel.cp`` for them.
@@ -39,6 +40,10 @@ def split_refusal(model: nn.Module, block_size: int | None) -> str | None:
     allowed = f"model types {', '.join(SPLIT_TYPES)}"
     if config.model_type not in SPLIT_TYPES:
         return f"model type {config.model_type} takes no sequence split; model=hf takes one for {allowed}"
+    implementation = config._attn_implementation
+    if implementation not in ("sdpa", ATTENTION):  # ATTENTION: already switched to the split
+        return (f"model.attn_implementation={implementation} takes no sequence split; model=hf splits {allowed} "
+                "attending with sdpa (model.attn_implementation=sdpa)")
     window = getattr(config, "sliding_window", None)
     if window is not None and (block_size is None or window < block_size):
         return (f"its sliding window of {window} tokens is shorter than the sequence ({block_size}); model=hf takes "
