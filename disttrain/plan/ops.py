@@ -48,11 +48,14 @@ def op_kind(packet: Any) -> str:
 
 class FusedAttention(torch.overrides.TorchFunctionMode):
     """Runs ``scaled_dot_product_attention`` as the fused CPU kernel, whose meta implementation saves what
-    fused kernels save (on the meta device the dispatcher would pick the reference path)."""
+    fused kernels save (on the meta device the dispatcher would pick the reference path, which keeps a tokens x
+    tokens matrix per head). Grouped-query attention too: with ``enable_gqa`` (``transformers``' SDPA attention
+    passes it rather than repeating the key and value heads) the kernel takes keys and values with fewer heads,
+    as the flash kernels of CPUs and GPUs do."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or kwargs.get("enable_gqa"):
+        if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         names = ("attn_mask", "dropout_p", "is_causal", "scale")
         options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
