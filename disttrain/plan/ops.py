@@ -61,8 +61,18 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
         options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
-            attn_mask=options.get("attn_mask"), scale=options.get("scale"))
+            attn_mask=additive_mask(options.get("attn_mask"), args[0].dtype), scale=options.get("scale"))
         return out
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``mask`` as a fused kernel receives it: a boolean mask (True: attend) becomes an additive one of the
+    queries' ``dtype`` (0 or -inf), as torch's ``scaled_dot_product_attention`` makes it before any kernel on CPUs
+    and GPUs alike; each call makes its own, which the kernel keeps for backward (a sliding window's mask is
+    such a tokens x tokens tensor per layer)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype, device=mask.device))
 
 
 class OpCounter(TorchDispatchMode):
