@@ -1,9 +1,12 @@
-"""The planner's pass on a ``transformers`` Llama and on the built-in Llama of the same network: attention counted
-as the fused kernels hold it in both (``disttrain.plan.ops.FusedAttention``), so the two plans agree.
+"""The planner's pass on ``transformers`` models: attention counted as the fused kernels hold it
+(``disttrain.plan.ops.FusedAttention``), so a ``transformers`` Llama and the built-in Llama of the same network
+plan alike, and activations match what a CPU run of the model holds.
 
 ``transformers``' SDPA attention hands grouped-query attention to the kernel whole (``enable_gqa``), where the
 built-in model repeats the key and value heads first; both must reach the fused kernel on the meta device, whose
-reference path would keep a tokens x tokens matrix per head.
+reference path would keep a tokens x tokens matrix per head. Its mask builder asks of the positions whether a
+mask is needed (``disttrain.plan.data_checks``), and a sliding window's boolean mask reaches the kernel as the
+additive mask torch makes of it.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ def test_the_8b_llama_plans_alike_built_in_and_from_transformers() -> None:
     assert theirs.total_bytes == pytest.approx(ours.total_bytes, rel=0.02)
     assert hf.stats.total_flops == built_in.stats.total_flops
     # measured here: 2.83 s and 2.91 s. The built-in model runs kernels transformers' does not: it repeats the key
-    # and value heads before attention (transformers' SDPA passes enable_gqa) and rotates interleaved pairs with
-    # selects and a stack (transformers rotates halves), 2.8% more memory traffic in all
+    # and value heads before attention (transformers' SDPA passes enable_gqa instead; 0.8% of the step) and rotates
+    # interleaved pairs with selects and a stack (transformers rotates halves; 2.0%)
     assert theirs.step_s == pytest.approx(ours.step_s, rel=0.04)
 
 
