@@ -13,7 +13,10 @@ What it records, for one micro-batch:
   (views move none), forward ops per unit and backward ops in one list, for a roofline step time;
 - the bytes of the keys and values of each attention call (what context parallelism gathers);
 - attention as the fused kernels of CPUs and GPUs run it (they save the output and the log-sum-exp, not the
-  attention matrix the meta device's reference path would keep);
+  attention matrix the meta device's reference path would keep), grouped-query attention with keys and values
+  whole, a boolean mask as the additive one torch makes of it for each call (``ops.FusedAttention``); a model's
+  checks of the batch's values (which the meta device has not) answered as whole, unpadded sequences answer them
+  (``data_checks.WholeSequences``: ``transformers`` asks so before it builds a mask);
 - the output bytes of every pipeline unit (what crosses a stage boundary) and the activation bytes the
   tensor-parallel plan communicates: each row-wise layer's output (all-reduced in forward) and each
   input of a column-wise layer (all-reduced in backward);
@@ -40,6 +43,7 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.plan.autocast import MetaAutocast
+from disttrain.plan.data_checks import WholeSequences
 from disttrain.plan.experts import BalancedRouting, ExpertCall, expert_parameters
 from disttrain.plan.measure import LiveStorages, cross_entropy
 from disttrain.plan.ops import FLOP_REGISTRY, FusedAttention, Op, OpCounter
@@ -204,7 +208,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     try:
         # the counter sees each operator before routing's stand-ins for the meta device answer it
         routing = BalancedRouting() if expert_parameters(net) else contextlib.nullcontext()
-        with recorder, FusedAttention(), routing, OpCounter(FLOP_REGISTRY, recorder.on_op, recorder.on_call), \
+        with recorder, WholeSequences(), FusedAttention(), routing, \
+                OpCounter(FLOP_REGISTRY, recorder.on_op, recorder.on_call), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
             # autocast's mode comes last, so it casts attention's inputs before the fused kernel stands in; it
             # ends with forward, as a step's autocast context does (its cache of weight copies goes then)

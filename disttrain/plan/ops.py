@@ -48,18 +48,31 @@ def op_kind(packet: Any) -> str:
 
 class FusedAttention(torch.overrides.TorchFunctionMode):
     """Runs ``scaled_dot_product_attention`` as the fused CPU kernel, whose meta implementation saves what
-    fused kernels save (on the meta device the dispatcher would pick the reference path)."""
+    fused kernels save (on the meta device the dispatcher would pick the reference path, which keeps a tokens x
+    tokens matrix per head). Grouped-query attention too: with ``enable_gqa`` (``transformers``' SDPA attention
+    passes it rather than repeating the key and value heads) the kernel takes keys and values with fewer heads,
+    as the flash kernels of CPUs and GPUs do."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or kwargs.get("enable_gqa"):
+        if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         names = ("attn_mask", "dropout_p", "is_causal", "scale")
         options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
-            attn_mask=options.get("attn_mask"), scale=options.get("scale"))
+            attn_mask=additive_mask(options.get("attn_mask"), args[0].dtype), scale=options.get("scale"))
         return out
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``mask`` as a fused kernel receives it: a boolean mask (True: attend) becomes an additive one of the
+    queries' ``dtype`` (0 or -inf), as torch's ``scaled_dot_product_attention`` makes it before any kernel on CPUs
+    and GPUs alike; each call makes its own, which the kernel keeps for backward (a sliding window's mask is
+    such a tokens x tokens tensor per layer)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), float("-inf"), torch.zeros((), dtype=dtype, device=mask.device))
 
 
 class OpCounter(TorchDispatchMode):

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from disttrain.errors import ConfigError
 from disttrain.plan.auto import choose
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
@@ -27,9 +28,9 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
     """Measure ``net`` (built on the meta device) for a plan of a run with these options."""
     from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 
-    pipeline = pipeline_units_of(net, parallel.pipeline_units) or []
+    pipeline = _declared(pipeline_units_of, net, parallel.pipeline_units) or []
     shards = module_names(net, shard_units_of(net, parallel.shard_units, parallel.min_params_per_unit))
-    tp_plan = tp_plan_of(net, parallel.tp_plan)
+    tp_plan = _declared(tp_plan_of, net, parallel.tp_plan)
 
     # bf16-mixed runs forward and the loss under autocast, and the pass does too, by the lists of the device
     # planned for; bf16-true holds every tensor in bf16, which ``estimate`` takes as half of the fp32 pass
@@ -42,6 +43,16 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
     heads = getattr(getattr(net, "dims", None), "n_head", None)
     return PlanInputs(measure(micro_size), state, precision.startswith("bf16"), profile, bool(tp_plan), heads,
                       measure)
+
+
+def _declared(plan_of: Any, net: nn.Module, configured: Any) -> Any:
+    """The pipeline units or tensor-parallel plan ``plan_of`` reads of ``net``; None where the model refuses that
+    kind of parallelism (a ``transformers`` model type disttrain cannot cut into stages, a tp style it does not
+    run): the plan then leaves it out, as validation refuses a run that asks for it."""
+    try:
+        return plan_of(net, configured)
+    except ConfigError:
+        return None
 
 
 def layout_of(dims: Any, parallel: Any, batch: Any) -> Layout:
