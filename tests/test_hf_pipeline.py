@@ -192,3 +192,15 @@ def test_a_stage_trains_after_validating_under_inference_mode():
     logits.sum().backward()
     torch.testing.assert_close(logits.detach(), validated, rtol=0, atol=0)
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_layer_types_a_forward_does_not_read_are_refused():
+    """A Mistral config that carries layer_types (as some converted checkpoints do) would have transformers'
+    mask builder mask layers by type where Mistral's forward masks all alike: refused, naming the field."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("mistral", vocab_size=VOCAB, **FAMILIES["mistral"],
+                                               layer_types=["full_attention", "sliding_attention"])
+    net = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), None, LENGTH)
+    assert "model type mistral with layer_types in its config" in net.pipeline_refusal()
+    assert pipeline_units_of(net) is None

@@ -14,11 +14,12 @@ the embeddings by the model's rotary module. Where the model soft-caps its logit
 A model type is cut only when it is in ``PIPELINE_TYPES``, each checked in the tests ("units in turn == the
 model's forward", on a tiny config with sliding windows and per-layer attention types where the family has
 them); any other, and a checked type whose config takes it outside what a stage is fed (bidirectional attention,
-layer types without a mask function), is refused with the reason.
+layer types without a mask function, or that its forward does not read), is refused with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -60,6 +61,9 @@ def pipeline_refusal(net: nn.Module) -> str | None:
     if getattr(config, "use_bidirectional_attention", False):
         return (f"model type {model_type} with use_bidirectional_attention=true: a stage feeds its layers causal "
                 "masks")
+    if hasattr(config, "layer_types") and "layer_types" not in {f.name for f in dataclasses.fields(config)}:
+        return (f"model type {model_type} with layer_types in its config, which its forward does not read (it "
+                "masks every layer alike): remove them, or use the type that reads them")
     unmasked = sorted({t for t in getattr(config, "layer_types", None) or ()
                        if not callable(LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(t))})
     if unmasked:
