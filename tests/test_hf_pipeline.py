@@ -194,13 +194,20 @@ def test_a_stage_trains_after_validating_under_inference_mode():
     assert all(p.grad is not None for p in net.parameters())
 
 
-def test_layer_types_a_forward_does_not_read_are_refused():
-    """A Mistral config that carries layer_types (as some converted checkpoints do) would have transformers'
-    mask builder mask layers by type where Mistral's forward masks all alike: refused, naming the field."""
+IGNORED_FIELDS = {"mistral": ("layer_types", {**FAMILIES["mistral"],
+                                               "layer_types": ["full_attention", "sliding_attention"]}),
+                  "llama": ("sliding_window", {**TINY, "sliding_window": WINDOW})}
+
+
+@pytest.mark.parametrize("model_type", list(IGNORED_FIELDS))
+def test_mask_fields_a_forward_does_not_read_are_refused(model_type):
+    """A config file may carry mask fields its model type's forward ignores (layer_types in a Mistral config, as
+    some converted checkpoints have; a sliding window in a Llama one): transformers' mask builder would follow them
+    where the forward does not (the units in turn then differ from it), so they are refused, naming the field."""
     import transformers
 
-    config = transformers.AutoConfig.for_model("mistral", vocab_size=VOCAB, **FAMILIES["mistral"],
-                                               layer_types=["full_attention", "sliding_attention"])
+    field, fields = IGNORED_FIELDS[model_type]
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, **fields)
     net = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), None, LENGTH)
-    assert "model type mistral with layer_types in its config" in net.pipeline_refusal()
+    assert f"model type {model_type} with {field} in its config" in net.pipeline_refusal()
     assert pipeline_units_of(net) is None

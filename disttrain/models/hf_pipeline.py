@@ -33,6 +33,10 @@ PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemm
 """Model types whose declared units, applied in turn with the inputs this module feeds each decoder layer, equal
 the model's forward: each is checked against ``transformers`` in ``tests/test_hf_pipeline.py``."""
 
+MASK_FIELDS = ("layer_types", "sliding_window", "attention_chunk_size")
+"""The config fields ``transformers``' ``create_masks_for_generate`` builds masks by; a model type's forward reads
+those its config class declares, and a config file may carry others, which the forward then ignores."""
+
 
 def _base(net: nn.Module) -> nn.Module:
     """The base model (``model``, ``transformer``, ``gpt_neox``) of the Hugging Face causal LM ``net`` wraps."""
@@ -61,9 +65,11 @@ def pipeline_refusal(net: nn.Module) -> str | None:
     if getattr(config, "use_bidirectional_attention", False):
         return (f"model type {model_type} with use_bidirectional_attention=true: a stage feeds its layers causal "
                 "masks")
-    if hasattr(config, "layer_types") and "layer_types" not in {f.name for f in dataclasses.fields(config)}:
-        return (f"model type {model_type} with layer_types in its config, which its forward does not read (it "
-                "masks every layer alike): remove them, or use the type that reads them")
+    declared = {f.name for f in dataclasses.fields(config)}
+    for key in MASK_FIELDS:
+        if hasattr(config, key) and key not in declared:
+            return (f"model type {model_type} with {key} in its config, which its forward does not read (the masks "
+                    f"a stage builds would): remove it, or use a model type that reads it")
     unmasked = sorted({t for t in getattr(config, "layer_types", None) or ()
                        if not callable(LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(t))})
     if unmasked:
