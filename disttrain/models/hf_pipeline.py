@@ -43,16 +43,11 @@ def _base(net: nn.Module) -> nn.Module:
     return getattr(net, net._model.base_model_prefix)
 
 
-def _text_config(net: nn.Module) -> Any:
-    """The config of the text model (a composite model's, or the model's own)."""
-    return net.hf_config.get_text_config()
-
-
 def pipeline_refusal(net: nn.Module) -> str | None:
     """Why the model's declared units, applied in turn, cannot be its forward (None: they can, and are cut)."""
     from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 
-    config = _text_config(net)
+    config = net.hf_config
     model_type = config.model_type
     if not getattr(config, "base_model_pp_plan", None):
         return f"model type {model_type} declares no base_model_pp_plan (the units a pipeline stage is cut from)"
@@ -86,7 +81,7 @@ def pipeline_units(net: nn.Module) -> list[str]:
     prefix = net._model.base_model_prefix
     head = net._model.get_output_embeddings()
     head_name = next(name for name, module in net.named_modules() if module is head)
-    return [f"{prefix}.{name}" for name in _text_config(net).base_model_pp_plan] + [head_name]
+    return [f"{prefix}.{name}" for name in net.hf_config.base_model_pp_plan] + [head_name]
 
 
 def prepare_layers(net: nn.Module) -> None:
@@ -95,7 +90,7 @@ def prepare_layers(net: nn.Module) -> None:
     head soft-caps its logits where the model's forward does so after it."""
     if pipeline_refusal(net) is not None:
         return
-    config = _text_config(net)
+    config = net.hf_config
     base = _base(net)
     feed = StageFeed(base.rotary_emb, config)
     layer_types = getattr(config, "layer_types", None)
