@@ -64,7 +64,7 @@ def pipeline_refusal(net: nn.Module) -> str | None:
     for key in MASK_FIELDS:
         if hasattr(config, key) and key not in declared:
             return (f"model type {model_type} with {key} in its config, which its forward does not read (the masks "
-                    f"a stage builds would): remove it, or use a model type that reads it")
+                    "a stage builds would): remove it, or use a model type that reads it")
     unmasked = sorted({t for t in getattr(config, "layer_types", None) or ()
                        if not callable(LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(t))})
     if unmasked:
