@@ -7,8 +7,8 @@ parallelised model's shards (``disttrain.parallel.pretrained``).
 
 The network keeps the Hugging Face model's own parameter names (``model.layers.0.self_attn.q_proj.weight``), so
 its checkpoints export to a folder that ``from_pretrained`` reads. Its parallel plan comes from the config's
-``base_model_tp_plan`` and ``base_model_pp_plan`` (``disttrain.models.hf_plan``); a model that declares none
-trains under data parallelism and ZeRO.
+``base_model_tp_plan`` and ``base_model_pp_plan`` (``disttrain.models.hf_plan``, ``hf_pipeline``); a model that
+declares none trains under data parallelism and ZeRO.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import hf_attention, hf_plan
+from disttrain.models import hf_attention, hf_pipeline, hf_plan
 from disttrain.models.attention import SequenceSplit
 from disttrain.models.hf_weights import INDEX_FILE, WEIGHTS_FILE, weight_files
 from disttrain.models.meta import on_meta_device
@@ -247,7 +247,7 @@ class HFCausalLM(nn.Module):
             self.sequence_split: SequenceSplit | None = None
             """Set by context parallelism: this rank holds a slice of each sequence, whose global positions
             ``forward`` passes to the model (the rotary angles); its attention modules carry the same split."""
-        hf_plan.prepare_layers(self)
+        hf_pipeline.prepare_layers(self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""
@@ -272,8 +272,14 @@ class HFCausalLM(nn.Module):
         return {key: size for key, size in sizes.items() if size}
 
     def pipeline_units(self) -> list[str]:
-        """The config's ``base_model_pp_plan`` and the head (empty: the model declares none)."""
-        return hf_plan.pipeline_units(self)
+        """The config's ``base_model_pp_plan`` and the head (empty: its units are not cut, see
+        ``pipeline_refusal``)."""
+        return hf_pipeline.pipeline_units(self)
+
+    def pipeline_refusal(self) -> str | None:
+        """Why the model's declared units are not cut into pipeline stages (None: they are, see
+        ``disttrain.models.hf_pipeline``)."""
+        return hf_pipeline.pipeline_refusal(self)
 
     def shard_units(self) -> list[str]:
         """The decoder layers (the classes the model names as never split)."""

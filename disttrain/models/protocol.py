@@ -47,6 +47,9 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
 
 ``sequence_split_refusal(self) -> str | None`` (optional, for a model that may lack those modules)
     Why it takes no sequence split, for the message that refuses ``parallel.cp``.
+
+``pipeline_refusal(self) -> str | None`` (optional, for a model whose ``pipeline_units()`` may be empty)
+    Why it declares no pipeline units, for the message that refuses ``parallel.pp``.
 """
 
 from __future__ import annotations

@@ -62,8 +62,11 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
     if dims.pp_enabled:
         units = pipeline_units_of(net, p.pipeline_units)
         if not units:
-            raise ConfigError("parallel.pp", dims.pp, f"1 for model {name}: it declares no pipeline_units() and "
-                              "parallel.pipeline_units is not set (ordered submodules whose application is forward)")
+            refusal = getattr(net, "pipeline_refusal", None)  # a model may say why it declares no units
+            why = refusal() if callable(refusal) else None
+            raise ConfigError("parallel.pp", dims.pp, f"1 for model {name}: " + (why or (
+                "it declares no pipeline_units() and parallel.pipeline_units is not set (ordered submodules whose "
+                "application is forward)")))
         check_units(net, units, dims.pp, name)
         o = p.pipeline
         check_pipeline(o.schedule, dims.pp, o.stages_per_rank, o.microbatches, micro_size, len(units))
