@@ -301,9 +301,10 @@ class HFCausalLM(nn.Module):
 @MODELS.register("hf", HFConfig)
 def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
     """Build the ``transformers`` model that ``cfg`` describes (never downloaded), in fp32 with the attention
-    ``cfg.attention`` chooses (SDPA by default: causal without a mask, which the pipeline's stages rely on), over a
-    sequence split where the architecture allows one (``disttrain.models.hf_attention``). A config ``transformers``
-    cannot build a model of is a ConfigError naming the source and what it raised."""
+    ``cfg.attention`` chooses (SDPA by default; a pipeline stage is fed the masks the model's forward builds for
+    it, ``disttrain.models.hf_pipeline``), over a sequence split where the architecture allows one
+    (``disttrain.models.hf_attention``). A config ``transformers`` cannot build a model of is a ConfigError naming
+    the source and what it raised."""
     import transformers
 
     config = cfg.validate(spec)
