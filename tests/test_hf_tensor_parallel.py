@@ -77,9 +77,11 @@ def test_tensor_parallel_family_matches_one_process(tmp_path, references, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", SLOW_CASES)
-def test_more_tensor_parallel_families_match_one_process(tmp_path, references, arch):
-    got = run_summary(tmp_path / "run", [*overrides(arch), *TP])
+@pytest.mark.parametrize(("arch", "layout"), [*((arch, TP) for arch in SLOW_CASES),
+                                              ("mixtral", ["parallel=hybrid", "parallel.tp=2", "trainer.devices=4"])],
+                         ids=[*SLOW_CASES, "mixtral-dp_shard2xtp2"])
+def test_more_tensor_parallel_families_match_one_process(tmp_path, references, arch, layout):
+    got = run_summary(tmp_path / "run", [*overrides(arch), *layout])
     check_against(references(arch), got, clipped=True, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL,
                   norm_rtol=NORM_RTOL)
 
@@ -181,3 +183,4 @@ def _experts_pass(tp: int) -> dict[str, torch.Tensor]:
     grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
              for name, p in block.named_parameters()}
     return {"out": out.detach(), "input grad": hidden.grad, **grads}
+
