@@ -138,6 +138,25 @@ def test_a_refused_style_names_itself_why_and_the_plan_without_it(style, why):
     assert why in message, message
 
 
+def test_a_module_inside_split_experts_keeps_its_own_entry():
+    """An experts module's own parameters are covered by its whole-expert split; a module inside it (LongCat's
+    identity expert, here attached to Mixtral's experts) keeps its entry, and its style is refused."""
+    from torch import nn
+
+    from disttrain.data.spec import DataSpec
+    from disttrain.models.hf import HFConfig, build_hf
+    from disttrain.models.hf_plan import tp_plan
+
+    net = build_hf(HFConfig(arch="mixtral", fields=ARCHS["mixtral"]), DataSpec("text", vocab_size=256, block_size=32))
+    assert "model.layers.*.mlp.experts.gate_up_proj" not in tp_plan(net)
+    for layer in net.model.layers:
+        layer.mlp.experts.identity_expert = nn.Identity()
+    net.hf_config.base_model_tp_plan = {**net.hf_config.base_model_tp_plan,
+                                        "layers.*.mlp.experts.identity_expert": "moe_identity_expert"}
+    with pytest.raises(ConfigError, match=r"style moe_identity_expert .*would add it tp times"):
+        tp_plan(net)
+
+
 def test_the_declared_plan_translates_every_family():
     """Every family here gets a plan from its config, each entry naming modules it has (entries for modules a
     config variant lacks, such as DeepSeek-V2's q_proj beside a low-rank query, are left out)."""

@@ -56,16 +56,20 @@ def tp_plan(net: nn.Module) -> dict[str, str]:
     first style disttrain refuses, why, and the rest of the plan as a ``parallel.tp_plan`` to run instead."""
     prefix, _ = _base(net)
     plan = getattr(net.hf_config, "base_model_tp_plan", None) or {}
-    experts = [pattern for pattern, style in plan.items() if style == "moe_tp_experts"]
-    # the entries of an experts module's own parameters: its whole-expert split covers them
-    declared = {pattern: style for pattern, style in plan.items()
-                if not any(pattern.startswith(f"{module}.") for module in experts)}
     # a plan covers every variant of its config; entries naming modules this one lacks (q_proj where a low-rank
     # query is configured, the dense MLP of a model whose every layer is a mixture) are left out, as
     # ``transformers`` skips them
-    names = [name.split(".") for name in (*dict(net.named_modules()), *dict(net.named_parameters())) if name]
-    declared = {pattern: style for pattern, style in declared.items()
-                if any(_matches(name, f"{prefix}.{pattern}".split(".")) for name in names)}
+    modules = [name.split(".") for name, _ in net.named_modules() if name]
+    parameters = [name.split(".") for name, _ in net.named_parameters()]
+    experts = [pattern for pattern, style in plan.items() if style == "moe_tp_experts"]
+    declared = {}
+    for pattern, style in plan.items():
+        parts = f"{prefix}.{pattern}".split(".")
+        if any(pattern.rpartition(".")[0] == module for module in experts) and any(
+                _matches(name, parts) for name in parameters):
+            continue  # an experts module's own parameter: its whole-expert split covers it
+        if any(_matches(name, parts) for name in (*modules, *parameters)):
+            declared[pattern] = style
     ours = {f"{prefix}.{pattern}": TP_STYLES[style] for pattern, style in declared.items()
             if TP_STYLES.get(style) is not None}
     for pattern, style in declared.items():
