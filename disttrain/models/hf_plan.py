@@ -1,21 +1,42 @@
 """The parallel plan of a Hugging Face model, read from what its config declares.
 
-``base_model_tp_plan`` maps module patterns of the base model to ``transformers``' tensor-parallel styles; the
-ones disttrain honours are translated (``colwise``, ``rowwise``, and ``replicated_with_grad_allreduce`` as
-``per_head``), any other is refused by name. The pipeline stages cut from ``base_model_pp_plan`` are
-``disttrain.models.hf_pipeline``'s.
+``base_model_tp_plan`` maps module (and parameter) patterns of the base model to ``transformers``' tensor-parallel
+styles, translated into disttrain's (``TP_STYLES``); a grouped-experts module (``moe_tp_experts``) is split into
+whole experts, which covers its parameters' own entries (``packed_colwise``, ...). A style disttrain cannot run
+exactly is refused in one line that says why and names the plan without it (``parallel.tp_plan``). The pipeline
+stages cut from ``base_model_pp_plan`` are ``disttrain.models.hf_pipeline``'s.
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 
 from disttrain.errors import ConfigError
 
-TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "per_head"}
-"""``transformers``' tensor-parallel styles that disttrain honours, and their names here."""
+TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "per_head",
+             "colwise_gather_output": "colwise_gather", "colwise_rep": "colwise_gather",
+             "rowwise_split_input": "rowwise_whole_input", "rowwise_rep": "rowwise_whole_input",
+             "embedding_rowwise": "rowwise", "embedding_colwise": "colwise_gather",
+             "moe_tp_experts": "experts", "mla_kv_a_proj": "mla_kv_a", "replicate": None}
+"""``transformers``' tensor-parallel styles that disttrain honours, and their names here (None: the module stays
+whole on every rank, as an unnamed one does)."""
+REFUSED_TP_STYLES = {
+    "packed_colwise": "splits each packed part (gate and up, or q, k and v) of a fused weight, a strided DTensor "
+                      "layout that torch.distributed.checkpoint cannot save (disttrain splits it only inside a "
+                      "grouped-experts module, by whole experts)",
+    "packed_rowwise": "splits each packed part of a fused weight by its input features, a strided DTensor layout "
+                      "that torch.distributed.checkpoint cannot save",
+    "local_params": "runs a module on bare parameters that their own entries split (attention sinks, gate biases); "
+                    "disttrain splits modules, not bare parameters",
+    "all_reduce": "sums a module's output by hand after layers whose own styles already sum theirs in disttrain "
+                  "(it would be summed twice)",
+    "moe_identity_expert": "scales an identity expert inside the experts by 1/tp; disttrain splits experts whole "
+                           "and would add it tp times",
+}
+"""``transformers``' styles declared by causal LMs that disttrain refuses, and why."""
 
 
 def _base(net: nn.Module) -> tuple[str, Any]:
@@ -25,16 +46,39 @@ def _base(net: nn.Module) -> tuple[str, Any]:
 
 
 def tp_plan(net: nn.Module) -> dict[str, str]:
-    """The config's tensor-parallel plan under the network's names and disttrain's styles."""
+    """The config's tensor-parallel plan under the network's names and disttrain's styles; ConfigError naming the
+    first style disttrain refuses, why, and the rest of the plan as a ``parallel.tp_plan`` to run instead."""
     prefix, _ = _base(net)
     plan = getattr(net.hf_config, "base_model_tp_plan", None) or {}
-    ours = {}
+    # a plan covers every variant of its config; entries naming modules this one lacks (q_proj where a low-rank
+    # query is configured, the dense MLP of a model whose every layer is a mixture) are left out, as
+    # ``transformers`` skips them
+    modules = [name.split(".") for name, _ in net.named_modules() if name]
+    parameters = [name.split(".") for name, _ in net.named_parameters()]
+    experts = [pattern for pattern, style in plan.items() if style == "moe_tp_experts"]
+    declared = {}
     for pattern, style in plan.items():
+        parts = f"{prefix}.{pattern}".split(".")
+        if any(pattern.rpartition(".")[0] == module for module in experts) and any(
+                _matches(name, parts) for name in parameters):
+            continue  # an experts module's own parameter: its whole-expert split covers it
+        if any(_matches(name, parts) for name in (*modules, *parameters)):
+            declared[pattern] = style
+    ours = {f"{prefix}.{pattern}": TP_STYLES[style] for pattern, style in declared.items()
+            if TP_STYLES.get(style) is not None}
+    for pattern, style in declared.items():
         if style not in TP_STYLES:
-            raise ConfigError("parallel.tp", f"{pattern}: {style}", f"1 for model type {net.hf_config.model_type}: "
-                              f"its tp plan uses style {style!r}, and disttrain runs {sorted(TP_STYLES)}")
-        ours[f"{prefix}.{pattern}"] = TP_STYLES[style]
+            why = REFUSED_TP_STYLES.get(style, f"is not one disttrain runs ({sorted(TP_STYLES)})")
+            instead = "{" + ",".join(f"{name}:{ours_style}" for name, ours_style in ours.items()) + "}"
+            raise ConfigError("parallel.tp", f"{pattern}: {style}", f"1 for model type {net.hf_config.model_type}, "
+                              f"or parallel.tp_plan='{instead}' (its declared plan without that entry): style "
+                              f"{style} {why}")
     return ours
+
+
+def _matches(name: list[str], pattern: list[str]) -> bool:
+    """A module's or parameter's dotted name matches a plan pattern part by part (``layers.*.mlp``)."""
+    return len(name) == len(pattern) and all(fnmatchcase(n, p) for n, p in zip(name, pattern, strict=True))
 
 
 def layer_lists(net: nn.Module) -> list[str]:

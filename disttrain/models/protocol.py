@@ -10,6 +10,11 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     over DTensor. Styles: ``colwise`` (output features split over the tp ranks), ``rowwise`` (input features
     split, partial outputs summed), ``per_head`` (a module applied to each attention head's features, on the
     heads a rank holds, such as Qwen3's q/k norms: whole weights whose gradients are summed over the tp ranks),
+    ``colwise_gather`` (column-wise, its output gathered whole on every rank) and ``rowwise_whole_input``
+    (row-wise on a whole input, each rank using its slice), ``experts`` (a module of ``[n_experts, ...]``
+    parameters called as ``experts(hidden, top_k_index, top_k_weights)``: whole experts split over the tp
+    ranks), ``mla_kv_a`` (a whole projection whose rotary part is a key every head shares: its gradient is
+    summed over the tp ranks; see ``disttrain.parallel.tp_styles``),
     and for sequence parallelism, applied only when it is on:
     ``sequence_norm`` (a norm that runs on the local part of the sequence), ``sequence_gather`` (a module whose
     input arrives split along the sequence and must be whole: attention, MLP, the head) and
@@ -60,7 +65,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-TP_STYLES = ("colwise", "rowwise", "per_head", "sequence_norm", "sequence_gather", "sequence_split")
+TP_STYLES = ("colwise", "rowwise", "per_head", "colwise_gather", "rowwise_whole_input", "experts", "mla_kv_a",
+             "sequence_norm", "sequence_gather", "sequence_split")
 """The styles a ``tp_plan`` may use (see the module docstring)."""
 
 

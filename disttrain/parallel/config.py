@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from disttrain import checks
 from disttrain.errors import ConfigError
@@ -129,9 +130,11 @@ class ParallelConfig:
     min_params_per_unit: int = 100_000
     """ZeRO-2/3 of a model with neither shard units nor a ModuleList: direct children at least this large
     become sharding units."""
-    tp_plan: dict[str, str] | None = None
-    """Tensor-parallel plan for a model that declares none (or to replace its own): module-name pattern ->
-    colwise, rowwise, sequence_norm, sequence_gather or sequence_split (see disttrain.models.protocol)."""
+    tp_plan: Any = None
+    """Tensor-parallel plan for a model that declares none (or to replace its own): module-name pattern -> a style
+    of disttrain.models.protocol.TP_STYLES (colwise, rowwise, ...); null: the model's own tp_plan(). Typed Any, so
+    that ``parallel.tp_plan={...}`` on the command line merges into null (OmegaConf cannot merge a mapping into a
+    typed mapping that is null); ``validate`` checks it is a mapping of names to names."""
     pipeline_units: list[str] | None = None
     """Pipeline units for a model that declares none: ordered submodule names whose application in turn is
     its forward (a ModuleList stands for its entries)."""
@@ -184,6 +187,10 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Checks that need no world size."""
+        if self.tp_plan is not None and not (isinstance(self.tp_plan, dict) and all(
+                isinstance(key, str) and isinstance(style, str) for key, style in self.tp_plan.items())):
+            raise ConfigError("parallel.tp_plan", self.tp_plan, "null or a mapping of module-name patterns to "
+                              "style names, e.g. {layers.*.self_attn.q_proj:colwise,layers.*.self_attn.o_proj:rowwise}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("parallel.zero_stage", self.zero_stage, "one of 0, 1, 2, 3")
         if self.accumulate_grads not in ACCUMULATE_GRADS:

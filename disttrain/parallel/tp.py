@@ -7,6 +7,11 @@ and the first MLP layer column-wise, the output projections row-wise, so each ra
 heads. Modules the plan does not name stay replicated; their gradients are complete and equal on all tp
 ranks, because the sharded layers all-reduce the gradient flowing back into the replicated activations.
 
+``colwise_gather`` and ``rowwise_whole_input`` are the same splits with whole activations between them: the
+column-wise layer gathers its output, the row-wise one takes a whole input and uses its own slice (for models
+that apply a norm over all heads, or view a fused projection, between the two). ``experts`` and ``mla_kv_a`` are
+in ``disttrain.parallel.tp_styles``.
+
 With ``sequence_parallel`` the residual stream between the sharded layers is split along the sequence
 (dim 1): ``sequence_norm`` modules run on the local tokens, ``sequence_gather`` modules all-gather their
 input, row-wise layers reduce-scatter their output, and the ``sequence_split`` module's output is split.
@@ -34,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 from disttrain.errors import ConfigError
 from disttrain.models.protocol import TP_STYLES
 from disttrain.parallel.model_plan import matching_modules
+from disttrain.parallel.tp_styles import ExpertsParallel, MlaKvAParallel
 
 SEQUENCE_STYLES = ("sequence_norm", "sequence_gather", "sequence_split")
 """Styles that apply only with sequence parallelism."""
@@ -46,22 +52,31 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequen
     Patterns that match no module are skipped, so the plan of a whole model also applies to a pipeline
     stage that holds part of it (under the same names).
     """
-    styles = {name: style_of(style, type(module), sequence_parallel)
+    styles = {name: style_of(style, type(module), sequence_parallel, _rope_width(model, name))
               for pattern, style in plan.items() for name in matching_modules(model, pattern)
               for module in (model.get_submodule(name),)}
     parallelize_module(model, tp_mesh, {name: style for name, style in styles.items() if style is not None})
     return model
 
 
-def style_of(style: str, module_type: type, sequence_parallel: bool) -> ParallelStyle | None:
-    """The DTensor parallel style of a plan entry (None: nothing to do without sequence parallelism)."""
+def style_of(style: str, module_type: type, sequence_parallel: bool, rope_width: int | None = None
+             ) -> ParallelStyle | None:
+    """The DTensor parallel style of a plan entry (None: nothing to do without sequence parallelism);
+    ``rope_width``: the shared rotary key's width, for ``mla_kv_a``."""
     seq = Shard(1)
     if style == "colwise":
         return ColwiseParallel()
-    if style == "rowwise":
+    if style == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style in ("rowwise", "rowwise_whole_input"):
         # an embedding split by rows (the vocabulary) takes whole token ids as its input
-        inputs = Replicate() if issubclass(module_type, nn.Embedding) else Shard(-1)
-        return RowwiseParallel(input_layouts=inputs, output_layouts=seq if sequence_parallel else Replicate())
+        whole = style == "rowwise_whole_input" or issubclass(module_type, nn.Embedding)
+        return RowwiseParallel(input_layouts=Replicate() if whole else Shard(-1),
+                               output_layouts=seq if sequence_parallel else Replicate())
+    if style == "experts":
+        return ExpertsParallel()
+    if style == "mla_kv_a":
+        return MlaKvAParallel(rope_width)
     if style == "per_head":
         # whole weights as replicated DTensors over this rank's heads (dim 2 of [B, T, heads, head_dim]): autograd
         # sums their partial gradients over the tp ranks, as torch's sequence-parallel norms do over tokens
@@ -93,9 +108,15 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
         if not names:
             raise ConfigError(f"{source}[{pattern}]", style, f"a pattern that matches modules of "
                               f"{type(model).__name__} (it matches none)")
-        if style in ("colwise", "rowwise"):
-            for name in names:
-                _check_split(model.get_submodule(name), name, style, tp)
+        for name in names:
+            module = model.get_submodule(name)
+            if style in ("colwise", "rowwise", "colwise_gather", "rowwise_whole_input"):
+                _check_split(module, name, style.split("_")[0], tp)
+            elif style == "experts":
+                _check_experts(module, name, tp)
+            elif style == "mla_kv_a" and (not isinstance(module, nn.Linear) or _rope_width(model, name) is None):
+                raise ConfigError(f"{source}[{pattern}]", style, f"mla_kv_a only on an nn.Linear inside an attention "
+                                  f"module with a qk_rope_head_dim; {name} is a {type(module).__name__} in one without")
     if sequence_parallel and "sequence_split" not in plan.values():
         raise ConfigError("parallel.sequence_parallel", True, f"false: {source} has no sequence_split entry (the "
                           "module whose output the sequence is split after), so it has no sequence-parallel plan")
@@ -111,3 +132,22 @@ def _check_split(module: nn.Module, name: str, style: str, tp: int) -> None:
                           f"modules; {name} is a {type(module).__name__}")
     if features % tp:
         raise ConfigError("parallel.tp", tp, f"a divisor of the {features} {what} features of {name} ({style})")
+
+
+def _check_experts(module: nn.Module, name: str, tp: int) -> None:
+    n_experts = getattr(module, "num_experts", None)
+    params = dict(module.named_parameters(recurse=False))
+    if not isinstance(n_experts, int) or not params or any(p.size(0) != n_experts for p in params.values()):
+        raise ConfigError("parallel.tp_plan", f"{name}: experts", "experts only on a module with a num_experts "
+                          f"attribute whose own parameters are all [num_experts, ...]; {name} is a "
+                          f"{type(module).__name__} that is not one")
+    if n_experts % tp:
+        raise ConfigError("parallel.tp", tp, f"a divisor of the {n_experts} experts of {name} (each tp rank holds "
+                          "whole experts)")
+
+
+def _rope_width(model: nn.Module, name: str) -> int | None:
+    """The shared rotary key's width of the attention module around ``name`` (None: it has none)."""
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    width = getattr(parent, "qk_rope_head_dim", None)
+    return width if isinstance(width, int) else None
