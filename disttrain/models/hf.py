@@ -23,7 +23,7 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import hf_attention, hf_plan
+from disttrain.models import hf_attention, hf_experts, hf_plan
 from disttrain.models.attention import SequenceSplit
 from disttrain.models.hf_weights import INDEX_FILE, WEIGHTS_FILE, weight_files
 from disttrain.models.meta import on_meta_device
@@ -174,6 +174,7 @@ class HFCausalLM(nn.Module):
             """Set by context parallelism: this rank holds a slice of each sequence, whose global positions
             ``forward`` passes to the model (the rotary angles); its attention modules carry the same split."""
         hf_plan.prepare_layers(self)
+        hf_experts.take_expert_parallel(model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""

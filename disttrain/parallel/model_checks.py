@@ -108,8 +108,8 @@ def _check_experts(name: str, net: Any, dims: ParallelDims) -> None:
                           f"1 for model {kind}: expert parallelism splits grouped experts (modules with an "
                           "expert_parallel attribute holding [n_experts, ...] weights, as model=moe has); "
                           f"{type(net).__name__} has none" + (
-                              " (a Hugging Face mixture-of-experts model keeps its experts in modules of its own, "
-                              "which expert parallelism does not split; it trains with ep=1)" if model_type else ""))
+                              f" (a Hugging Face model's are the experts modules its config's base_model_ep_plan "
+                              f"names, and {model_type} names none)" if model_type else ""))
     for module in experts:
         if module.n_experts % dims.ep:
             raise ConfigError("parallel.ep", dims.ep, f"a divisor of model.n_experts={module.n_experts} (each of the "
