@@ -1,6 +1,7 @@
 """Hugging Face mixtures of experts (Mixtral, Qwen3-MoE) under expert parallelism: their grouped experts split over
 the ep ranks (``disttrain.models.hf_experts``) train as one process holding every expert does: loss curve, pre-clip
-gradient norms (clipping binds on every step), final weights.
+gradient norms (clipping binds on every step), final weights; with ``output_router_logits`` the router's balance
+loss (``disttrain.models.hf_balance``) enters training as in ``transformers``' own loss, over the step's whole batch.
 
 Plain SGD without momentum, so a wrong gradient anywhere (an expert's rows sent to the wrong rank, a gradient scaled
 twice or not summed over the ranks whose tokens an expert computed) moves the weights by it.
@@ -21,30 +22,44 @@ from tests.test_parity import FAMILIES, check_against, run_summary  # noqa: E402
 LAYOUTS = {
     "ep2": (["parallel=zero3", "parallel.ep=2"], 2),
     "ep2xdp_shard2": (["parallel=zero3", "parallel.ep=2"], 4),
+    "ddp": (["parallel=ddp"], 2),
+    "ep2+accumulation": (["parallel=zero3", "parallel.ep=2", "batch.micro_size=2"], 2),
 }
+ACCUMULATION = {"ep2+accumulation": ["batch.micro_size=4"]}
+"""The one-process reference of a layout that accumulates: the same micro-batches, whole on one rank."""
 NORM_RTOL = 2e-6
+
+
+BALANCE = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
+"""The router's balance loss on, weighted so that a wrong one (one rank's batch instead of the step's, or none)
+moves the curve far beyond the tolerance."""
+
+
+def mixture(arch: str, balance: bool) -> list[str]:
+    return [*hf_moe_overrides(arch, BALANCE if balance else None), *FAMILIES["sgd+clip"]]
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One process per architecture, run when first asked for."""
-    runs: dict[str, dict] = {}
+    """One process per architecture and balance loss, run when first asked for."""
+    runs: dict[tuple[str, bool, tuple[str, ...]], dict] = {}
 
-    def reference(arch: str) -> dict:
-        if arch not in runs:
-            runs[arch] = run_summary(tmp_path_factory.mktemp(arch), [*hf_moe_overrides(arch), *FAMILIES["sgd+clip"]])
-        return runs[arch]
+    def reference(arch: str, balance: bool, extra: tuple[str, ...] = ()) -> dict:
+        if (arch, balance, extra) not in runs:
+            runs[arch, balance, extra] = run_summary(tmp_path_factory.mktemp(arch), [*mixture(arch, balance), *extra])
+        return runs[arch, balance, extra]
 
     return reference
 
 
-@pytest.mark.parametrize(("arch", "layout"), [("mixtral", "ep2"), ("qwen3_moe", "ep2")])
-def test_hf_mixture_under_expert_parallelism_matches_one_process(tmp_path, references, arch, layout):
+@pytest.mark.parametrize(("arch", "layout", "balance"), [
+    ("mixtral", "ep2", False), ("qwen3_moe", "ep2", False), ("mixtral", "ep2", True), ("qwen3_moe", "ep2", True),
+    ("mixtral", "ddp", True), ("mixtral", "ep2+accumulation", True)])
+def test_hf_mixture_under_expert_parallelism_matches_one_process(tmp_path, references, arch, layout, balance):
     overrides, ranks = LAYOUTS[layout]
-    got = run_summary(tmp_path / "run", [*hf_moe_overrides(arch), *FAMILIES["sgd+clip"], *overrides,
-                                         f"trainer.devices={ranks}"])
-    check_against(references(arch), got, clipped=True, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL,
-                  norm_rtol=NORM_RTOL)
+    got = run_summary(tmp_path / "run", [*mixture(arch, balance), *overrides, f"trainer.devices={ranks}"])
+    reference = references(arch, balance, tuple(ACCUMULATION.get(layout, ())))
+    check_against(reference, got, clipped=True, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, norm_rtol=NORM_RTOL)
 
 
 def test_hf_models_without_grouped_experts_are_refused_in_one_line(make_config):
@@ -60,3 +75,58 @@ def test_hf_models_without_grouped_experts_are_refused_in_one_line(make_config):
     with pytest.raises(ConfigError, match=r"^parallel\.ep=3 is invalid: a divisor of model\.n_experts=4"):
         validate(make_config([*hf_moe_overrides("mixtral"), "parallel=zero3", "parallel.ep=3", "trainer.devices=3",
                               "batch.global_size=9"]))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_balance_loss_enters_training_as_in_transformers_own_loss(arch):
+    """The gradient of disttrain's cross-entropy of the logits is the gradient of ``transformers``' own loss: the
+    cross-entropy plus ``router_aux_loss_coef`` times its ``aux_loss``, weighted as one forward pass of the step."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    from disttrain.data.spec import DataSpec
+    from disttrain.models.hf import HFConfig, build_hf
+    from disttrain.rank.experts import BatchBalanceLoss
+    from tests.test_moe_config import HF_MOE
+
+    torch.manual_seed(0)
+    net = build_hf(HFConfig(arch=arch, fields={**HF_MOE[arch], **BALANCE}), DataSpec("text", vocab_size=256,
+                                                                                    block_size=16))
+    net.train()
+    # the run's callback with two forward passes per step (accumulation 2), on one process
+    BatchBalanceLoss.of(net, forwards_per_step=2).on_fit_start(SimpleNamespace(strategy=None),
+                                                              SimpleNamespace(net=net))
+    assert net.balance_group is None
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def gradients(loss: torch.Tensor) -> list[torch.Tensor]:
+        return [g.clone() for g in torch.autograd.grad(loss, list(net.parameters()))]
+
+    ours = gradients(F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten()))
+    output = net._model(input_ids=inputs, use_cache=False)
+    cross_entropy = F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+    theirs = gradients(cross_entropy + 0.5 * net._model.router_aux_loss_coef * output.aux_loss)
+    without = gradients(F.cross_entropy(net._model(input_ids=inputs, use_cache=False).logits.flatten(0, 1),
+                                        targets.flatten()))
+    router = [i for i, (name, _) in enumerate(net.named_parameters()) if name.endswith("gate.weight")]
+    assert max(float((without[i] - theirs[i]).abs().max()) for i in router) > 1e-3  # the balance loss matters
+    for mine, expected in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
+
+
+def test_a_model_without_a_balance_loss_or_a_pipeline_is_refused_output_router_logits(make_config):
+    """DeepSeek-V3 routes without a balance loss; pipeline stages do not run the forward that computes one."""
+    deepseek = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "n_group": 1, "topk_group": 1, "max_position_embeddings": 64, "output_router_logits": True}
+    from tests.test_hf_models import hf_overrides
+
+    with pytest.raises(ConfigError, match=r"^model\.output_router_logits=true is invalid: false "
+                                          r"\(\+model\.output_router_logits=false\): DeepseekV3ForCausalLM defines no "
+                                          r"router balance loss$"):
+        validate(make_config(hf_overrides("deepseek_v3", deepseek)))
+    with pytest.raises(ConfigError, match=r"^parallel\.pp=2 is invalid: 1 for model hf with its router balance loss"):
+        validate(make_config([*hf_moe_overrides("mixtral", BALANCE), "parallel=pipeline", "trainer.devices=2"]))

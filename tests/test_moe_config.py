@@ -111,11 +111,3 @@ def test_hf_moe_trains_in_one_process(tmp_path, arch):
         assert weights[f"{prefix}.gate.weight"].shape == (4, 64)
         assert weights[f"{prefix}.experts.gate_up_proj"].shape[0] == 4
         assert weights[f"{prefix}.experts.down_proj"].shape[0] == 4
-
-
-@pytest.mark.parametrize("arch", list(HF_MOE))
-def test_hf_router_balance_loss_is_refused_not_dropped(make_config, arch):
-    """With ``output_router_logits`` the Hugging Face model computes its router's balance loss but adds it only
-    to its own loss of ``labels``; disttrain trains on the logits, so the setting is refused by name."""
-    with pytest.raises(ConfigError, match=r"^model\.output_router_logits=true is invalid: false.*balance loss"):
-        validate(make_config(hf_moe_overrides(arch, {"output_router_logits": True})))
