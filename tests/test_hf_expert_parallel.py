@@ -153,3 +153,27 @@ def test_a_model_without_a_balance_loss_or_a_pipeline_is_refused_output_router_l
         validate(make_config(hf_overrides("deepseek_v3", deepseek)))
     with pytest.raises(ConfigError, match=r"^parallel\.pp=2 is invalid: 1 for model hf with its router balance loss"):
         validate(make_config([*hf_moe_overrides("mixtral", BALANCE), "parallel=pipeline", "trainer.devices=2"]))
+
+
+def test_a_rank_that_receives_no_rows_still_gives_its_experts_gradients():
+    """A rank whose experts no token chose computes nothing, yet its experts' weights get (zero) gradients, so every
+    rank of the ep group reduces them; with the per-expert loop of the ``eager`` implementation too, which alone
+    leaves them without one."""
+    import torch
+    import transformers
+
+    from disttrain.models.hf_experts import _local_experts, grouped_experts, take_expert_parallel
+    from tests.test_moe_config import HF_MOE
+
+    config = transformers.AutoConfig.for_model("mixtral", vocab_size=256, **HF_MOE["mixtral"])
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    take_expert_parallel(model)
+    experts = list(grouped_experts(model).values())
+    assert len(experts) == 2 and all(e.n_experts == 4 and e.expert_parallel is None for e in experts)
+    module = experts[0]
+    local = {name: param[:2] for name, param in module.named_parameters(recurse=False)}  # 2 of the 4 experts
+    rows = torch.zeros(0, 64, requires_grad=True)
+    out = _local_experts(module, local, rows, torch.zeros(2, dtype=torch.int64))
+    assert out.shape == (0, 64) and module.num_experts == 4 and module.gate_up_proj.shape[0] == 4
+    out.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters(recurse=False))
