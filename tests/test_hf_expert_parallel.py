@@ -1,7 +1,8 @@
-"""Hugging Face mixtures of experts (Mixtral, Qwen3-MoE) under expert parallelism: their grouped experts split over
-the ep ranks (``disttrain.models.hf_experts``) train as one process holding every expert does: loss curve, pre-clip
-gradient norms (clipping binds on every step), final weights; with ``output_router_logits`` the router's balance
-loss (``disttrain.models.hf_balance``) enters training as in ``transformers``' own loss, over the step's whole batch.
+"""Hugging Face mixtures of experts (Mixtral, Qwen3-MoE; Qwen2-MoE and DeepSeek-V3 among the slow cases) under
+expert parallelism: their grouped experts split over the ep ranks (``disttrain.models.hf_experts``) train as one
+process holding every expert does: loss curve, pre-clip gradient norms (clipping binds on every step), final
+weights; with ``output_router_logits`` the router's balance loss (``disttrain.models.hf_balance``) enters training
+as in ``transformers``' own loss, over the step's whole batch.
 
 Plain SGD without momentum, so a wrong gradient anywhere (an expert's rows sent to the wrong rank, a gradient scaled
 twice or not summed over the ranks whose tokens an expert computed) moves the weights by it.
