@@ -111,29 +111,3 @@ def test_hf_moe_trains_in_one_process(tmp_path, arch):
         assert weights[f"{prefix}.gate.weight"].shape == (4, 64)
         assert weights[f"{prefix}.experts.gate_up_proj"].shape[0] == 4
         assert weights[f"{prefix}.experts.down_proj"].shape[0] == 4
-
-
-@pytest.mark.parametrize("arch", list(HF_MOE))
-def test_hf_moe_under_expert_parallelism_is_refused_before_ranks_start(make_config, arch):
-    """``parallel.ep`` splits grouped experts (model=moe's); a Hugging Face mixture is refused in one line, while
-    model=moe validates with the same degrees."""
-    degrees = ["parallel=zero3", "parallel.ep=2", "trainer.devices=2"]
-    with pytest.raises(ConfigError, match=r"^parallel\.ep=2 is invalid: 1 for model hf.*expert parallelism splits "
-                                          r"grouped experts") as raised:
-        validate(make_config([*hf_moe_overrides(arch), *degrees]))
-    assert "\n" not in str(raised.value)
-    assert validate(make_config([*MOE, *degrees])).dims.ep == 2
-
-
-def test_hf_moe_refusal_names_the_model_type(make_config):
-    with pytest.raises(ConfigError, match=r"1 for model hf \(qwen3_moe\).*trains with ep=1"):
-        validate(make_config([*hf_moe_overrides("qwen3_moe"), "parallel=zero3", "parallel.ep=2",
-                              "trainer.devices=2"]))
-
-
-@pytest.mark.parametrize("arch", list(HF_MOE))
-def test_hf_router_balance_loss_is_refused_not_dropped(make_config, arch):
-    """With ``output_router_logits`` the Hugging Face model computes its router's balance loss but adds it only
-    to its own loss of ``labels``; disttrain trains on the logits, so the setting is refused by name."""
-    with pytest.raises(ConfigError, match=r"^model\.output_router_logits=true is invalid: false.*balance loss"):
-        validate(make_config(hf_moe_overrides(arch, {"output_router_logits": True})))

@@ -24,7 +24,7 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import hf_attention, hf_pipeline, hf_plan
+from disttrain.models import hf_attention, hf_balance, hf_experts, hf_pipeline, hf_plan
 from disttrain.models.attention import SequenceSplit
 from disttrain.models.hf_weights import INDEX_FILE, WEIGHTS_FILE, weight_files
 from disttrain.models.meta import on_meta_device
@@ -82,17 +82,15 @@ class HFConfig:
         # built with its fields, not set afterwards: a config derives some fields from others (layer types)
         config = self._config(transformers, fields)
         _check_fits(config, spec)
-        if getattr(config, "output_router_logits", False):
-            # transformers adds the router's balance loss only to the loss it computes from labels; disttrain
-            # computes its own from the logits, so the balance loss would be computed and never trained on
-            raise ConfigError("model.output_router_logits", True, "false (+model.output_router_logits=false): "
-                              f"{type(config).__name__}'s router balance loss does not enter disttrain's loss "
-                              "(model=moe has one that does, model.aux_loss_coef)")
         if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
                               f"a causal language model; transformers has none for {type(config).__name__}")
         _check_token_ids(config)
         self.attention(config)
+        refusal = getattr(config, "output_router_logits", False) and hf_balance.balance_loss_refusal(
+            config, transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+        if refusal:
+            raise ConfigError("model.output_router_logits", True, refusal)
         if self.pretrained and not weight_files(Path(self.path).expanduser()):
             raise ConfigError("model.path", self.path, f"a folder with {WEIGHTS_FILE} or its shards and "
                               f"{INDEX_FILE}, with model.pretrained=true")
@@ -248,12 +246,15 @@ class HFCausalLM(nn.Module):
             """Set by context parallelism: this rank holds a slice of each sequence, whose global positions
             ``forward`` passes to the model (the rotary angles); its attention modules carry the same split."""
         hf_pipeline.prepare_layers(self)
+        hf_experts.take_expert_parallel(model)
+        hf_balance.take_balance_loss(self, model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""
         split = getattr(self, "sequence_split", None)
         positions = None if split is None else split.positions(idx.size(1), idx.device).unsqueeze(0)
-        return self._model(input_ids=idx, position_ids=positions, use_cache=False).logits
+        return hf_balance.logits_with_balance_loss(self, self._model(input_ids=idx, position_ids=positions,
+                                                                     use_cache=False))
 
     def sequence_split_refusal(self) -> str | None:
         """Why the model's attention takes no sequence split (None: it takes one, see

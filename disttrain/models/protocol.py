@@ -50,6 +50,12 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     Expert parallelism splits those parameters over the ep ranks and sets an ``ExpertExchange``
     (``disttrain.models.experts``) through which the module sends rows to their experts' ranks.
 
+``balance_group`` and ``aux_loss_scale`` (attributes of a module that adds a batch-wide balance loss to backward,
+    such as a Hugging Face mixture's router loss: ``disttrain.models.hf_balance``)
+    The run sets the process group of the ranks whose micro-batches make up the step's batch (None: this rank's
+    batch is the step's) and the weight the loss enters backward with (1 / forward passes per optimiser step).
+    Pipeline stages, which do not run the module's forward, are refused for such a module.
+
 ``sequence_split_refusal(self) -> str | None`` (optional, for a model that may lack those modules)
     Why it takes no sequence split, for the message that refuses ``parallel.cp``.
 

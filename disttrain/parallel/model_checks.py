@@ -47,6 +47,10 @@ def check_model_plan(name: str, net: Any, p: ParallelConfig, dims: ParallelDims,
                               "not available yet)")
     if dims.ep_enabled:
         _check_experts(name, net, dims)
+    if dims.pp_enabled and any(hasattr(m, "balance_group") for m in net.modules()):
+        raise ConfigError("parallel.pp", dims.pp, f"1 for model {name} with its router balance loss "
+                          "(+model.output_router_logits=false for pipelining): the loss is computed from every "
+                          "layer's router logits at the end of the model's forward, which pipeline stages do not run")
     if p.activation_checkpoint != "none" and not shard_units_of(net, p.shard_units, p.min_params_per_unit):
         raise ConfigError("parallel.activation_checkpoint", p.activation_checkpoint,
                           f"none for model {name}: it has no blocks to checkpoint (declare shard_units(), or set "
@@ -111,8 +115,8 @@ def _check_experts(name: str, net: Any, dims: ParallelDims) -> None:
                           f"1 for model {kind}: expert parallelism splits grouped experts (modules with an "
                           "expert_parallel attribute holding [n_experts, ...] weights, as model=moe has); "
                           f"{type(net).__name__} has none" + (
-                              " (a Hugging Face mixture-of-experts model keeps its experts in modules of its own, "
-                              "which expert parallelism does not split; it trains with ep=1)" if model_type else ""))
+                              f" (a Hugging Face model's are the experts modules its config's base_model_ep_plan "
+                              f"names, and {model_type} names none)" if model_type else ""))
     for module in experts:
         if module.n_experts % dims.ep:
             raise ConfigError("parallel.ep", dims.ep, f"a divisor of model.n_experts={module.n_experts} (each of the "

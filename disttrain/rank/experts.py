@@ -142,3 +142,43 @@ class ExpertBalance(pl.Callback):
             "last_step": self.last,
         }
 
+
+
+class BatchBalanceLoss(pl.Callback):
+    """Tells each module that adds a batch-wide balance loss to backward (one with a ``balance_group``: a Hugging
+    Face mixture's router loss, ``disttrain.models.hf_balance``) the weight of one forward pass of the step and the
+    ranks whose micro-batches make up the step's batch."""
+
+    def __init__(self, forwards_per_step: int) -> None:
+        self.forwards_per_step = forwards_per_step
+        """Forward passes per optimiser step on a rank: the loss enters backward divided by it, as the cross-entropy
+        of each micro-batch does."""
+
+    @classmethod
+    def of(cls, model: nn.Module, forwards_per_step: int) -> BatchBalanceLoss | None:
+        """The callback for ``model`` (None: nothing in it adds a batch-wide balance loss)."""
+        return cls(forwards_per_step) if _batch_losses(model) else None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Set the loss's weight and the ranks it gathers the batch from."""
+        group = self._batch_group(trainer)
+        for module in _batch_losses(pl_module.net):
+            module.aux_loss_scale = 1.0 / self.forwards_per_step
+            module.balance_group = group
+
+    @staticmethod
+    def _batch_group(trainer: pl.Trainer) -> dist.ProcessGroup | None:
+        """The data x context-parallel ranks whose gradients are averaged every step (None: this rank's batch is
+        the step's, or replicas exchange updates rather than gradients)."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, DistTrainStrategy):
+            return None
+        layout = strategy.layout
+        if layout.gradient_ranks == 1 or not layout.ddp_exchange:
+            return None
+        return layout.gradient_mesh(strategy.device_mesh).get_group()
+
+
+def _batch_losses(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that add a batch-wide balance loss (they have a ``balance_group`` attribute)."""
+    return [module for module in model.modules() if hasattr(module, "balance_group")]

@@ -28,7 +28,7 @@ from disttrain.parallel.process_group import shutdown_process_group
 from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.rank.elastic import ElasticResume
 from disttrain.rank.energy import EnergyMeter
-from disttrain.rank.experts import ExpertBalance
+from disttrain.rank.experts import BatchBalanceLoss, ExpertBalance
 from disttrain.rank.host_memory import keep_freed_host_memory
 from disttrain.rank.kinds import KINDS
 from disttrain.rank.lightning_data import lightning_data
@@ -70,12 +70,14 @@ def run_rank(run: RunConfig) -> float | None:
         kind = KINDS[run.plan.kind](run, agreement)
         net = build_model(run.model, spec)
         balance = ExpertBalance.of(net, run.plan.loss_divisor)
+        batch_balance = BatchBalanceLoss.of(net, run.plan.loss_divisor)
         task, datamodule = kind.task(net, datamodule)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         elastic = ElasticResume()
         trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement), elastic])
         energy = EnergyMeter(cfg.trainer.log_every_n_steps)
         trainer.callbacks += [*([energy] if cfg.energy else []), *([balance] if balance else []),
+                              *([batch_balance] if batch_balance else []),
                               *kind.callbacks(trainer.strategy),
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         restart = restart_count()
