@@ -128,7 +128,8 @@ def check_units(model: nn.Module, units: Sequence[str], pp: int, model_name: str
             if first[0] != unit:
                 raise ConfigError("parallel.pp", pp, f"1 for model {model_name}: its pipeline units share a "
                                   f"parameter ({unit}.{pname} is {first[0]}.{first[1]}) and stages cannot share "
-                                  "one; untie it (e.g. model.tie_weights=false)")
+                                  "one; untie it (model.tie_weights=false, or +model.tie_word_embeddings=false "
+                                  "for a transformers config)")
 
 
 def stage_indices(rank: int, pp: int, stages_per_rank: int, style: str = "loop") -> list[int]:
