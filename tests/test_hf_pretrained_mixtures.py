@@ -138,3 +138,22 @@ def test_a_fine_tuned_mixture_exports_as_save_pretrained_writes_it(tmp_path, lay
     # the fine-tune moved the experts: the export is not the folder it started from
     start = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     assert not torch.equal(start.model.layers[0].mlp.experts.down_proj, theirs.model.layers[0].mlp.experts.down_proj)
+
+
+def test_a_converter_with_another_operation_runs_as_transformers_runs_it(tmp_path):
+    """A converter whose operations are not only stacks and concatenations (here a transpose) is run by
+    ``transformers`` on the whole saved tensor, shaped on meta tensors, and the box is cut from its output."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from disttrain.models.hf_conversion import Conversion, Converted, saved_sources
+    from disttrain.models.hf_weights import saved_headers
+
+    saved = torch.arange(15.0).reshape(3, 5)
+    save_file({"layer.w_in.weight": saved}, tmp_path / "model.safetensors")
+    conversion = Conversion([WeightConverter("w_in.weight", "w_out.weight", [Transpose(0, 1)])])
+    sources = saved_sources(["layer.w_out.weight"], saved_headers([tmp_path / "model.safetensors"], "model.path",
+                                                                  str(tmp_path)), conversion)
+    source = sources["layer.w_out.weight"]
+    assert isinstance(source, Converted) and source.shape == (5, 3)
+    torch.testing.assert_close(source.read(((1, 4), (0, 2))), saved.T[1:4, 0:2], rtol=0, atol=0)

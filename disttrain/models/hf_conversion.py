@@ -39,8 +39,8 @@ class Conversion:
     """The model's ``WeightRenaming`` and ``WeightConverter`` list, as ``from_pretrained`` applies it."""
     base_model_prefix: str | None = None
     """The prefix a checkpoint of the base model lacks (``model``), which loading adds or strips."""
-    config: Any = None
-    """The model's ``transformers`` config (some operations read fields of it)."""
+    model: Any = None
+    """The ``transformers`` model (some operations read its config or its parameters' shapes)."""
 
 
 def conversion_of(net: Any) -> Conversion | None:
@@ -51,7 +51,7 @@ def conversion_of(net: Any) -> Conversion | None:
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    return Conversion(get_model_conversion_mapping(model), model.base_model_prefix, model.config)
+    return Conversion(get_model_conversion_mapping(model), model.base_model_prefix, model)
 
 
 @dataclass
@@ -138,11 +138,11 @@ class Converted:
     collected: dict[str, list[Saved]]
     name: str
     shape: tuple[int, ...]
-    config: Any = None
+    model: Any = None
 
     def read(self, box: Box) -> torch.Tensor:
         """The ``box`` of the converter's output (every saved tensor it converts is read whole)."""
-        whole = _run(self.converter, self.layer_name, self.collected, self.config,
+        whole = _run(self.converter, self.layer_name, self.collected, self.model,
                      lambda leaf: leaf.read(tuple((0, size) for size in leaf.shape)))[self.name]
         return whole[tuple(slice(start, stop) for start, stop in box)]
 
@@ -184,26 +184,26 @@ def saved_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, 
             groups.setdefault(renamed, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(leaf)
     for layer_name, (converter, collected) in groups.items():
         sources.update({name: source for name, source in _converted(converter, layer_name, collected,
-                                                                    conversion.config).items() if name in wanted})
+                                                                    conversion.model).items() if name in wanted})
     return sources
 
 
-def _run(converter: Any, layer_name: str, collected: dict[str, list[Saved]], config: Any, load: Any
+def _run(converter: Any, layer_name: str, collected: dict[str, list[Saved]], model: Any, load: Any
          ) -> dict[str, torch.Tensor]:
     """``transformers``' conversion (``WeightConverter.convert``) of the tensors ``load`` gives for ``collected``."""
     fresh = copy.deepcopy(converter)  # a converter collects its tensors in itself: one per target, as loading does
     for pattern, leaves in collected.items():
         for leaf in leaves:
             fresh.add_tensor(layer_name, leaf.name, pattern, lambda leaf=leaf: load(leaf))
-    return fresh.convert(layer_name, config=config)
+    return fresh.convert(layer_name, model=model, config=getattr(model, "config", None))
 
 
-def _converted(converter: Any, layer_name: str, collected: dict[str, list[Saved]], config: Any
+def _converted(converter: Any, layer_name: str, collected: dict[str, list[Saved]], model: Any
                ) -> dict[str, Source]:
     """The outputs of ``converter`` on ``collected``: named and shaped by ``transformers`` on meta tensors, read
     by boxes where its operations only stack and concatenate, else by running them."""
     try:
-        on_meta = _run(converter, layer_name, collected, config,
+        on_meta = _run(converter, layer_name, collected, model,
                        lambda leaf: torch.empty(leaf.shape, device="meta"))
     except Exception as err:  # noqa: BLE001 - any operation's refusal: reported with the tensors it converts
         saved = ", ".join(leaf.name for leaves in collected.values() for leaf in leaves[:1])
@@ -213,7 +213,7 @@ def _converted(converter: Any, layer_name: str, collected: dict[str, list[Saved]
     if lazy is not None and {name: s.shape for name, s in lazy.items()} == {
             name: tuple(t.shape) for name, t in on_meta.items()}:
         return lazy
-    return {name: Converted(converter, layer_name, collected, name, tuple(t.shape), config)
+    return {name: Converted(converter, layer_name, collected, name, tuple(t.shape), model)
             for name, t in on_meta.items()}
 
 
