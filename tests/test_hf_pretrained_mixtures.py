@@ -157,3 +157,22 @@ def test_a_converter_with_another_operation_runs_as_transformers_runs_it(tmp_pat
     source = sources["layer.w_out.weight"]
     assert isinstance(source, Converted) and source.shape == (5, 3)
     torch.testing.assert_close(source.read(((1, 4), (0, 2))), saved.T[1:4, 0:2], rtol=0, atol=0)
+
+
+def test_a_folder_of_grouped_experts_is_read_by_its_own_names(tmp_path):
+    """A folder holding the grouped weights themselves (as ``from_pretrained`` also reads) gives each by its name."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from disttrain.models.hf_conversion import Saved, conversion_of, saved_sources
+    from disttrain.models.hf_weights import saved_headers
+
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("qwen3_moe", vocab_size=256, **HF_MOE["qwen3_moe"]))
+    state = model.state_dict()
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, tmp_path / "model.safetensors")
+    holder = torch.nn.Module()
+    object.__setattr__(holder, "_model", model)
+    sources = saved_sources(state, saved_headers([tmp_path / "model.safetensors"], "model.path", str(tmp_path)),
+                            conversion_of(holder))
+    assert set(sources) == set(state) and all(isinstance(s, Saved) and s.name == n for n, s in sources.items())
