@@ -100,9 +100,13 @@ def test_hf_models_without_grouped_experts_are_refused_in_one_line(make_config):
                        ) as raised:
         validate(make_config([*hf_overrides("llama", ARCHS["llama"]), *degrees]))
     assert "\n" not in str(raised.value)
-    with pytest.raises(ConfigError, match=r"^parallel\.ep=3 is invalid: a divisor of model\.n_experts=4"):
-        validate(make_config([*hf_moe_overrides("mixtral"), "parallel=zero3", "parallel.ep=3", "trainer.devices=3",
-                              "batch.global_size=9"]))
+    # the count is named by the config's own field, the key the user sets it by
+    for arch, field in (("mixtral", "num_local_experts"), ("qwen2_moe", "num_experts"),
+                        ("deepseek_v3", "n_routed_experts")):
+        model = hf_overrides(arch, MORE[arch]) if arch in MORE else hf_moe_overrides(arch)
+        with pytest.raises(ConfigError, match=rf"^parallel\.ep=3 is invalid: a divisor of model\.{field}=4 \("):
+            validate(make_config([*model, "parallel=zero3", "parallel.ep=3", "trainer.devices=3",
+                                  "batch.global_size=9"]))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

@@ -112,18 +112,24 @@ def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
     """A run started from a saved folder (allocated and read shard by shard under ZeRO-3, slice by slice under
     tp, stage by stage in a pipeline) validates before its first step (``trainer.validate_before_training``),
     logged at step 0, to ``transformers``' own loss of that folder on the same windows (``labels`` shift)."""
+    folder = saved_folder(tmp_path / "hf")
+    overrides = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
+    if layout != "single":
+        overrides += [*LAYOUTS[layout][0], f"trainer.devices={LAYOUTS[layout][1]}"]
+    val_loss, expected = starting_losses(folder, overrides, tmp_path / "run")
+    assert val_loss == pytest.approx(expected, rel=1e-6)
+
+
+def starting_losses(folder: Path, overrides: list[str], run_dir: Path) -> tuple[float, float]:
+    """The validation loss a run of ``overrides`` started from ``folder`` logs at step 0, and ``transformers``'
+    own loss of ``from_pretrained(folder)`` on the same windows (``labels`` shift)."""
     import transformers
 
     from disttrain.launch.job import train
     from tests.conftest import compose_config, logged_metric
 
-    folder = saved_folder(tmp_path / "hf")
-    overrides = [o for o in hf_overrides("llama", {}) if not o.startswith("model.arch")]
-    overrides += [f"model.path={folder}", "model.pretrained=true", "trainer.max_steps=1",
-                  "trainer.validate_before_training=true"]
-    if layout != "single":
-        overrides += [*LAYOUTS[layout][0], f"trainer.devices={LAYOUTS[layout][1]}"]
-    run_dir = tmp_path / "run"
+    overrides = [*overrides, f"model.path={folder}", "model.pretrained=true", "trainer.max_steps=1",
+                 "trainer.validate_before_training=true"]
     cfg = compose_config(overrides, run_dir)
     run = validate(cfg.copy())
     train(cfg)
@@ -136,7 +142,7 @@ def test_a_pretrained_folder_starts_where_transformers_is(tmp_path, layout):
     tokens = torch.cat([inputs, targets[:, -1:]], dim=1)  # the targets are the inputs moved on by one token
     with torch.no_grad():
         expected = model(input_ids=tokens, labels=tokens).loss.item()
-    assert val_loss == pytest.approx(expected, rel=1e-6)
+    return val_loss, expected
 
 
 def test_precision_auto_times_a_model_that_starts_from_a_folder(make_config, tmp_path):

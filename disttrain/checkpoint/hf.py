@@ -70,7 +70,12 @@ def hf_folder(weights: dict[str, torch.Tensor], cfg: DictConfig) -> tuple[Any, d
         # training runs without a KV cache; the exported model generates with one, as the original does
         config.use_cache = True
         config.architectures = [type(net._model).__name__]
-        return config, weights
+        from transformers.core_model_loading import revert_weight_conversion
+
+        # in the layout save_pretrained writes (a mixture's experts one tensor per expert), which other tools read
+        saved = revert_weight_conversion(net._model, weights)
+        # the parts a grouped weight is split into are views of it: each is written as a tensor of its own
+        return config, {name: tensor if name in weights else tensor.clone() for name, tensor in saved.items()}
     dims = net.dims
     sizes = {key: getattr(dims, key) for key in SIZES}
     config = hf_config(sizes, dims.block_size, model.rope_theta, model.norm_eps, weights["embed.tok.weight"].dtype)

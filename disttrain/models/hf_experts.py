@@ -21,6 +21,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,12 +55,27 @@ def _holds_grouped_weights(module: nn.Module) -> bool:
 
 def take_expert_parallel(model: nn.Module) -> None:
     """Give the grouped experts of ``model`` (a ``transformers`` model) the protocol's ``n_experts`` and
-    ``expert_parallel`` attributes and the forward that exchanges rows once expert parallelism sets the latter."""
+    ``expert_parallel`` attributes, ``n_experts_key`` (the config key that sets the count, named in messages) and
+    the forward that exchanges rows once expert parallelism sets ``expert_parallel``."""
+    key = f"model.{experts_field(model.config)}"
     for module in grouped_experts(model).values():
         module.n_experts = module.num_experts
+        module.n_experts_key = key
         module.expert_parallel = None
         # bound to the module, so a copy of the model (a pipeline stage) binds it to the copy
         module.forward = types.MethodType(_experts_forward, module)
+
+
+def experts_field(config: Any) -> str:
+    """The field of ``config`` that holds its expert count, as a user sets it (``num_local_experts``,
+    ``num_experts``, ``n_routed_experts``): the one an experts module reads, through the config's aliases."""
+    stored = config.to_dict()
+    # the names transformers' experts modules read the count by; the config's attribute_map aliases them
+    for name in ("num_local_experts", "num_experts"):
+        field = config.attribute_map.get(name, name)
+        if field in stored:
+            return field
+    return "num_experts"
 
 
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

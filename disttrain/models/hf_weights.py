@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from disttrain.errors import ConfigError
+from disttrain.models.hf_conversion import conversion_of, saved_sources
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights of a Hugging Face folder saved in one file."""
@@ -102,9 +103,11 @@ def _header_end(path: Path, size: int) -> int | None:
 
 def check_weights(net: Any, folder: str, key: str = "model.path") -> None:
     """``folder``'s safetensors headers hold every tensor of ``net`` (a model built on the meta device, whose
-    parameters and persistent buffers the folder replaces) at the model's shape and in a dtype it casts from.
-    A weight tied to one the folder holds may be absent (a head sharing the token embedding is saved once).
-    ConfigError on ``key`` naming the file, the tensor, what the file holds and what the model needs."""
+    parameters and persistent buffers the folder replaces) at the model's shape and in a dtype it casts from: under
+    its own name, or, for a Hugging Face model, in a layout ``transformers`` converts from (per-expert tensors of a
+    mixture, ``disttrain.models.hf_conversion``). A weight tied to one the folder holds may be absent (a head
+    sharing the token embedding is saved once). ConfigError on ``key`` naming the file, the tensor, what the file
+    holds and what the model needs."""
     files = weight_files(Path(folder), key)
     if not files:
         raise ConfigError(key, folder, f"a folder with {WEIGHTS_FILE} or its shards and {INDEX_FILE}")
@@ -113,21 +116,32 @@ def check_weights(net: Any, folder: str, key: str = "model.path") -> None:
     state = net.state_dict(keep_vars=True)
     for name, tensor in state.items():
         groups.setdefault(id(tensor), []).append(name)
-    missing = [names[0] for names in groups.values() if not any(name in saved for name in names)]
+    try:
+        sources = saved_sources(state, saved, conversion_of(net))
+    except ValueError as err:
+        raise ConfigError(key, folder, f"weights of this model; {err}") from None
+    missing = [names[0] for names in groups.values() if not any(name in sources for name in names)]
     if missing:
         more = f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConfigError(key, folder, f"weights of this model; no file of the folder holds {missing[0]}{more}")
     for name, tensor in state.items():
-        if name not in saved:
+        if name not in sources:
             continue
-        path, shape, dtype = saved[name]
-        if shape != tuple(tensor.shape):
-            raise ConfigError(key, folder, f"weights of this model; {path.name} holds {name} as {list(shape)}, "
-                              f"where the model's is {list(tensor.shape)}")
-        if not _casts(dtype, tensor.dtype):
-            raise ConfigError(key, folder, f"weights of this model; {path.name} holds {name} as {dtype}, which "
-                              f"does not cast to the model's {str(tensor.dtype).removeprefix('torch.')} "
-                              f"({'one of ' + ', '.join(FLOAT_DTYPES) if tensor.is_floating_point() else 'the same'})")
+        source = sources[name]
+        leaves = source.leaves()
+        held = (f"{source.path.name} holds {source.name}" + (f" (the model's {name})" if source.name != name else "")
+                if leaves == [source] else
+                f"the folder's {leaves[0].name}{f' (and {len(leaves) - 1} more)' if len(leaves) > 1 else ''} "
+                f"give {name}")
+        if tuple(source.shape) != tuple(tensor.shape):
+            raise ConfigError(key, folder, f"weights of this model; {held} as {list(source.shape)}, where the "
+                              f"model's is {list(tensor.shape)}")
+        for leaf in leaves:
+            if not _casts(leaf.dtype, tensor.dtype):
+                allowed = "one of " + ", ".join(FLOAT_DTYPES) if tensor.is_floating_point() else "the same"
+                raise ConfigError(key, folder, f"weights of this model; {leaf.path.name} holds {leaf.name} as "
+                                  f"{leaf.dtype}, which does not cast to the model's "
+                                  f"{str(tensor.dtype).removeprefix('torch.')} ({allowed})")
 
 
 def _casts(saved: str, dtype: torch.dtype) -> bool:

@@ -35,7 +35,8 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     else its large children.
 
 ``pretrained(self) -> str | None`` (optional)
-    A folder of Hugging Face safetensors whose tensors, by this model's parameter names, replace its
+    A folder of Hugging Face safetensors whose tensors, by this model's parameter names (or, for a ``model=hf``
+    model, in a layout ``transformers`` converts from: ``disttrain.models.hf_conversion``), replace its
     initialisation once the model is laid out over its ranks (each rank reads only what it holds).
 
 ``materialize(self, device) -> None`` (with a model built on the meta device)

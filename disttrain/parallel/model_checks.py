@@ -119,5 +119,6 @@ def _check_experts(name: str, net: Any, dims: ParallelDims) -> None:
                               f"names, and {model_type} names none)" if model_type else ""))
     for module in experts:
         if module.n_experts % dims.ep:
-            raise ConfigError("parallel.ep", dims.ep, f"a divisor of model.n_experts={module.n_experts} (each of the "
-                              "ep ranks holds the same number of experts)")
+            key = getattr(module, "n_experts_key", "model.n_experts")  # a Hugging Face model's is its config's
+            raise ConfigError("parallel.ep", dims.ep, f"a divisor of {key}={module.n_experts} (each of the ep ranks "
+                              "holds the same number of experts)")
