@@ -64,7 +64,7 @@ def test_without_a_split_the_attention_is_transformers_sdpa(arch):
 
     from disttrain.data.spec import DataSpec
     from disttrain.models.hf import HFConfig, build_hf
-    from disttrain.models.hf_attention import ATTENTION
+    from disttrain.models.hf.attention import ATTENTION
 
     torch.manual_seed(0)
     net = build_hf(HFConfig(arch=arch, fields=SPLIT_ARCHS[arch]), DataSpec("text", vocab_size=256, block_size=32))

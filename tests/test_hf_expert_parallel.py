@@ -1,7 +1,7 @@
 """Hugging Face mixtures of experts (Mixtral, Qwen3-MoE; Qwen2-MoE and DeepSeek-V3 among the slow cases) under
-expert parallelism: their grouped experts split over the ep ranks (``disttrain.models.hf_experts``) train as one
+expert parallelism: their grouped experts split over the ep ranks (``disttrain.models.hf.experts``) train as one
 process holding every expert does: loss curve, pre-clip gradient norms (clipping binds on every step), final
-weights; with ``output_router_logits`` the router's balance loss (``disttrain.models.hf_balance``) enters training
+weights; with ``output_router_logits`` the router's balance loss (``disttrain.models.hf.balance``) enters training
 as in ``transformers``' own loss, over the step's whole batch.
 
 Plain SGD without momentum, so a wrong gradient anywhere (an expert's rows sent to the wrong rank, a gradient scaled
@@ -167,7 +167,7 @@ def test_a_rank_that_receives_no_rows_still_gives_its_experts_gradients():
     import torch
     import transformers
 
-    from disttrain.models.hf_experts import _local_experts, grouped_experts, take_expert_parallel
+    from disttrain.models.hf.experts import _local_experts, grouped_experts, take_expert_parallel
     from tests.test_moe_config import HF_MOE
 
     config = transformers.AutoConfig.for_model("mixtral", vocab_size=256, **HF_MOE["mixtral"])

@@ -1,5 +1,5 @@
 """Pipeline stages of Hugging Face models: for every model type disttrain cuts, the declared units applied in turn
-(what the stages run, each decoder layer fed by ``disttrain.models.hf_pipeline``) are ``transformers``' own
+(what the stages run, each decoder layer fed by ``disttrain.models.hf.pipeline``) are ``transformers``' own
 forward, on tiny configs with sliding windows shorter than the sequence and per-layer attention types where the
 family has them; a 2-stage pipeline trains as one process; the types that are not cut are refused in one line.
 """
@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 from disttrain.data.spec import DataSpec  # noqa: E402
-from disttrain.models import hf_pipeline  # noqa: E402
 from disttrain.models.hf import HFCausalLM, HFConfig, build_hf  # noqa: E402
+from disttrain.models.hf import pipeline as hf_pipeline  # noqa: E402
 from disttrain.parallel.model_plan import pipeline_units_of  # noqa: E402
 
 VOCAB, LENGTH, WINDOW = 256, 32, 8

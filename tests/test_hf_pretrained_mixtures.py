@@ -2,7 +2,7 @@
 one tensor per expert (Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3.weight``, Qwen3-MoE's
 ``mlp.experts.E.gate_proj/up_proj/down_proj.weight``), where the model holds grouped weights
 (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``). The reader converts them through
-``transformers``' own conversion mapping (``disttrain.models.hf_conversion``), each rank reading only what it holds,
+``transformers``' own conversion mapping (``disttrain.models.hf.conversion``), each rank reading only what it holds,
 under every layout the model runs; a fine-tuned mixture exports to the same layout, which ``from_pretrained`` loads.
 """
 
@@ -64,8 +64,8 @@ def test_each_rank_reads_only_the_experts_it_holds(tmp_path, monkeypatch):
     come from those experts' tensors alone, and equal the rows ``transformers`` loads."""
     import transformers
 
-    from disttrain.models import hf_conversion
-    from disttrain.models.hf_weights import saved_headers, weight_files
+    from disttrain.models.hf import conversion as hf_conversion
+    from disttrain.models.hf.weights import saved_headers, weight_files
 
     folder = saved_mixture(tmp_path / "hf", "mixtral")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
@@ -146,8 +146,8 @@ def test_a_converter_with_another_operation_runs_as_transformers_runs_it(tmp_pat
     from safetensors.torch import save_file
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from disttrain.models.hf_conversion import Conversion, Converted, saved_sources
-    from disttrain.models.hf_weights import saved_headers
+    from disttrain.models.hf.conversion import Conversion, Converted, saved_sources
+    from disttrain.models.hf.weights import saved_headers
 
     saved = torch.arange(15.0).reshape(3, 5)
     save_file({"layer.w_in.weight": saved}, tmp_path / "model.safetensors")
@@ -164,8 +164,8 @@ def test_a_folder_of_grouped_experts_is_read_by_its_own_names(tmp_path):
     import transformers
     from safetensors.torch import save_file
 
-    from disttrain.models.hf_conversion import Saved, conversion_of, saved_sources
-    from disttrain.models.hf_weights import saved_headers
+    from disttrain.models.hf.conversion import Saved, conversion_of, saved_sources
+    from disttrain.models.hf.weights import saved_headers
 
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model("qwen3_moe", vocab_size=256, **HF_MOE["qwen3_moe"]))

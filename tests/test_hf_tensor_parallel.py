@@ -125,7 +125,7 @@ def test_experts_split_whole_need_a_tp_degree_that_divides_them(make_config):
 def test_a_refused_style_names_itself_why_and_the_plan_without_it(style, why):
     from disttrain.data.spec import DataSpec
     from disttrain.models.hf import HFConfig, build_hf
-    from disttrain.models.hf_plan import tp_plan
+    from disttrain.models.hf.tp_plan import tp_plan
 
     net = build_hf(HFConfig(arch="llama", fields=TINY), DataSpec("text", vocab_size=256, block_size=32))
     net.hf_config.base_model_tp_plan = {**net.hf_config.base_model_tp_plan, "layers.*.self_attn": style}
@@ -145,7 +145,7 @@ def test_a_module_inside_split_experts_keeps_its_own_entry():
 
     from disttrain.data.spec import DataSpec
     from disttrain.models.hf import HFConfig, build_hf
-    from disttrain.models.hf_plan import tp_plan
+    from disttrain.models.hf.tp_plan import tp_plan
 
     net = build_hf(HFConfig(arch="mixtral", fields=ARCHS["mixtral"]), DataSpec("text", vocab_size=256, block_size=32))
     assert "model.layers.*.mlp.experts.gate_up_proj" not in tp_plan(net)

@@ -26,7 +26,7 @@ from disttrain.config.trainer_checks import check_compile_mode, check_trainer
 from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
-from disttrain.models.hf_weights import check_starting_weights
+from disttrain.models.hf.weights import check_starting_weights
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.layout import Layout

@@ -36,7 +36,7 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
 
 ``pretrained(self) -> str | None`` (optional)
     A folder of Hugging Face safetensors whose tensors, by this model's parameter names (or, for a ``model=hf``
-    model, in a layout ``transformers`` converts from: ``disttrain.models.hf_conversion``), replace its
+    model, in a layout ``transformers`` converts from: ``disttrain.models.hf.conversion``), replace its
     initialisation once the model is laid out over its ranks (each rank reads only what it holds).
 
 ``materialize(self, device) -> None`` (with a model built on the meta device)
@@ -52,7 +52,7 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     (``disttrain.models.experts``) through which the module sends rows to their experts' ranks.
 
 ``balance_group`` and ``aux_loss_scale`` (attributes of a module that adds a batch-wide balance loss to backward,
-    such as a Hugging Face mixture's router loss: ``disttrain.models.hf_balance``)
+    such as a Hugging Face mixture's router loss: ``disttrain.models.hf.balance``)
     The run sets the process group of the ranks whose micro-batches make up the step's batch (None: this rank's
     batch is the step's) and the weight the loss enters backward with (1 / forward passes per optimiser step).
     Pipeline stages, which do not run the module's forward, are refused for such a module.

@@ -6,7 +6,7 @@ just those bytes, so no rank holds the whole model's weights, or a whole tensor,
 checkpoint's Hugging Face reader kept far more resident than the shards on each ZeRO-3 rank; benchmarks/README.md,
 Figures cited elsewhere.) A Hugging Face model's tensors saved in another layout (a mixture's experts one tensor
 per expert, as ``save_pretrained`` writes them) are read through ``transformers``' conversion mapping
-(``disttrain.models.hf_conversion``): a rank holding some experts reads only those experts' tensors.
+(``disttrain.models.hf.conversion``): a rank holding some experts reads only those experts' tensors.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from disttrain.models.hf_conversion import Conversion, Source, saved_sources
-from disttrain.models.hf_weights import saved_headers, weight_files
+from disttrain.models.hf.conversion import Conversion, Source, saved_sources
+from disttrain.models.hf.weights import saved_headers, weight_files
 
 
 def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None) -> None:
     """Replace ``model``'s parameters and persistent buffers with the folder's tensors of the same names, or those
-    ``conversion`` (the model's, taken before it was laid out: ``hf_conversion.conversion_of``) converts into them.
+    ``conversion`` (the model's, taken before it was laid out: ``disttrain.models.hf.conversion.conversion_of``)
+    converts into them.
 
     A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
     embedding is saved once).

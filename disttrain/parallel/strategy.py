@@ -27,7 +27,7 @@ from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.lightning_internals import join_process_group, optimizers_to_device, set_device_mesh
-from disttrain.models.hf_conversion import conversion_of
+from disttrain.models.hf.conversion import conversion_of
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig

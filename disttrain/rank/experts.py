@@ -146,7 +146,7 @@ class ExpertBalance(pl.Callback):
 
 class BatchBalanceLoss(pl.Callback):
     """Tells each module that adds a batch-wide balance loss to backward (one with a ``balance_group``: a Hugging
-    Face mixture's router loss, ``disttrain.models.hf_balance``) the weight of one forward pass of the step and the
+    Face mixture's router loss, ``disttrain.models.hf.balance``) the weight of one forward pass of the step and the
     ranks whose micro-batches make up the step's batch."""
 
     def __init__(self, forwards_per_step: int) -> None:

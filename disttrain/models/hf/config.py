@@ -1,34 +1,26 @@
-"""Hugging Face causal language models: any architecture ``transformers`` can build, under disttrain's protocol.
+"""The ``model=hf`` config: a ``transformers`` causal language model from a local folder or a model type, checked
+before any rank starts.
 
 ``model=hf model.path=DIR`` builds the model that ``DIR/config.json`` describes; ``model=hf model.arch=llama
 +model.hidden_size=256 ...`` builds a model type from its fields. Nothing is downloaded: ``transformers`` only
 reads local files. ``model.pretrained=true`` starts from ``DIR``'s safetensors weights, which are read into the
-parallelised model's shards (``disttrain.parallel.pretrained``).
-
-The network keeps the Hugging Face model's own parameter names (``model.layers.0.self_attn.q_proj.weight``), so
-its checkpoints export to a folder that ``from_pretrained`` reads. Its parallel plan comes from the config's
-``base_model_tp_plan`` and ``base_model_pp_plan`` (``disttrain.models.hf_plan``, ``hf_pipeline``); a model that
-declares none trains under data parallelism and ZeRO.
+parallelised model's shards (``disttrain.parallel.pretrained``). A value ``transformers`` would reject is one
+ConfigError naming the field.
 """
 
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models import hf_attention, hf_balance, hf_experts, hf_pipeline, hf_plan
-from disttrain.models.attention import SequenceSplit
-from disttrain.models.hf_weights import INDEX_FILE, WEIGHTS_FILE, weight_files
-from disttrain.models.meta import on_meta_device
-from disttrain.models.registry import MODELS
+from disttrain.models.hf import balance as hf_balance
+from disttrain.models.hf.weights import INDEX_FILE, WEIGHTS_FILE, weight_files
 
 CONFIG_FILE = "config.json"
 """The architecture file of a Hugging Face model folder."""
@@ -155,16 +147,16 @@ class HFConfig:
             named = re.match(r"Validation error for field '(\w+)'", str(err))
             if named and named.group(1) in values:
                 raise ConfigError(f"model.{named.group(1)}", values[named.group(1)],
-                                  f"a value {model_type}'s config accepts ({_one_line(err.__cause__ or err)})"
+                                  f"a value {model_type}'s config accepts ({one_line(err.__cause__ or err)})"
                                   ) from None
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
-                              f"{allowed} ({_one_line(err)})") from None
+                              f"{allowed} ({one_line(err)})") from None
         except (StrictDataclassError, ValueError, KeyError, TypeError) as err:
             raise ConfigError("model.arch" if self.arch else "model.path", self.arch or self.path,
-                              f"{allowed} ({_one_line(err.__cause__ or err)})") from None
+                              f"{allowed} ({one_line(err.__cause__ or err)})") from None
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     """An exception as one line: its type and message, line breaks folded."""
     return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
@@ -222,103 +214,3 @@ def _check_fits(config: Any, spec: DataSpec) -> None:
         positions = getattr(config, key, None)
         if positions is not None and positions < spec.block_size:
             raise ConfigError(f"model.{key}", positions, f"at least the data's block size of {spec.block_size}")
-
-
-class HFCausalLM(nn.Module):
-    """A ``transformers`` causal LM whose ``forward`` maps token ids to logits, holding the model's own
-    submodules under their own names (so parameter names are the Hugging Face checkpoint's)."""
-
-    def __init__(self, model: nn.Module, pretrained: str | None = None, block_size: int | None = None) -> None:
-        super().__init__()
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        self.hf_config = model.config
-        """The ``transformers`` config the model was built from (exported with its weights)."""
-        self.pretrained_path = pretrained
-        """The folder whose safetensors weights replace the random initialisation once the model is laid out."""
-        # kept outside the module tree: its submodules are this module's own children
-        object.__setattr__(self, "_model", model)
-        self._split_refusal = hf_attention.split_refusal(model, block_size)
-        """Why the attention takes no sequence split on ``block_size``-token sequences (None: it takes one)."""
-        if self._split_refusal is None:  # context parallelism finds the modules that carry the attribute
-            hf_attention.take_sequence_splits(model)
-            self.sequence_split: SequenceSplit | None = None
-            """Set by context parallelism: this rank holds a slice of each sequence, whose global positions
-            ``forward`` passes to the model (the rotary angles); its attention modules carry the same split."""
-        hf_pipeline.prepare_layers(self)
-        hf_experts.take_expert_parallel(model)
-        hf_balance.take_balance_loss(self, model)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""
-        split = getattr(self, "sequence_split", None)
-        positions = None if split is None else split.positions(idx.size(1), idx.device).unsqueeze(0)
-        return hf_balance.logits_with_balance_loss(self, self._model(input_ids=idx, position_ids=positions,
-                                                                     use_cache=False))
-
-    def sequence_split_refusal(self) -> str | None:
-        """Why the model's attention takes no sequence split (None: it takes one, see
-        ``disttrain.models.hf_attention``)."""
-        return self._split_refusal
-
-    def tp_plan(self) -> dict[str, str]:
-        """The config's ``base_model_tp_plan`` in disttrain's styles (empty: the model declares none)."""
-        return hf_plan.tp_plan(self)
-
-    def tp_sizes(self) -> dict[str, int]:
-        """Each tp rank holds whole attention heads, query and key/value alike."""
-        config = self.hf_config
-        sizes = {"model.num_attention_heads": getattr(config, "num_attention_heads", None),
-                 "model.num_key_value_heads": getattr(config, "num_key_value_heads", None)}
-        return {key: size for key, size in sizes.items() if size}
-
-    def pipeline_units(self) -> list[str]:
-        """The config's ``base_model_pp_plan`` and the head (empty: its units are not cut, see
-        ``pipeline_refusal``)."""
-        return hf_pipeline.pipeline_units(self)
-
-    def pipeline_refusal(self) -> str | None:
-        """Why the model's declared units are not cut into pipeline stages (None: they are, see
-        ``disttrain.models.hf_pipeline``)."""
-        return hf_pipeline.pipeline_refusal(self)
-
-    def shard_units(self) -> list[str]:
-        """The decoder layers (the classes the model names as never split)."""
-        return hf_plan.layer_lists(self)
-
-    def pretrained(self) -> str | None:
-        """The folder of weights to start from (None: the seeded random initialisation)."""
-        return self.pretrained_path
-
-    def materialize(self, device: torch.device) -> None:
-        """Allocate a model built on the meta device, whose weights are then read from ``pretrained``, and compute
-        the buffers no checkpoint holds (rotary frequencies) as ``transformers`` initialises them."""
-        self.to_empty(device=device)
-        for module in self.modules():
-            if module._non_persistent_buffers_set:
-                self._model._init_weights(module)
-
-
-@MODELS.register("hf", HFConfig)
-def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
-    """Build the ``transformers`` model that ``cfg`` describes (never downloaded), in fp32 with the attention
-    ``cfg.attention`` chooses (SDPA by default; a pipeline stage is fed the masks the model's forward builds for
-    it, ``disttrain.models.hf_pipeline``), over a sequence split where the architecture allows one
-    (``disttrain.models.hf_attention``). A config ``transformers`` cannot build a model of is a ConfigError naming
-    the source and what it raised."""
-    import transformers
-
-    config = cfg.validate(spec)
-    config.use_cache = False
-    implementation, _ = cfg.attention(config)
-    # starting from a checkpoint, the weights are allocated only once laid out over the ranks (``materialize``)
-    with on_meta_device() if cfg.pretrained else nullcontext():
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
-                                                                  dtype=torch.float32)
-        except (AssertionError, ValueError, TypeError, KeyError, IndexError) as err:
-            # what the config's values make its modules refuse (a size that does not divide, an id out of range)
-            raise ConfigError("model.arch" if cfg.arch else "model.path", cfg.arch or cfg.path,
-                              f"a config transformers builds a model of; {type(config).__name__} fails with "
-                              f"{_one_line(err)}") from None
-    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size)

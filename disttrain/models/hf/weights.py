@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from disttrain.errors import ConfigError
-from disttrain.models.hf_conversion import conversion_of, saved_sources
+from disttrain.models.hf.conversion import conversion_of, saved_sources
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights of a Hugging Face folder saved in one file."""
@@ -105,7 +105,7 @@ def check_weights(net: Any, folder: str, key: str = "model.path") -> None:
     """``folder``'s safetensors headers hold every tensor of ``net`` (a model built on the meta device, whose
     parameters and persistent buffers the folder replaces) at the model's shape and in a dtype it casts from: under
     its own name, or, for a Hugging Face model, in a layout ``transformers`` converts from (per-expert tensors of a
-    mixture, ``disttrain.models.hf_conversion``). A weight tied to one the folder holds may be absent (a head
+    mixture, ``disttrain.models.hf.conversion``). A weight tied to one the folder holds may be absent (a head
     sharing the token embedding is saved once). ConfigError on ``key`` naming the file, the tensor, what the file
     holds and what the model needs."""
     files = weight_files(Path(folder), key)

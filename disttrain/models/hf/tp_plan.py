@@ -4,7 +4,7 @@
 styles, translated into disttrain's (``TP_STYLES``); a grouped-experts module (``moe_tp_experts``) is split into
 whole experts, which covers its parameters' own entries (``packed_colwise``, ...). A style disttrain cannot run
 exactly is refused in one line that says why and names the plan without it (``parallel.tp_plan``). The pipeline
-stages cut from ``base_model_pp_plan`` are ``disttrain.models.hf_pipeline``'s.
+stages cut from ``base_model_pp_plan`` are ``disttrain.models.hf.pipeline``'s.
 """
 
 from __future__ import annotations
