@@ -37,8 +37,9 @@ FAMILY_FIELDS = {
     "mixtral": {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {**TINY, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
     "deepseek_v3": MLA,
+    "gpt_oss": {**TINY, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, **WINDOW},
 }
-MIXTURES = ("mixtral", "qwen3_moe", "deepseek_v3")
+MIXTURES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 LAYOUTS = {
     "zero3": ["parallel=zero3", "trainer.devices=2"],
     "tp": ["parallel=tp", "trainer.devices=2"],

@@ -44,6 +44,7 @@ FAMILIES = {
                     "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                     "v_head_dim": 16, "max_position_embeddings": 64},
+    "gpt_oss": {**HEADS16, **MIXED, "num_local_experts": 4, "num_experts_per_tok": 2},
 }
 EAGER = ("gemma2",)
 """Types transformers builds with eager attention only (Gemma 2 soft-caps its attention scores, which SDPA

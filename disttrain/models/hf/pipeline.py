@@ -29,7 +29,7 @@ from torch import nn
 from disttrain.models.attention import positions_of
 
 PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
-                  "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+                  "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 """Model types whose declared units, applied in turn with the inputs this module feeds each decoder layer, equal
 the model's forward: each is checked against ``transformers`` in ``tests/test_hf_pipeline.py``."""
 
