@@ -21,7 +21,7 @@ from disttrain.config import validate  # noqa: E402
 from disttrain.errors import ConfigError  # noqa: E402
 from tests.test_hf_models import LOSS_RTOL, TINY, WEIGHT_ATOL, hf_overrides  # noqa: E402
 from tests.test_hf_tensor_parallel import MLA  # noqa: E402
-from tests.test_parity import FAMILIES, check_against, run_summary  # noqa: E402
+from tests.test_parity import FAMILIES, check_against, run_summary, single_process_runs  # noqa: E402
 
 WINDOW = {"sliding_window": 8}  # shorter than the parity data's sequences: the windowed mask is what is fed
 FAMILY_FIELDS = {
@@ -81,14 +81,7 @@ def test_each_family_takes_each_layout_or_is_refused_in_one_line(family, layout,
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One process per family, computed when first asked for."""
-    cache: dict[str, dict] = {}
-
-    def reference(family: str) -> dict:
-        if family not in cache:
-            cache[family] = run_summary(tmp_path_factory.mktemp(f"{family}-single"), overrides(family))
-        return cache[family]
-
-    return reference
+    return single_process_runs(tmp_path_factory, overrides)
 
 
 @pytest.mark.slow

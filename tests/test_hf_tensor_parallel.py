@@ -25,7 +25,7 @@ from disttrain.config import validate  # noqa: E402
 from disttrain.errors import ConfigError  # noqa: E402
 from tests.conftest import NO_PLOTS, exported_val_loss, logged_metric, train_cli_in_process  # noqa: E402
 from tests.test_hf_models import LOSS_RTOL, TINY, WEIGHT_ATOL, hf_overrides  # noqa: E402
-from tests.test_parity import FAMILIES, check_against, run_summary  # noqa: E402
+from tests.test_parity import FAMILIES, check_against, run_summary, single_process_runs  # noqa: E402
 from tests.test_run import step_losses  # noqa: E402
 
 MLA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -59,14 +59,7 @@ def overrides(arch: str) -> list[str]:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One process per family, computed when first asked for."""
-    cache: dict[str, dict] = {}
-
-    def reference(arch: str) -> dict:
-        if arch not in cache:
-            cache[arch] = run_summary(tmp_path_factory.mktemp(f"{arch}-single"), overrides(arch))
-        return cache[arch]
-
-    return reference
+    return single_process_runs(tmp_path_factory, overrides)
 
 
 @pytest.mark.parametrize("arch", CASES)

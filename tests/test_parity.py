@@ -10,6 +10,7 @@ deviations measured in fp32 (reduction order only), see ``LOSS_RTOL`` and ``WEIG
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,19 @@ def run_summary(run_dir: Path, overrides: list[str], updates: dict | None = None
         "weights": consolidated_weights(last),
         "exported_val_loss": exported_val_loss(run_dir, last, run_dir / "model.pt"),
     }
+
+
+def single_process_runs(tmp_path_factory: pytest.TempPathFactory, overrides_of) -> Callable[[str], dict]:
+    """``name -> run_summary`` of ``overrides_of(name)`` in one process, each run when first asked for (a module
+    fixture's reference runs)."""
+    cache: dict[str, dict] = {}
+
+    def reference(name: str) -> dict:
+        if name not in cache:
+            cache[name] = run_summary(tmp_path_factory.mktemp(f"{name}-single"), overrides_of(name))
+        return cache[name]
+
+    return reference
 
 
 @pytest.fixture(scope="module")
