@@ -4,7 +4,6 @@ operator and collective-crossing activation of a forward and backward on the met
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -16,6 +15,10 @@ from disttrain.plan.ops import KINDS, Op
 
 ROOT = ""
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
+
+SPLIT_WORK_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_whole_input", "experts")
+"""Tensor-parallel styles whose modules' work each tp rank does a 1/tp of (the ``experts`` style: the rows of its
+own experts); ``per_head`` and ``mla_kv_a`` modules run whole, and the sequence styles split no work."""
 
 
 def nbytes(value: Any) -> int:
@@ -45,6 +48,8 @@ class PassRecorder:
         self.inputs: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
         self.tp_forward = self.tp_backward = 0
+        self.tp_forward_gather = self.tp_backward_gather = self.tp_weight_grads = 0
+        self._split_depth = 0
         self.expert_calls: list[ExpertCall] = []
         self.mixture: dict[str, dict[str, int]] = {unit: dict.fromkeys(("saved", "selective", "other"), 0)
                                                    for unit in [ROOT, *units]}
@@ -99,7 +104,7 @@ class PassRecorder:
     def on_op(self, op: Op) -> None:
         """An operator ran: charge it to the running unit (forward) or to backward."""
         (self.forward_ops[self.stack[-1]] if self._in_forward else self.backward_ops).append(op)
-        if self._in_forward and self._mixture_depth:
+        if self._in_forward and self._mixture_depth and not self._split_depth:
             self.mixture_ops[self.stack[-1]].append(op)
 
     def __enter__(self) -> PassRecorder:
@@ -107,12 +112,17 @@ class PassRecorder:
             module = self.net.get_submodule(name)
             self._handles.append(module.register_forward_pre_hook(self._enter_unit(name)))
             self._handles.append(module.register_forward_hook(self._leave_unit(name)))
+        from disttrain.parallel.model_plan import matching_modules
+
         for pattern, style in self.tp_plan.items():
-            if style not in ("colwise", "rowwise"):
-                continue
-            for name, module in self.net.named_modules():
-                if fnmatchcase(name, pattern):
-                    self._handles.append(module.register_forward_hook(self._tp_hook(style)))
+            for name in matching_modules(self.net, pattern):
+                module = self.net.get_submodule(name)
+                parent = self.net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.net
+                rope = getattr(parent, "qk_rope_head_dim", 0)  # multi-head latent attention's shared key
+                self._handles.append(module.register_forward_hook(self._tp_hook(style, module, rope)))
+                if style in SPLIT_WORK_STYLES:
+                    self._handles.append(module.register_forward_pre_hook(self._split(1)))
+                    self._handles.append(module.register_forward_hook(self._split(-1), always_call=True))
         for name, module in expert_modules(self.net).items():
             self._handles.append(module.register_forward_pre_hook(self._enter_experts(name, module)))
             self._handles.append(module.register_forward_hook(self._leave_experts()))
@@ -148,15 +158,26 @@ class PassRecorder:
         n_experts = next((p.size(0) for p in module.parameters() if p.dim() == 3), 0)
 
         def hook(module: nn.Module, args: tuple) -> None:
-            if self._in_forward:  # the rows to compute come first
-                self.expert_calls.append(ExpertCall(name, self.stack[-1], n_experts, args[0].size(0),
-                                                    nbytes(args[0]), 0))
+            if not self._in_forward:
+                return
+            rows = args[0]
+            choices = args[1] if len(args) == 3 else None
+            if isinstance(choices, torch.Tensor) and choices.dim() == 2 and choices.size(0) == rows.size(0):
+                # ``transformers``' experts take each token once with its chosen experts ``[tokens, top_k]``: they
+                # compute, and expert parallelism exchanges, a row per token and chosen expert
+                routed = rows.size(0) * args[1].size(-1)
+                self.expert_calls.append(ExpertCall(name, self.stack[-1], n_experts, routed,
+                                                    routed * rows[0].numel() * rows.element_size(), 0))
+                return
+            # disttrain's grouped experts take the routed rows themselves, sorted by expert
+            self.expert_calls.append(ExpertCall(name, self.stack[-1], n_experts, rows.size(0), nbytes(rows), 0))
         return hook
 
     def _leave_experts(self):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self._in_forward:
-                self.expert_calls[-1].out_bytes = nbytes(output)
+            if self._in_forward:  # the rows computed, each as wide as an output row (a token's, for transformers')
+                call = self.expert_calls[-1]
+                call.out_bytes = call.rows * output[0].numel() * output.element_size()
         return hook
 
     def _mixture(self, step: int):
@@ -164,12 +185,40 @@ class PassRecorder:
             self._mixture_depth += step
         return hook
 
-    def _tp_hook(self, style: str):
+    def _split(self, step: int):
+        def hook(module: nn.Module, *args: Any) -> None:
+            self._split_depth += step
+        return hook
+
+    def _tp_hook(self, style: str, module: nn.Module, rope_width: int = 0):
+        """A hook adding what a module of tensor-parallel ``style`` communicates (``disttrain.parallel.tp``,
+        ``disttrain.parallel.tp_styles``) to the whole-size bytes of its kind: all-reduced in forward (a row-wise
+        split's partial outputs, the experts' partial sums), all-reduced in backward (the partial gradients of a
+        column-wise split's input, or of the experts' tokens and routing weights, or of multi-head latent
+        attention's shared rotary key), all-gathered in forward (a gathered column-wise output) or in backward
+        (the gradient of a whole input a row-wise split used a slice of), and the gradients of whole weights
+        summed over the tp ranks (``per_head``)."""
+        if style == "per_head":
+            self.tp_weight_grads += sum(nbytes(p) for p in module.parameters())
+
+        def grad_bytes(value: Any) -> int:  # token ids and routing choices carry no gradient
+            return nbytes(value) if isinstance(value, torch.Tensor) and value.is_floating_point() else 0
+
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if style == "rowwise":
-                self.tp_forward += nbytes(output)
+            if not self._in_forward or not args:
                 return
-            # each column-wise module turns its input's gradient from partial sums into a whole one by its own
-            # all-reduce (q, k and v separately: they are separate layers here)
-            self.tp_backward += nbytes(args[0])
+            if style in ("rowwise", "rowwise_whole_input", "experts"):
+                self.tp_forward += nbytes(output)
+            if style in ("colwise", "colwise_gather"):
+                # each column-wise module turns its input's gradient from partial sums into a whole one by its
+                # own all-reduce (q, k and v separately: they are separate layers here)
+                self.tp_backward += grad_bytes(args[0])
+            if style == "experts":
+                self.tp_backward += grad_bytes(args[0]) + grad_bytes(args[2] if len(args) > 2 else None)
+            if style == "colwise_gather":
+                self.tp_forward_gather += nbytes(output)
+            if style == "rowwise_whole_input":
+                self.tp_backward_gather += grad_bytes(args[0])
+            if style == "mla_kv_a":
+                self.tp_backward += nbytes(output) * rope_width // output.size(-1)
         return hook
