@@ -123,6 +123,16 @@ class ModelStats:
     tp_weight_grad_bytes: int = 0
     """Bytes of the whole weights whose gradients tensor parallelism sums over its ranks in every backward
     (``per_head`` modules); they do not scale with the tokens."""
+    tp_split_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Unit name -> the part of its ``saved`` bytes, its ``selective`` bytes and its saved bytes made by ``other``
+    operators that the tensor-parallel plan splits: each column-wise layer's output and what operators make of it,
+    up to the row-wise or gathering layer whose output is whole."""
+    tp_gathering_units: list[str] = field(default_factory=list)
+    """Units holding layers of a gathering tp style (``recorder.GATHERING_STYLES``), whose activations split as
+    ``tp_split_bytes`` measures rather than as Megatron's analysis has a block's."""
+    tp_whole_ops: dict[str, list[Op]] = field(default_factory=dict)
+    """Unit name -> for the ``tp_gathering_units``, the forward operators every tp rank runs whole: outside the
+    layers a tp style splits, on whole activations (attention between a gathered qkv and a row-wise output)."""
     loss_grad_bytes: int = 0
     """The most bytes the loss's backward added to what was saved, before the logits' gradient was complete: the
     gradients of the loss's own tensors and the logits' gradient, less what it saved and has freed by then."""
@@ -137,6 +147,17 @@ class ModelStats:
     def recomputed_mixture_ops(self) -> dict[str, list[Op]]:
         """Unit name -> the part of ``recomputed_ops`` that runs inside mixtures of experts."""
         return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.mixture_ops.items()}
+
+    @functools.cached_property
+    def tp_unsplit_ops(self) -> dict[str, list[Op]]:
+        """Unit name -> the forward operators every tp rank runs whole: ``tp_whole_ops`` in a gathering unit,
+        else those of its mixtures of experts (Megatron's split of a block's work holds for the rest)."""
+        return {unit: self.tp_whole_ops.get(unit, ops) for unit, ops in self.mixture_ops.items()}
+
+    @functools.cached_property
+    def recomputed_tp_unsplit_ops(self) -> dict[str, list[Op]]:
+        """Unit name -> the part of ``recomputed_ops`` among ``tp_unsplit_ops``."""
+        return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.tp_unsplit_ops.items()}
 
     @property
     def params(self) -> int:
@@ -246,7 +267,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       recorder.saved_by_kind, recorder.selective, recorder.attention_kv, recorder.largest,
                       expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops,
                       autocast, recorder.weight_copies, recorder.tp_forward_gather, recorder.tp_backward_gather,
-                      recorder.tp_weight_grads, loss_grad[0])
+                      recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
+                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0])
 
 
 SHARDING_STYLES = {"colwise": "all", "colwise_gather": "all", "rowwise": "weight", "rowwise_whole_input": "weight",

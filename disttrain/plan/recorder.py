@@ -16,6 +16,10 @@ from disttrain.plan.ops import KINDS, Op
 ROOT = ""
 """Unit name of everything outside the named units (embeddings, final norm, head of a model without them)."""
 
+GATHERING_STYLES = ("colwise_gather", "rowwise_whole_input")
+"""Tensor-parallel styles with whole activations on either side: a block holding them keeps whole, on every tp rank,
+what Megatron's analysis has split (the attention between a gathered qkv and a row-wise output, for one)."""
+
 SPLIT_WORK_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_whole_input", "experts")
 """Tensor-parallel styles whose modules' work each tp rank does a 1/tp of (the ``experts`` style: the rows of its
 own experts); ``per_head`` and ``mla_kv_a`` modules run whole, and the sequence styles split no work."""
@@ -50,6 +54,13 @@ class PassRecorder:
         self.tp_forward = self.tp_backward = 0
         self.tp_forward_gather = self.tp_backward_gather = self.tp_weight_grads = 0
         self._split_depth = 0
+        # tensor parallelism's split activations, followed from each column-wise output through the operators
+        # that read them, up to the row-wise (or gathering) output that makes them whole again
+        self._tp_split: set[int] = set()
+        self.tp_split: dict[str, dict[str, int]] = {unit: dict.fromkeys(("saved", "selective", "other"), 0)
+                                                    for unit in [ROOT, *units]}
+        self.tp_gathering_units: set[str] = set()
+        self.tp_whole_ops: dict[str, list[Op]] = {unit: [] for unit in [ROOT, *units]}
         self.expert_calls: list[ExpertCall] = []
         self.mixture: dict[str, dict[str, int]] = {unit: dict.fromkeys(("saved", "selective", "other"), 0)
                                                    for unit in [ROOT, *units]}
@@ -78,6 +89,10 @@ class PassRecorder:
                     self.mixture[self.stack[-1]]["saved"] += nbytes
                     if self._producer.get(key, "other") == "other":
                         self.mixture[self.stack[-1]]["other"] += nbytes
+                if key in self._tp_split:
+                    self.tp_split[self.stack[-1]]["saved"] += nbytes
+                    if self._producer.get(key, "other") == "other":
+                        self.tp_split[self.stack[-1]]["other"] += nbytes
             return tensor
         return hook
 
@@ -92,10 +107,17 @@ class PassRecorder:
         given = {t.untyped_storage()._cdata for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                    and t.untyped_storage()._cdata not in given]
+        split = not given.isdisjoint(self._tp_split)
+        if not split and not self._split_depth and self.forward_ops[self.stack[-1]]:
+            # ``on_op`` has just charged this operator: it reads whole activations outside any split layer
+            self.tp_whole_ops[self.stack[-1]].append(self.forward_ops[self.stack[-1]][-1])
         for t in outputs:
             self._producer[t.untyped_storage()._cdata] = kind
+            (self._tp_split.add if split else self._tp_split.discard)(t.untyped_storage()._cdata)
         if kind != "other":
             self.selective[self.stack[-1]] += sum(t.untyped_storage().nbytes() for t in outputs)
+            if split:
+                self.tp_split[self.stack[-1]]["selective"] += sum(t.untyped_storage().nbytes() for t in outputs)
             if self._mixture_depth:
                 self.mixture[self.stack[-1]]["selective"] += sum(t.untyped_storage().nbytes() for t in outputs)
         if kind == "attention":  # query, key, value come first in every fused kernel's arguments
@@ -120,6 +142,8 @@ class PassRecorder:
                 parent = self.net.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.net
                 rope = getattr(parent, "qk_rope_head_dim", 0)  # multi-head latent attention's shared key
                 self._handles.append(module.register_forward_hook(self._tp_hook(style, module, rope)))
+                if style == "rowwise_whole_input":
+                    self._handles.append(module.register_forward_pre_hook(self._slice_input))
                 if style in SPLIT_WORK_STYLES:
                     self._handles.append(module.register_forward_pre_hook(self._split(1)))
                     self._handles.append(module.register_forward_hook(self._split(-1), always_call=True))
@@ -190,6 +214,12 @@ class PassRecorder:
             self._split_depth += step
         return hook
 
+    def _slice_input(self, module: nn.Module, args: tuple) -> None:
+        """A row-wise layer on a whole input keeps only its slice for backward (what the runtime cuts from the
+        whole): counted as split, as the whole is when nothing else keeps it."""
+        if self._in_forward and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            self._tp_split.add(args[0].untyped_storage()._cdata)
+
     def _tp_hook(self, style: str, module: nn.Module, rope_width: int = 0):
         """A hook adding what a module of tensor-parallel ``style`` communicates (``disttrain.parallel.tp``,
         ``disttrain.parallel.tp_styles``) to the whole-size bytes of its kind: all-reduced in forward (a row-wise
@@ -207,6 +237,11 @@ class PassRecorder:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._in_forward or not args:
                 return
+            if style in GATHERING_STYLES:
+                self.tp_gathering_units.add(self.stack[-1])
+            if style in SPLIT_WORK_STYLES:  # a column-wise output is split; the others' outputs are whole
+                keys = {t.untyped_storage()._cdata for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
+                self._tp_split.update(keys) if style == "colwise" else self._tp_split.difference_update(keys)
             if style in ("rowwise", "rowwise_whole_input", "experts"):
                 self.tp_forward += nbytes(output)
             if style in ("colwise", "colwise_gather"):
