@@ -89,6 +89,33 @@ def test_a_mixtral_plans_the_rows_its_experts_compute() -> None:
     assert stats.active_params == stats.params - stats.expert_param_count / 2  # 2 of the 4 experts per token
 
 
+MIXTURES = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32},
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    "deepseek_v3": {"num_key_value_heads": 4, "n_routed_experts": 4, "moe_intermediate_size": 32, "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16},
+    "gpt_oss": {"num_local_experts": 4, "head_dim": 16, "sliding_window": 16},
+}
+"""Other ``transformers`` mixtures, 2 experts per token (DeepSeek-V3: its first layer dense)."""
+
+
+@pytest.mark.parametrize("arch", list(MIXTURES))
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_every_mixture_plans_its_routed_rows_under_each_layout(arch: str, precision: str) -> None:
+    """The meta-device pass goes through each mixture's routing and mask building (a balance loss on where the
+    model defines one), and
+    every mixture layer computes tokens x top_k rows; a plan under single, tp=2 (where the model's declared plan
+    runs) and ep=2 fits."""
+    balance = {"output_router_logits": True} if arch != "deepseek_v3" else {}  # DeepSeek-V3 defines none
+    cfg = {"name": "hf", "arch": arch, **TINY, "num_experts_per_tok": 2, **balance, **MIXTURES[arch]}
+    inputs = _inputs(_model(cfg, "meta"), precision)
+    layers = TINY["num_hidden_layers"] - (arch == "deepseek_v3")
+    assert [c.rows for c in inputs.stats.expert_calls] == [MICRO * SPEC.block_size * 2] * layers
+    for layout in LAYOUTS.values():
+        assert inputs.estimate(layout).fits
+
+
 def test_a_mixtral_single_plans_the_activations_a_cpu_run_holds() -> None:
     net = _model(MIXTRAL)
     predicted = _inputs(net).estimate(LAYOUTS["single"]).memory["activations"]
