@@ -118,6 +118,13 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
         kinds = ("reduce_scatter", "all_gather") if layout.sequence_parallel else ("all_reduce",)
         for kind in kinds:
             out.append(collective(kind, "tp", tp, forward + backward, acc, link_tp))
+        # gathered outputs (gathered again where recomputed) and whole inputs' gradients
+        gathered = (stats.tp_forward_gather_bytes * (1 + recomputed) + stats.tp_backward_gather_bytes) * micro
+        if gathered:
+            out.append(collective("all_gather", "tp", tp, gathered, acc, link_tp, what="activations"))
+        if stats.tp_weight_grad_bytes:  # whole weights' gradients, once per backward whatever the tokens
+            out.append(collective("all_reduce", "tp", tp, stats.tp_weight_grad_bytes * acc, acc, link_tp,
+                                  what="whole weights' gradients"))
     if cp > 1:
         out += context_parallel(stats, layout, ranks, act_scale, link_cp)
     if expert_parallel:

@@ -97,7 +97,9 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     gradient alone, as plans took it before, fell well short of the measured fp32 peak at GPT-2's vocabulary
     (benchmarks/README.md, Figures cited elsewhere).
 
-    Mixtures of experts are not split by tp (every tp rank runs them on the same tokens). Under expert
+    Mixtures of experts are not split by tp (every tp rank runs them on the same tokens). A block with layers
+    that gather their activations whole (``colwise_gather``, ``rowwise_whole_input``) splits only what the pass
+    saw split (``ModelStats.tp_split_bytes``): between such layers every tp rank holds all of it. Under expert
     parallelism a rank keeps, of a mixture, the rows its all-to-all received (the grouped products save them)
     and the combined rows that came back (the weighting saves them) instead of its own rows, as many under
     balanced routing: what the pass saved. The exchange's receive buffer while a mixture's backward runs comes
@@ -110,6 +112,9 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         split = 1 / layout.tp if layout.sequence_parallel else (10 + 24 / layout.tp) / 34
 
     def tp_share(unit: str, total: float, part: str) -> float:  # a unit's mixtures of experts stay whole
+        if layout.tp > 1 and not layout.sequence_parallel and unit in stats.tp_gathering_units:
+            measured = stats.tp_split_bytes.get(unit, {}).get(part, 0)
+            return total - measured + measured / layout.tp
         whole = stats.mixture_bytes.get(unit, {}).get(part, 0)
         return (total - whole) * split + whole
 

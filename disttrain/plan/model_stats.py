@@ -18,12 +18,16 @@ What it records, for one micro-batch:
   checks of the batch's values (which the meta device has not) answered as whole, unpadded sequences answer them
   (``data_checks.WholeSequences``: ``transformers`` asks so before it builds a mask);
 - the output bytes of every pipeline unit (what crosses a stage boundary) and the activation bytes the
-  tensor-parallel plan communicates: each row-wise layer's output (all-reduced in forward) and each
-  input of a column-wise layer (all-reduced in backward);
+  tensor-parallel plan communicates, style by style (``recorder.PassRecorder._tp_hook``): each row-wise layer's
+  output (all-reduced in forward) and each input of a column-wise layer (all-reduced in backward), the gathered
+  outputs and whole inputs of ``colwise_gather`` and ``rowwise_whole_input`` layers, the partial sums of experts
+  split whole over the tp ranks, and the parameters each style splits (``SHARDING_STYLES``);
 - mixtures of experts (``disttrain.plan.experts``): which parameters are experts, the rows each expert module
-  computed and their bytes in and out (what expert parallelism's all-to-alls move), and what a mixture (the
+  computed (tokens x top_k, whether it takes the routed rows or, as ``transformers``' do, each token with its
+  chosen experts) and their bytes in and out (what expert parallelism's all-to-alls move), and what a mixture (the
   module around the experts: router, experts, combination) saved and ran, which tensor parallelism does not
-  split. Routing runs balanced (the meta device has no values to route by); the grouped products count
+  split (but for the work of modules a tp style splits inside it: experts split whole over the tp ranks compute
+  only their own rows). Routing runs balanced (the meta device has no values to route by); the grouped products count
   2 x M x K x N FLOPs, which torch's counter leaves out;
 - for a ``bf16-mixed`` run, all of it as autocast makes it (``disttrain.plan.autocast``): every tensor in the dtype
   autocast gives it, the bf16 copies of the weights among the saved tensors, and what the loss's backward
@@ -36,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
@@ -83,9 +86,9 @@ class ModelStats:
     tp_forward_bytes: int = 0
     """Bytes all-reduced in forward under tensor parallelism (row-wise layers' outputs), whole size."""
     tp_backward_bytes: int = 0
-    """Bytes all-reduced in backward under tensor parallelism (column-wise layers' inputs)."""
+    """Bytes all-reduced in backward under tensor parallelism (column-wise layers' inputs), whole size."""
     tp_sharded: dict[str, bool] = field(default_factory=dict)
-    """Parameter name -> split by the tensor-parallel plan (column- or row-wise)."""
+    """Parameter name -> split by the tensor-parallel plan (``SHARDING_STYLES``)."""
     saved_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     """Unit name -> ``saved_bytes`` split by the kind of operator that produced each saved storage (``KINDS``)."""
     selective_bytes: dict[str, int] = field(default_factory=dict)
@@ -104,13 +107,32 @@ class ModelStats:
     """Unit name -> the part inside mixtures of experts of its ``saved`` bytes, its ``selective`` bytes and its
     saved bytes made by ``other`` operators (tensor parallelism leaves mixtures whole)."""
     mixture_ops: dict[str, list[Op]] = field(default_factory=dict)
-    """Unit name -> the forward operators that ran inside a mixture of experts (also in ``forward_ops``)."""
+    """Unit name -> the forward operators that ran inside a mixture of experts (also in ``forward_ops``), but for
+    those of modules a tp style splits there: what every tp rank runs whole."""
     autocast: str | None = None
     """The device whose bf16 autocast the pass ran under (``cuda`` or ``cpu``); None: fp32. Under it every byte
     above is in the dtype autocast keeps it in."""
     weight_copy_bytes: dict[str, int] = field(default_factory=dict)
     """Unit name -> the part of ``saved_bytes`` that is autocast's bf16 copies of weights (none where the
     parameters are bf16 already, as FSDP2 gathers them under bf16-mixed on a GPU)."""
+    tp_forward_gather_bytes: int = 0
+    """Bytes all-gathered in forward under tensor parallelism (``colwise_gather`` layers' outputs), whole size."""
+    tp_backward_gather_bytes: int = 0
+    """Bytes all-gathered in backward under tensor parallelism (the gradients of ``rowwise_whole_input`` layers'
+    whole inputs), whole size."""
+    tp_weight_grad_bytes: int = 0
+    """Bytes of the whole weights whose gradients tensor parallelism sums over its ranks in every backward
+    (``per_head`` modules); they do not scale with the tokens."""
+    tp_split_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Unit name -> the part of its ``saved`` bytes, its ``selective`` bytes and its saved bytes made by ``other``
+    operators that the tensor-parallel plan splits: each column-wise layer's output and what operators make of it,
+    up to the row-wise or gathering layer whose output is whole."""
+    tp_gathering_units: list[str] = field(default_factory=list)
+    """Units holding layers of a gathering tp style (``recorder.GATHERING_STYLES``), whose activations split as
+    ``tp_split_bytes`` measures rather than as Megatron's analysis has a block's."""
+    tp_whole_ops: dict[str, list[Op]] = field(default_factory=dict)
+    """Unit name -> for the ``tp_gathering_units``, the forward operators every tp rank runs whole: outside the
+    layers a tp style splits, on whole activations (attention between a gathered qkv and a row-wise output)."""
     loss_grad_bytes: int = 0
     """The most bytes the loss's backward added to what was saved, before the logits' gradient was complete: the
     gradients of the loss's own tensors and the logits' gradient, less what it saved and has freed by then."""
@@ -125,6 +147,17 @@ class ModelStats:
     def recomputed_mixture_ops(self) -> dict[str, list[Op]]:
         """Unit name -> the part of ``recomputed_ops`` that runs inside mixtures of experts."""
         return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.mixture_ops.items()}
+
+    @functools.cached_property
+    def tp_unsplit_ops(self) -> dict[str, list[Op]]:
+        """Unit name -> the forward operators every tp rank runs whole: ``tp_whole_ops`` in a gathering unit,
+        else those of its mixtures of experts (Megatron's split of a block's work holds for the rest)."""
+        return {unit: self.tp_whole_ops.get(unit, ops) for unit, ops in self.mixture_ops.items()}
+
+    @functools.cached_property
+    def recomputed_tp_unsplit_ops(self) -> dict[str, list[Op]]:
+        """Unit name -> the part of ``recomputed_ops`` among ``tp_unsplit_ops``."""
+        return {unit: [op for op in ops if op[3] == "other"] for unit, ops in self.tp_unsplit_ops.items()}
 
     @property
     def params(self) -> int:
@@ -227,16 +260,41 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
         for p, grad in kept.items():
             p.grad = grad
     tokens = spec.block_size if spec.kind == "text" else 1
-    # column-wise layers split weight and bias; row-wise layers split the weight and replicate the bias
-    sharded = {name: any(fnmatchcase(name.rsplit(".", 1)[0], pattern) for pattern, style in (tp_plan or {}).items()
-                         if style == "colwise" or (style == "rowwise" and not name.endswith(".bias")))
-               for name in param_numel}
+    sharded = tp_sharded_parameters(net, tp_plan or {}, param_numel)
     return ModelStats(micro_size, tokens, param_numel, param_unit, units, pipeline_units, shard_units,
                       recorder.saved, recorder.inputs, recorder.outputs, recorder.forward_ops,
                       recorder.backward_ops, nbytes(logits), recorder.tp_forward, recorder.tp_backward, sharded,
                       recorder.saved_by_kind, recorder.selective, recorder.attention_kv, recorder.largest,
                       expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops,
-                      autocast, recorder.weight_copies, loss_grad[0])
+                      autocast, recorder.weight_copies, recorder.tp_forward_gather, recorder.tp_backward_gather,
+                      recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
+                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0])
+
+
+SHARDING_STYLES = {"colwise": "all", "colwise_gather": "all", "rowwise": "weight", "rowwise_whole_input": "weight",
+                   "experts": "all"}
+"""Tensor-parallel styles that split a module's own parameters over the tp ranks, and which: ``all`` (column-wise
+layers split weight and bias; the ``experts`` style splits every ``[n_experts, ...]`` parameter by whole experts)
+or the ``weight`` alone (row-wise layers replicate the bias). ``per_head`` and ``mla_kv_a`` modules, and every
+module the plan does not name, are whole on every rank."""
+
+
+def tp_sharded_parameters(net: nn.Module, tp_plan: dict[str, str], names: dict[str, int]) -> dict[str, bool]:
+    """Parameter name (of ``names``) -> whether the tensor-parallel plan splits it, each pattern matched part by
+    dotted part as the runtime matches it (``disttrain.parallel.model_plan.matching_modules``)."""
+    from disttrain.parallel.model_plan import matching_modules
+
+    split: dict[str, str] = {}
+    for pattern, style in tp_plan.items():
+        if style in SHARDING_STYLES:
+            split.update(dict.fromkeys(matching_modules(net, pattern), SHARDING_STYLES[style]))
+
+    def sharded(name: str) -> bool:
+        module, _, own = name.rpartition(".")
+        which = split.get(module)
+        return which == "all" or (which == "weight" and own == "weight")
+
+    return {name: sharded(name) for name in names}
 
 
 def _meta_copy(net: nn.Module) -> nn.Module:

@@ -51,7 +51,10 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
     fused kernels save (on the meta device the dispatcher would pick the reference path, which keeps a tokens x
     tokens matrix per head). Grouped-query attention too: with ``enable_gqa`` (``transformers``' SDPA attention
     passes it rather than repeating the key and value heads) the kernel takes keys and values with fewer heads,
-    as the flash kernels of CPUs and GPUs do."""
+    as the flash kernels of CPUs and GPUs do. Values narrower than the queries and keys (multi-head latent
+    attention: DeepSeek's 128 against 192) take the memory-efficient kernel, as torch picks it on a GPU where
+    the flash kernels want one head width; it keeps the same (output and log-sum-exp), with keys and values of
+    every head."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,9 +62,16 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("attn_mask", "dropout_p", "is_causal", "scale")
         options = dict(zip(names, args[3:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        query, key, value = args[:3]
+        mask = additive_mask(options.get("attn_mask"), query.dtype)
+        dropout, causal = options.get("dropout_p", 0.0), options.get("is_causal", False)
+        if value.size(-1) != query.size(-1):
+            groups = query.size(-3) // key.size(-3)
+            key, value = (t.repeat_interleave(groups, dim=-3) if groups > 1 else t for t in (key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, mask, True, dropout, causal, scale=options.get("scale"))[0]
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *args[:3], dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
-            attn_mask=additive_mask(options.get("attn_mask"), args[0].dtype), scale=options.get("scale"))
+            query, key, value, dropout_p=dropout, is_causal=causal, attn_mask=mask, scale=options.get("scale"))
         return out
 
 

@@ -61,7 +61,8 @@ def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | N
     """Forward, backward, recompute and optimiser step of the busiest rank, and the recompute part of it:
     per-operator roofline times of the measured pass (tensor parallelism splits the work of the blocks;
     context parallelism the work of every operator, each rank computing 1/cp of the tokens and, with its early
-    and late chunk, 1/cp of causal attention; embeddings, head and mixtures of experts are replicated over tp;
+    and late chunk, 1/cp of causal attention; embeddings, head, mixtures of experts and, in a block with gathering
+    tp styles, what runs on whole activations are replicated over tp;
     expert parallelism moves rows, not work: under balanced routing a rank computes as many rows as it sends);
     backward is charged to units in proportion to their forward time. Recompute: a fully checkpointed unit's forward
     again; a selective one's operators other than matrix products and attention."""
@@ -86,8 +87,8 @@ def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | N
         return layout.cp * (layout.tp if in_any_block(unit, blocks) else 1)
 
     def unit_seconds(unit: str, ops: list[Op], mixture: list[Op]) -> float:
-        """``ops`` of ``unit`` split as the unit is, but for the mixtures of experts among them (``mixture``),
-        which every tp rank runs whole."""
+        """``ops`` of ``unit`` split as the unit is, but for those every tp rank runs whole (``mixture``: its
+        mixtures of experts, or what a gathering unit runs on whole activations)."""
         if split(unit) == layout.cp or not mixture:
             return seconds(ops, split(unit))
         return seconds(ops, split(unit)) - seconds(mixture, split(unit)) + seconds(mixture, layout.cp)
@@ -97,11 +98,11 @@ def compute_seconds(stats: ModelStats, layout: Layout, ranks: list[list[str] | N
         if policy == "full":
             return forward[unit]
         if policy == "selective":
-            return unit_seconds(unit, stats.recomputed_ops[unit], stats.recomputed_mixture_ops.get(unit, []))
+            return unit_seconds(unit, stats.recomputed_ops[unit], stats.recomputed_tp_unsplit_ops.get(unit, []))
         return 0.0
 
     whole = sum(seconds(ops, 1) for ops in stats.forward_ops.values()) or 1.0
-    forward = {u: unit_seconds(u, ops, stats.mixture_ops.get(u, [])) for u, ops in stats.forward_ops.items()}
+    forward = {u: unit_seconds(u, ops, stats.tp_unsplit_ops.get(u, [])) for u, ops in stats.forward_ops.items()}
     backward = seconds(stats.backward_ops, 1)
     passes = layout.accumulation * (layout.microbatches if layout.pp > 1 else 1)
     scale = layout.micro_size / (layout.microbatches if layout.pp > 1 else 1) / stats.micro_size
