@@ -4,7 +4,7 @@ product costs, and how a pass on the meta device gets through routing whose outc
 Experts are the 3-D parameters (``[n_experts, ...]``) of the modules that carry an ``expert_parallel`` attribute,
 the mark expert parallelism splits by (``disttrain.parallel.model_checks``); such a module's forward takes the rows
 routed to its experts first (``[rows, width]``, sorted by expert) and returns their outputs, or, as
-``transformers``' grouped experts do (``disttrain.models.hf_experts``), each token once with the experts it chose
+``transformers``' grouped experts do (``disttrain.models.hf.experts``), each token once with the experts it chose
 (``experts(hidden, top_k_index, top_k_weights)``) and returns its combined output: a row per token and choice
 either way.
 
