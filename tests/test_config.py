@@ -41,7 +41,7 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
         (["parallel=zero1", "trainer.devices=1"], "parallel.dp_shard", "> 1 (or parallel.cp > 1) for zero_stage=1"),
         (["parallel=ddp", "trainer.devices=2", "model.sync_batchnorm=true"], "model.sync_batchnorm", "GPU"),
         (["parallel=pipeline", "trainer.devices=8"], "parallel.pp", "8 stages for a model of 4 pipeline units"),
-        (["parallel=pipeline", "trainer.devices=2", *GPT_TEXT], "parallel.pp", "untie it (e.g. model.tie_weights"),
+        (["parallel=pipeline", "trainer.devices=2", *GPT_TEXT], "parallel.pp", "untie it (model.tie_weights=false"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.microbatches=1"],
          "parallel.pipeline.microbatches", "at least pp=2"),
         (["parallel=pipeline", "trainer.devices=2", *GPT_UNTIED, "parallel.pipeline.microbatches=3"],
