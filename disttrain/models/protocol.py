@@ -39,6 +39,11 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     model, in a layout ``transformers`` converts from: ``disttrain.models.hf.conversion``), replace its
     initialisation once the model is laid out over its ranks (each rank reads only what it holds).
 
+``pretrained_conversion(self)`` (optional, beside ``pretrained``)
+    How the folder's tensors convert into this model's where their layout differs (a ``Conversion`` of
+    ``disttrain.models.hf.conversion``; None: they are read by name); the strategy asks for it before the model is
+    laid out, since a pipeline stage keeps only its own modules.
+
 ``materialize(self, device) -> None`` (with a model built on the meta device)
     Allocate its tensors on ``device`` (``to_empty``) and compute the buffers no checkpoint holds; the strategy
     calls it once the model is laid out, so ZeRO-3 ranks allocate only their shards.

@@ -25,8 +25,7 @@ from disttrain.models.hf.weights import saved_headers, weight_files
 
 def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None) -> None:
     """Replace ``model``'s parameters and persistent buffers with the folder's tensors of the same names, or those
-    ``conversion`` (the model's, taken before it was laid out: ``disttrain.models.hf.conversion.conversion_of``)
-    converts into them.
+    ``conversion`` (the model's ``pretrained_conversion``, taken before it was laid out) converts into them.
 
     A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
     embedding is saved once).

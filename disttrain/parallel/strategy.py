@@ -27,7 +27,6 @@ from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.lightning_internals import join_process_group, optimizers_to_device, set_device_mesh
-from disttrain.models.hf.conversion import conversion_of
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
@@ -143,7 +142,8 @@ class DistTrainStrategy(ModelParallelStrategy):
             starting_weights = getattr(task.net, "pretrained", None)
             folder = starting_weights() if callable(starting_weights) else None
             # taken from the whole model: a pipeline stage keeps only its own modules
-            conversion = conversion_of(task.net) if folder is not None else None
+            converting = getattr(task.net, "pretrained_conversion", None)
+            conversion = converting() if folder is not None and callable(converting) else None
             materialize = getattr(task.net, "materialize", None) if _on_meta(task.net) else None
             # FSDP2 shards a model still on the meta device, so each rank allocates only its shards; every other
             # layout is allocated whole first (DDP broadcasts, stages are cut from the whole model)

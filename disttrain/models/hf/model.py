@@ -24,6 +24,7 @@ from disttrain.models.hf import experts as hf_experts
 from disttrain.models.hf import pipeline as hf_pipeline
 from disttrain.models.hf import tp_plan as hf_plan
 from disttrain.models.hf.config import HFConfig, one_line
+from disttrain.models.hf.conversion import Conversion, conversion_of
 from disttrain.models.meta import on_meta_device
 from disttrain.models.registry import MODELS
 
@@ -93,6 +94,11 @@ class HFCausalLM(nn.Module):
     def pretrained(self) -> str | None:
         """The folder of weights to start from (None: the seeded random initialisation)."""
         return self.pretrained_path
+
+    def pretrained_conversion(self) -> Conversion | None:
+        """How ``transformers`` converts a folder's tensors into this model's (a mixture's experts saved one tensor
+        per expert fill its grouped weights), for the ranks' reads of ``pretrained``."""
+        return conversion_of(self)
 
     def materialize(self, device: torch.device) -> None:
         """Allocate a model built on the meta device, whose weights are then read from ``pretrained``, and compute
