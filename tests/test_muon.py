@@ -4,6 +4,8 @@ layouts with the Newton-Schulz iteration in fp32."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ from disttrain.errors import ConfigError
 from disttrain.optim.muon import Muon, MuonConfig, newton_schulz, orthogonalise, route, routing_lines
 from tests.dist_utils import run_on_ranks
 from tests.test_expert_parallel import MOE_MODEL
-from tests.test_parity import CLIP, STEPS, check_against, run_summary
+from tests.test_parity import CLIP, STEPS, check_against, relative_deviation, run_summary
 from tests.test_run import GPT_FAST
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -226,13 +228,15 @@ LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-5
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, dict]:
-    cache: dict[str, dict] = {}
+def references(tmp_path_factory) -> Callable[[str, int], dict]:
+    """``(model, accumulation) -> run_summary`` of one process, each run when first asked for."""
+    cache: dict[tuple[str, int], dict] = {}
 
-    def reference(model: str) -> dict:
-        if model not in cache:
-            cache[model] = run_summary(tmp_path_factory.mktemp(f"{model}-single"), BASE if model == "gpt" else MOE)
-        return cache[model]
+    def reference(model: str, accumulation: int) -> dict:
+        if (model, accumulation) not in cache:
+            overrides = [*(BASE if model == "gpt" else MOE), f"batch.accumulation={accumulation}"]
+            cache[model, accumulation] = run_summary(tmp_path_factory.mktemp(f"{model}-{accumulation}"), overrides)
+        return cache[model, accumulation]
 
     return reference
 
@@ -242,6 +246,14 @@ def references(tmp_path_factory) -> dict[str, dict]:
 def test_layout_matches_one_process(tmp_path, references, layout):
     model = "moe" if layout in MOE_LAYOUTS else "gpt"
     overrides, ranks = {**LAYOUTS, **MOE_LAYOUTS}[layout]
+    accumulation = 4 if "batch.accumulation=4" in overrides else 1
     got = run_summary(tmp_path / "run", [*(BASE if model == "gpt" else MOE), *overrides, f"trainer.devices={ranks}"])
-    check_against(references(model), got, clipped=True, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL,
+    check_against(references(model, accumulation), got, clipped=True, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL,
                   norm_rtol=NORM_RTOL)
+    if accumulation > 1:  # the same global batches in one micro-batch: the same curve and weights (the validation
+        # batches differ: they are micro-batch sized)
+        single = references(model, 1)
+        assert relative_deviation(single["losses"], got["losses"]) <= LOSS_RTOL
+        assert relative_deviation(single["norms"], got["norms"]) <= NORM_RTOL
+        for name, weight in got["weights"].items():
+            torch.testing.assert_close(weight, single["weights"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
