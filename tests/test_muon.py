@@ -13,11 +13,16 @@ from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from disttrain.errors import ConfigError
+from disttrain.launch.job import train
 from disttrain.optim.muon import Muon, MuonConfig, newton_schulz, orthogonalise, route, routing_lines
+from tests.conftest import compose_config
 from tests.dist_utils import run_on_ranks
 from tests.test_expert_parallel import MOE_MODEL
 from tests.test_parity import CLIP, STEPS, check_against, relative_deviation, run_summary
-from tests.test_run import GPT_FAST
+from tests.test_resume_layouts import BASE as RESUME_BASE
+from tests.test_resume_layouts import SAVED
+from tests.test_resume_layouts import STEPS as RESUME_STEPS
+from tests.test_run import GPT_FAST, step_losses
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -137,11 +142,17 @@ def _mlp_train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         opt.step()
 
 
+class PerShardMuon(Muon):
+    """Muon that orthogonalises each rank's shard alone: the mistake the parity tests must catch."""
+
+    shard_local = True
+
+
 def _muon(model: nn.Module, shard_local: bool = False) -> Muon:
     params = list(model.parameters())
-    return Muon([{"params": [p for p in params if p.ndim == 2]},
+    return (PerShardMuon if shard_local else Muon)([{"params": [p for p in params if p.ndim == 2]},
                  {"params": [p for p in params if p.ndim < 2], "muon": False, "lr": 3e-3}],
-                lr=0.05, ns_dtype="float32", shard_local=shard_local)
+                lr=0.05, ns_dtype="float32")
 
 
 def _sharded_worker() -> dict:
@@ -257,3 +268,32 @@ def test_layout_matches_one_process(tmp_path, references, layout):
         assert relative_deviation(single["norms"], got["norms"]) <= NORM_RTOL
         for name, weight in got["weights"].items():
             torch.testing.assert_close(weight, single["weights"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------- resume elsewhere
+RESUME = [*(o for o in RESUME_BASE if not o.startswith(("optim", "model.n_layer"))), "model.n_layer=2", "optim=muon",
+          "optim.ns_dtype=float32"]
+RESUME_LAYOUTS = {"single": ([], 1), **LAYOUTS}
+# measured (fp32 iteration, gloo): the resumed steps within 1e-7 relative of the saving run's
+RESUME_RTOL = 1e-5
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ("zero3", "tp"), *(pytest.param(*move, marks=pytest.mark.slow) for move in (("tp", "zero1"), ("pp-1f1b", "single"),
+                                                                               ("zero1", "zero3")))])
+def test_resumes_under_another_layout_on_the_same_curve(tmp_path, before, after):
+    """Momentum buffers and AdamW's moments move between layouts: a run saved at step 4 under ``before`` and resumed
+    under ``after`` continues the saving run's own curve."""
+    def layout(name: str) -> list[str]:
+        overrides, ranks = RESUME_LAYOUTS[name]
+        return [*overrides, f"trainer.devices={ranks}"]
+
+    train(compose_config([*RESUME, *layout(before)], tmp_path / "saved"))
+    curve = step_losses(tmp_path / "saved")
+    assert len(curve) == RESUME_STEPS
+    point = tmp_path / "saved" / "checkpoints" / f"last-step{SAVED}.ckpt"
+    train(compose_config([*RESUME, *layout(after), f"resume={point}"], tmp_path / "resumed"))
+    resumed = step_losses(tmp_path / "resumed")[-(RESUME_STEPS - SAVED):]
+    assert len(resumed) == RESUME_STEPS - SAVED
+    deviation = relative_deviation(curve[SAVED:], resumed)
+    assert deviation <= RESUME_RTOL, (deviation, curve[SAVED:], resumed)

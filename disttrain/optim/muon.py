@@ -46,12 +46,16 @@ class Muon(torch.optim.Optimizer):
     keeps its own shard of ``O``. Every rank computes it rather than one owner per matrix that sends the result back:
     the owner would have to scatter ``O`` again, one more collective per matrix, and the iteration is small next to
     the model's forward and backward at the sizes these layouts serve; ZeRO-1 already steps each matrix on one
-    owner rank. Expert stacks split only by expert are stepped where they lie. ``shard_local=True``
-    orthogonalises each local shard instead: wrong on purpose, so the parity tests can show they catch it.
+    owner rank. Expert stacks split only by expert are stepped where they lie. A subclass with ``shard_local = True``
+    orthogonalises each local shard instead: wrong on purpose, so the parity tests can show they catch it (a class
+    attribute, not a constructor argument: ZeRO-1 would carry one into the param groups and so into checkpoints).
 
     State: ``momentum_buffer`` per matrix, ``step``/``exp_avg``/``exp_avg_sq`` per AdamW parameter, laid out like the
     parameter, so ``torch.distributed.checkpoint.state_dict`` saves and reshards it as AdamW's.
     """
+
+    shard_local = False
+    """Orthogonalise each local shard rather than the whole matrix (the deliberate mistake of the parity tests)."""
 
     def __init__(
         self,
@@ -67,11 +71,14 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: str = "bfloat16",
         betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
-        *,
-        shard_local: bool = False,
+        differentiable: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"invalid learning rate {lr}")
+        # torch's Optimizer.load_state_dict puts ``differentiable`` into the defaults, from which ZeRO-1 rebuilds this
+        # class after a resume: accepted, and only as False (the step is not differentiable)
+        if differentiable:
+            raise ValueError("Muon has no differentiable step")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, betas=tuple(betas), adam_eps=adam_eps,
@@ -80,7 +87,6 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["muon"] and any(p.ndim not in (2, 3) for p in group["params"]):
                 raise ValueError("Muon steps matrices (2-D) and stacks of matrices (3-D) only")
-        self.shard_local = shard_local
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
