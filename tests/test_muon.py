@@ -84,6 +84,9 @@ def test_routing_by_rule_and_overrides():
         route(Tiny(), ["hidden.*"], ["hidden.weight"])
     with pytest.raises(ConfigError, match="optim.matrix_params"):
         route(Tiny(), ["norm.*"], [])
+    tied = Tiny()
+    tied.lm_head.weight = tied.embed.weight  # named once, as the embedding's; held by the head's Linear too
+    assert [n for n, _ in route(tied, [], [])[0]] == ["experts", "hidden.weight"]
 
 
 @pytest.mark.parametrize(("key", "value"), [("ns_dtype", "float16"), ("ns_steps", 0), ("adjust_lr_fn", "none"),

@@ -174,35 +174,45 @@ def newton_schulz(matrix: Tensor, coefficients: tuple[float, float, float], step
     return x.T if tall else x
 
 
-def is_matrix_by_rule(name: str, param: Tensor, module: nn.Module) -> bool:
-    """The default routing: a 2-D weight, or a 3-D stack of matrices (MoE experts), that belongs to neither an
-    embedding, a convolution nor the output head."""
-    parts = name.split(".")[:-1]
-    if param.ndim not in (2, 3) or isinstance(module, (nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)):
+def is_matrix_by_rule(aliases: list[tuple[str, nn.Module]], param: Tensor) -> bool:
+    """The default routing: a 2-D weight, or a 3-D stack of matrices (MoE experts), none of whose names belongs to an
+    embedding, a convolution or the output head (``aliases``: each name of the parameter and the module holding it
+    under that name; a head tied to the embedding has two)."""
+    if param.ndim not in (2, 3):
         return False
-    return not ("head" in parts or (parts and parts[-1] in HEAD_MODULES))
+    for name, module in aliases:
+        parts = name.split(".")[:-1]
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)) or "head" in parts \
+                or (parts and parts[-1] in HEAD_MODULES):
+            return False
+    return True
 
 
 def route(model: nn.Module, matrix_patterns: list[str], other_patterns: list[str]) -> tuple[
         list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
     """``(matrices, others)``: the trainable parameters of ``model`` (by name) that Muon steps and those AdamW steps.
 
-    A name matching one of ``other_patterns`` (fnmatch) goes to AdamW, one of ``matrix_patterns`` to Muon (it must be
-    2-D or 3-D), any other by ``is_matrix_by_rule``. A ConfigError names a parameter that both match, or a matrix
-    pattern that picks a parameter Muon cannot step. Names are the wrapped model's (the same under every layout).
+    A parameter any of whose names matches one of ``other_patterns`` (fnmatch) goes to AdamW, one of
+    ``matrix_patterns`` to Muon (it must be 2-D or 3-D), any other by ``is_matrix_by_rule``. A ConfigError names a
+    parameter that both match, or a matrix pattern that picks a parameter Muon cannot step. Names are the wrapped
+    model's (the same under every layout).
     """
-    owners = {id(p): module for module in model.modules() for p in module.parameters(recurse=False)}
+    aliases: dict[int, list[tuple[str, nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, p in module.named_parameters(recurse=False):
+            aliases.setdefault(id(p), []).append((f"{module_name}.{param_name}".lstrip("."), module))
     matrices, others = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        as_other = any(fnmatch.fnmatchcase(name, pat) for pat in other_patterns)
-        as_matrix = any(fnmatch.fnmatchcase(name, pat) for pat in matrix_patterns)
+        names = [alias for alias, _ in aliases[id(p)]]
+        as_other = any(fnmatch.fnmatchcase(n, pat) for n in names for pat in other_patterns)
+        as_matrix = any(fnmatch.fnmatchcase(n, pat) for n in names for pat in matrix_patterns)
         if as_other and as_matrix:
             raise ConfigError("optim.matrix_params", name, "a parameter that optim.other.params does not name too")
         if as_matrix and p.ndim not in (2, 3):
             raise ConfigError("optim.matrix_params", f"{name} ({p.ndim}-D)", "patterns of 2-D or 3-D parameters")
-        matrix = as_matrix or (not as_other and is_matrix_by_rule(name, p, owners[id(p)]))
+        matrix = as_matrix or (not as_other and is_matrix_by_rule(aliases[id(p)], p))
         (matrices if matrix else others).append((name, p))
     if not matrices and not others:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
