@@ -15,6 +15,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from disttrain.errors import ConfigError
 from disttrain.launch.job import train
 from disttrain.optim.muon import Muon, MuonConfig, newton_schulz, orthogonalise, route, routing_lines
+from tests import test_optim
 from tests.conftest import compose_config
 from tests.dist_utils import run_on_ranks
 from tests.test_expert_parallel import MOE_MODEL
@@ -87,6 +88,18 @@ def test_routing_by_rule_and_overrides():
     tied = Tiny()
     tied.lm_head.weight = tied.embed.weight  # named once, as the embedding's; held by the head's Linear too
     assert [n for n, _ in route(tied, [], [])[0]] == ["experts", "hidden.weight"]
+
+
+def test_schema_is_documented_and_merges_from_yaml():
+    from omegaconf import OmegaConf
+
+    from disttrain.optim import muon as muon_module
+
+    test_optim.test_schemas_are_documented_omegaconf_dataclasses(muon_module)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MuonConfig), OmegaConf.create(
+        {"ns_dtype": "float32", "other": {"lr": 1e-3, "params": ["blocks.0.*"]}})))
+    assert isinstance(cfg, MuonConfig) and cfg.other.lr == 1e-3 and cfg.other.params == ["blocks.0.*"]
+    cfg.validate()
 
 
 @pytest.mark.parametrize(("key", "value"), [("ns_dtype", "float16"), ("ns_steps", 0), ("adjust_lr_fn", "none"),
