@@ -44,11 +44,12 @@ class Muon(torch.optim.Optimizer):
     The iteration needs the whole matrix: where a parameter is a DTensor that splits its matrices (FSDP2, tensor
     parallelism, both) the momentum-updated ``U`` is gathered, every rank of the shard group orthogonalises it and
     keeps its own shard of ``O``. Every rank computes it rather than one owner per matrix that sends the result back:
-    the owner would have to scatter ``O`` again, one more collective per matrix, and the iteration is small next to
-    the model's forward and backward at the sizes these layouts serve; ZeRO-1 already steps each matrix on one
-    owner rank. Expert stacks split only by expert are stepped where they lie. A subclass with ``shard_local = True``
-    orthogonalises each local shard instead: wrong on purpose, so the parity tests can show they catch it (a class
-    attribute, not a constructor argument: ZeRO-1 would carry one into the param groups and so into checkpoints).
+    that needs one gather and no scatter (an owner would add a scatter of ``O`` per matrix), at the price of the
+    iteration's FLOPs repeated on each rank of the shard group, which owners chosen to balance the matrices would
+    save. ZeRO-1 already steps each matrix on one owner rank. Expert stacks split only by expert are stepped where
+    they lie. A subclass with ``shard_local = True`` orthogonalises each local shard instead: wrong on purpose, so
+    the parity tests can show they catch it (a class attribute, not a constructor argument: ZeRO-1 would carry one
+    into the param groups and so into checkpoints).
 
     State: ``momentum_buffer`` per matrix, ``step``/``exp_avg``/``exp_avg_sq`` per AdamW parameter, laid out like the
     parameter, so ``torch.distributed.checkpoint.state_dict`` saves and reshards it as AdamW's.
