@@ -265,7 +265,7 @@ def test_defaults_validate_and_unknown_name():
         cfg.validate()
     with pytest.raises(ConfigError, match=r"^optim.name='adam' is invalid"):
         OPTIMIZERS.get("adam")
-    assert OPTIMIZERS.names() == ["adamw", "lamb", "lars", "sgd"]
+    assert OPTIMIZERS.names() == ["adamw", "lamb", "lars", "muon", "sgd"]
 
 
 @pytest.mark.parametrize("module", [torch_optims, lamb_module, lars_module, scheduler_module])

@@ -26,7 +26,7 @@ def run_as_typed(command: str, shortened: list[str], cwd) -> dict:
 
 
 def test_recipes_state_what_they_reproduce(make_config):
-    for name in ("cnn_digits", "gpt_pydocs", "gpt_long_context", "moe_pydocs"):
+    for name in ("cnn_digits", "gpt_pydocs", "gpt_pydocs_muon", "gpt_long_context", "moe_pydocs"):
         run = validate(make_config([f"recipe={name}"]))
         assert run.train.recipe_name == name
         expect = run.train.expect
