@@ -81,3 +81,18 @@ def check_move(tmp_path, saved, before: str, after: str) -> None:
     assert len(resumed) == STEPS - SAVED
     deviation = max(abs(a - b) / abs(a) for a, b in zip(curve[SAVED:], resumed, strict=True))
     assert deviation <= LOSS_RTOL, (deviation, curve[SAVED:], resumed)
+
+
+@pytest.mark.parametrize("optim", ["lamb", "lars"])
+def test_zero1_of_an_optimiser_written_here_resumes_and_saves_again(tmp_path, optim):
+    """ZeRO-1 rebuilds the optimiser's class from its defaults to save; a resumed one's defaults hold keys torch's
+    ``load_state_dict`` adds, which LAMB and LARS do not take. The resumed run saves and stays on the curve."""
+    overrides = [*GPT_FAST, "model.n_layer=2", "trainer.max_steps=4", "trainer.gradient_clip_val=0.5",
+                 f"optim={optim}", "checkpoint.every_n_train_steps=2", "checkpoint.keep_last=2", "parallel=zero1",
+                 "trainer.devices=2"]
+    train(compose_config(overrides, tmp_path / "saved"))
+    point = tmp_path / "saved" / "checkpoints" / "last-step2.ckpt"
+    train(compose_config([*overrides, f"resume={point}"], tmp_path / "resumed"))
+    assert (tmp_path / "resumed" / "checkpoints" / "last.ckpt").is_dir()
+    resumed, saved = step_losses(tmp_path / "resumed")[-2:], step_losses(tmp_path / "saved")[-2:]
+    assert resumed == pytest.approx(saved, rel=LOSS_RTOL)

@@ -148,7 +148,12 @@ def _unsharded_twin(optimizer: ZeroRedundancyOptimizer) -> torch.optim.Optimizer
     """A plain optimiser of the same class and groups over all parameters, with no state yet (the wrapper
     keeps the local optimiser's constructor and options, which it needs to build that optimiser itself)."""
     groups = [dict(group) for group in optimizer.param_groups]
-    return optimizer._optim_constructor(groups, **optimizer._optim_defaults)
+    build = optimizer._optim_constructor
+    accepted = inspect.signature(build.__init__).parameters
+    # a resumed optimiser's defaults hold keys torch's load_state_dict adds (``differentiable``), which an
+    # optimiser written here (LAMB, LARS) does not take
+    options = {key: value for key, value in optimizer._optim_defaults.items() if key in accepted}
+    return build(groups, **options)
 
 
 def zero1_named_state_dict(model: nn.Module, optimizer: ZeroRedundancyOptimizer, options: Any) -> dict[str, Any]:
