@@ -31,6 +31,7 @@ from disttrain.plan.layout import (
     rank_units,
     within,
 )
+from disttrain.plan.matrix_step import matrix_gathers, orthogonalise_flops, orthogonalise_seconds, rank_state
 from disttrain.plan.memory import (
     ActivationBytes,
     activations,
@@ -86,6 +87,10 @@ class Estimate:
     grads_alternative: float | None = None
     """Gradient bytes under the other ``parallel.accumulate_grads`` choice (sharded <-> unsharded); None where
     there is no choice (no ZeRO-2/3 accumulation without pipelining)."""
+    orthogonalise_flops: float = 0.0
+    """FLOPs per optimiser step of a matrix optimiser's Newton-Schulz iteration on the busiest rank (0: none)."""
+    orthogonalise_s: float = 0.0
+    """Their time, part of ``compute_s``."""
     watts: float | None = None
     """Power of all the devices the run occupies (a CPU run: every core of the machine), when known."""
     notes: list[str] = field(default_factory=list)
@@ -132,11 +137,17 @@ EP_DEGREES = (1, 2, 4)
 """Expert-parallel degrees a plan of a model with experts shows (and the layout's own)."""
 
 
+def busiest_units(stats: ModelStats, layout: Layout, ranks: list[list[str] | None]) -> list[str] | None:
+    """The units of the pipeline rank that holds the most parameter elements (counting 1/ep of its experts)."""
+    return max(ranks, key=lambda units: local_params(layout, rank_params(stats, layout, units),
+                                                     rank_expert_params(stats, layout, units)))
+
+
 def busiest_params(stats: ModelStats, layout: Layout, ranks: list[list[str] | None]) -> tuple[float, float]:
     """Parameter elements before data-parallel sharding of the pipeline rank that holds the most (counting 1/ep
     of its experts), and how many of them are experts'."""
-    return max(((rank_params(stats, layout, units), rank_expert_params(stats, layout, units)) for units in ranks),
-               key=lambda pair: local_params(layout, *pair))
+    units = busiest_units(stats, layout, ranks)
+    return rank_params(stats, layout, units), rank_expert_params(stats, layout, units)
 
 
 def activation_dtype(stats: ModelStats, bf16: bool) -> float:
@@ -157,6 +168,8 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     act_dtype = activation_dtype(stats, bf16)
     ranks = rank_units(stats, layout)
     params, experts = busiest_params(stats, layout, ranks)
+    busiest = busiest_units(stats, layout, ranks)
+    state = rank_state(stats, layout, busiest, state)
     alternative = None
     if layout.shards_gradients and layout.pp == 1 and layout.accumulation > 1:
         other = replace(layout, accumulate_grads="unsharded" if layout.sharded_accumulation else "sharded")
@@ -172,6 +185,11 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
                           scale)
     compute, recompute = compute_seconds(stats, layout, ranks, profile, state, params, bf16)
+    ns_flops = ns_seconds = 0.0
+    if state.matrices is not None:  # a matrix optimiser: its gathers and iteration, once per optimiser step
+        traffic += matrix_gathers(stats, layout, busiest, state.matrices, profile)
+        ns_flops = orthogonalise_flops(stats, layout, busiest, state.matrices)
+        ns_seconds = orthogonalise_seconds(ns_flops, layout, profile, state.matrices)
     shared_cpu = profile.cpu
     overlappable = [c for c in traffic if c.group.startswith("dp") and not c.after_step]
     dp_time = sum(c.seconds for c in overlappable)
@@ -179,6 +197,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     # data-parallel collectives of backward overlap it on GPUs; gloo on a shared CPU runs on the cores that
     # compute; what runs after the optimiser step (ZeRO-1's broadcast) has nothing to overlap
     exposed = other + (dp_time if shared_cpu else max(0.0, dp_time - compute * 2 / 3))
+    compute += ns_seconds  # after backward: the iteration hides no communication
     # CPU ranks of this machine share its memory (a whole machine's worth split over the ranks), unless a
     # budget per rank is stated
     shares = profile.cpu and not profile.memory_per_rank
@@ -194,7 +213,8 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     return Estimate(layout, memory, phases, mine.held, {p: a.peak for p, a in policies.items()},
                     activations_by_length(stats, ranks[0], layout, scale * act_dtype, copies), capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
-                    compute, recompute, exposed, tokens, by_ep, alternative, power(profile, layout.world_size))
+                    compute, recompute, exposed, tokens, by_ep, alternative, ns_flops, ns_seconds,
+                    power(profile, layout.world_size))
 
 
 def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float, experts: float,
@@ -220,6 +240,7 @@ def _at_ep(stats: ModelStats, layout: Layout, state: StateBytes, ranks: list[lis
            act_dtype: float, profile: HardwareProfile, gather_bf16: bool) -> dict[str, float]:
     """``Estimate.by_ep``'s figures of ``layout`` (as ``estimate`` reckons them)."""
     params, experts = busiest_params(stats, layout, ranks)
+    state = rank_state(stats, layout, busiest_units(stats, layout, ranks), state)
     memory, phases = _memory(stats, layout, state, params, experts, activations(
         stats, ranks[0], layout, scale * act_dtype, weight_copies(layout, gather_bf16)))
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,

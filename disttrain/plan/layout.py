@@ -3,7 +3,7 @@ pipeline stages' units and the parameters on each rank."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disttrain.parallel.layout import Layout as RunLayout
 from disttrain.plan.model_stats import ModelStats
@@ -14,6 +14,23 @@ CHECKPOINT_POLICIES = ("none", "full", "selective")
 
 OPTIMISER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4}
 """Optimiser state per fp32 parameter element: two moments for Adam-style, one momentum buffer for LARS."""
+
+
+@dataclass(frozen=True)
+class MatrixStep:
+    """What an optimiser that steps whole matrices (Muon) adds to a plan: the parameters it steps as matrices, their
+    state, and the Newton-Schulz iteration each runs per optimiser step (``disttrain.plan.matrix_step``)."""
+
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Parameter name -> whole shape of each matrix (2-D) or stack of matrices (3-D, MoE experts) it steps."""
+    state: float = 4
+    """State bytes per element of those matrices (Muon's fp32 momentum buffer, laid out like the parameter)."""
+    other_state: float = 8
+    """State bytes per element of every other parameter (AdamW's two fp32 moments)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per matrix and optimiser step."""
+    ns_dtype: str = "bfloat16"
+    """The iteration's dtype (bfloat16 or float32): which of the profile's peak rates it computes at."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,9 @@ class StateBytes:
     """Optimiser state (the paper's K, which includes an fp32 master copy under mixed precision)."""
     zero2_keeps_shards: bool = True
     """ZeRO-2 holds parameter shards beside the gathered parameters (FSDP2); False: the paper's P_os+g."""
+    matrices: MatrixStep | None = None
+    """Where the optimiser steps whole matrices (Muon): which, and how (``optim`` is then a rank's mean, set per
+    layout by ``disttrain.plan.matrix_step.rank_state``)."""
 
 
 def state_bytes(optimiser: str, momentum: float = 0.0) -> StateBytes:

@@ -51,6 +51,12 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats
         lines.append("")
     else:
         lines += ["communication: none", ""]
+    if e.orthogonalise_flops:
+        gathered = sum(c.sent_bytes for c in e.collectives if c.what == "whole matrices")
+        lines.append(f"orthogonalisation (Newton-Schulz of the matrix optimiser, once per optimiser step): "
+                     f"{e.orthogonalise_flops / 1e9:.4g} GFLOP, {e.orthogonalise_s * 1e3:.3g} ms "
+                     f"({100 * e.orthogonalise_s / e.step_s:.1f}% of the step); gathers of whole matrices send "
+                     f"{human_bytes(gathered)}")
     if lay.pp > 1:
         lines.append(f"pipeline bubble: {e.bubble:.3f} of a step ({lay.schedule}, {lay.microbatches} microbatches)")
     energy = e.joules_per_token
@@ -124,7 +130,9 @@ def as_json(e: Estimate, profile: HardwareProfile) -> dict[str, Any]:
             "activations_by_length": e.activations_by_length, "by_ep": e.by_ep, "recompute_s": e.recompute_s,
             "collectives": [asdict(c) for c in e.collectives], "bubble": e.bubble, "compute_s": e.compute_s,
             "exposed_comm_s": e.exposed_comm_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
-            "joules_per_token": e.joules_per_token, "profile": asdict(profile)}
+            "joules_per_token": e.joules_per_token,
+            "orthogonalise_flops": e.orthogonalise_flops, "orthogonalise_s": e.orthogonalise_s,
+            "profile": asdict(profile)}
 
 
 def write_plan(e: Estimate, profile: HardwareProfile, run_dir: Path, plots: bool) -> list[Path]:

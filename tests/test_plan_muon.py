@@ -1,0 +1,127 @@
+"""The planner's price of ``optim=muon``: state bytes per rank (momentum for the matrices, AdamW's moments for the
+rest), the gathers of split matrices and the Newton-Schulz FLOPs, against real ranks and hand formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disttrain.data.spec import DataSpec
+from disttrain.optim.muon import MuonConfig, orthogonalise
+from disttrain.parallel.config import ParallelConfig
+from disttrain.plan.hardware import PROFILES
+from disttrain.plan.layout import Layout
+from disttrain.plan.matrix_step import newton_schulz_flops
+from disttrain.plan.planner import plan_inputs
+from tests.dist_utils import run_on_ranks, sent_bytes_during
+
+SPEC = DataSpec("text", vocab_size=256, block_size=32)
+LAYOUTS = {"zero3": Layout(dp_shard=2, zero_stage=3), "tp": Layout(tp=2)}
+# GPT(2 layers, width 64, vocab 256): per block q, k, v, proj (64 x 64) and fc, proj (64 x 256) go to Muon
+MATRIX_ELEMENTS = 2 * (4 * 64 * 64 + 2 * 64 * 256)
+
+
+def _gpt(device: str = "cpu") -> torch.nn.Module:
+    from disttrain.models.gpt import GPT, GPTDims
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(GPTDims(2, 4, 64, 32, 256), tie_weights=True)
+
+
+def _plan(layout: str, ns_dtype: str = "float32"):
+    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(ns_dtype=ns_dtype), "32-true",
+                         PROFILES["h100_sxm"])
+    return inputs.estimate(LAYOUTS[layout])
+
+
+def _muon_rank(layouts: list[str]) -> list[tuple[int, int | None]]:
+    """Per layout: the bytes of the Muon optimiser's state this rank holds after a step of the tiny GPT, read from
+    the tensors (the scalar step counters left out), and the bytes all ranks wrote during a second step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from disttrain.optim.muon import build_muon
+    from disttrain.parallel.fsdp import apply_fsdp
+    from disttrain.parallel.tp import apply_tp
+
+    out = []
+    for layout in layouts:
+        model, mesh = _gpt(), init_device_mesh("cpu", (2,))
+        module = apply_fsdp(model, mesh, reshard_after_forward=True) if layout == "zero3" else \
+            apply_tp(model, mesh, model.tp_plan())
+        params = list(module.parameters())
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = build_muon(MuonConfig(ns_dtype="float32"), module)
+        opt.step()
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+        held = sum((v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size() for v in state)
+        out.append((held, sent_bytes_during(opt.step)))
+    return out
+
+
+def test_state_and_gathers_match_two_ranks() -> None:
+    """ZeRO-3 and tp=2: the planned optimiser state per rank is what the ranks' Muon holds, to the byte; the
+    gathers of whole matrices are the hand formula (each rank sends half of every matrix, in fp32) and what the
+    ranks wrote during a step (gloo's barriers add a little)."""
+    layouts = list(LAYOUTS)
+    ranks = run_on_ranks(_muon_rank, 2, layouts, timeout=240)
+    for i, layout in enumerate(layouts):
+        est = _plan(layout)
+        held = max(rank[i][0] for rank in ranks)
+        assert est.memory["optimizer"] == pytest.approx(held, abs=0.5), (layout, est.memory["optimizer"], held)
+        gathers = [c for c in est.collectives if c.what == "whole matrices"]
+        assert [(c.group, c.size, c.calls) for c in gathers] == [("dp_shard" if layout == "zero3" else "tp", 2, 12)]
+        assert gathers[0].sent_bytes == MATRIX_ELEMENTS * 4 / 2
+        sent = ranks[0][i][1]
+        if sent is not None:
+            assert sent == pytest.approx(2 * gathers[0].sent_bytes, rel=0.05), (layout, sent)
+
+
+def test_state_bytes_are_momentum_for_matrices_and_two_moments_for_the_rest() -> None:
+    """One rank: the planned optimiser state is the real optimiser's on the real model (adamw's 8 bytes per value
+    would overstate it), and no gather is planned."""
+    from disttrain.optim.muon import build_muon
+
+    model = _gpt()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = build_muon(MuonConfig(), model)
+    opt.step()
+    held = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim())
+    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(), "32-true", PROFILES["h100_sxm"])
+    est = inputs.estimate(Layout())
+    assert est.memory["optimizer"] == held
+    assert not [c for c in est.collectives if c.what == "whole matrices"]
+
+
+def test_newton_schulz_flops_are_the_hand_formula_and_what_torch_counts() -> None:
+    """A 64 x 256 matrix, 5 steps: per step X X^T (2 m^2 n), its square (2 m^3), that times X (2 m^2 n) with m = 64,
+    n = 256; torch's FLOP counter counts the same products in the iteration; the plan sums them over the
+    matrices and times them at the peak rate of the iteration's dtype."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert newton_schulz_flops(64, 256, 5) == newton_schulz_flops(256, 64, 5) == 5 * (4 * 64 ** 2 * 256 + 2 * 64 ** 3)
+    with FlopCounterMode(display=False) as counter:
+        orthogonalise(torch.randn(256, 64), (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+    assert counter.get_total_flops() == newton_schulz_flops(256, 64, 5)
+    hand = 8 * newton_schulz_flops(64, 64, 5) + 4 * newton_schulz_flops(64, 256, 5)
+    for ns_dtype, rate in (("float32", "fp32"), ("bfloat16", "bf16")):
+        for layout in LAYOUTS:  # every rank of the shard group orthogonalises every matrix whole
+            est = _plan(layout, ns_dtype)
+            assert est.orthogonalise_flops == hand
+            assert est.orthogonalise_s == pytest.approx(hand / PROFILES["h100_sxm"].flops[rate])
+
+
+def test_plan_mode_prints_the_orthogonalisation(tmp_path) -> None:
+    """``mode=plan optim=muon`` prints the iteration's FLOPs and share of the step, and its gathers."""
+    from tests.conftest import train_cli_in_process as train_cli
+
+    plan = train_cli(["mode=plan", "model=gpt", "data=pydocs", "optim=muon", "parallel=zero3", "trainer.devices=2",
+                      "plan.profile=h100_sxm", f"hydra.run.dir={tmp_path / 'plan'}"], tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    line = next(x for x in plan.stdout.splitlines() if x.startswith("orthogonalisation"))
+    assert "GFLOP" in line and "% of the step" in line
+    assert "| all_gather (whole matrices) | dp_shard | 2 |" in plan.stdout
+
