@@ -125,3 +125,22 @@ def test_plan_mode_prints_the_orthogonalisation(tmp_path) -> None:
     assert "GFLOP" in line and "% of the step" in line
     assert "| all_gather (whole matrices) | dp_shard | 2 |" in plan.stdout
 
+
+
+def test_auto_weighs_the_orthogonalisation_and_the_state() -> None:
+    """``parallel=auto`` estimates every candidate with Muon's state, gathers and iteration: a sharded candidate
+    carries the gathers, every candidate the FLOPs, and the state is AdamW's less 4 bytes per matrix value."""
+    from omegaconf import OmegaConf
+
+    from disttrain.plan.auto import choose
+
+    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(), "32-true", PROFILES["h100_sxm"])
+    adamw = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), OmegaConf.create({"name": "adamw"}), "32-true",
+                        PROFILES["h100_sxm"])
+    choice = choose(inputs, 2, 8, len(inputs.stats.pipeline_units))
+    assert choice.best is not None and all(e.orthogonalise_flops > 0 for e in choice.ranked)
+    for e in choice.ranked:
+        saved = 4 * MATRIX_ELEMENTS / e.layout.tp / e.layout.state_shards  # every matrix is split by tp here
+        if e.layout.pp == 1:
+            assert e.memory["optimizer"] == pytest.approx(adamw.estimate(e.layout).memory["optimizer"] - saved)
+        assert any(c.what == "whole matrices" for c in e.collectives) == (e.layout.shards_parameters or e.layout.tp > 1)
