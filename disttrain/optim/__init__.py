@@ -11,6 +11,7 @@ from __future__ import annotations
 from disttrain.optim.groups import param_groups
 from disttrain.optim.lamb import Lamb, LambConfig
 from disttrain.optim.lars import Lars, LarsConfig
+from disttrain.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 from disttrain.optim.registry import OPTIMIZERS, build_optimizer
 from disttrain.optim.scheduler import SchedulerConfig, build_scheduler
 from disttrain.optim.torch_optims import AdamWConfig, SGDConfig
@@ -22,6 +23,8 @@ __all__ = [
     "LambConfig",
     "Lars",
     "LarsConfig",
+    "OneBitAdam",
+    "OneBitAdamConfig",
     "SGDConfig",
     "SchedulerConfig",
     "build_optimizer",
