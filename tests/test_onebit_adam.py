@@ -61,9 +61,14 @@ def _train(resume_at: int | None = None) -> dict:
             state.load_state_dict(saved[2])
             optimizer.attach(ddp, counter, state)
         before = counter.bytes_sent
-        optimizer.zero_grad()
-        loss_of(ddp, rank, step).backward()
-        optimizer.step()
+
+        def closure(net: nn.Module = ddp, optimizer: OneBitAdam = optimizer, step: int = step) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = loss_of(net, rank, step)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)  # as Lightning steps: the backward pass, and so the exchange, inside the step
         counted.append(counter.bytes_sent - before)
         weights.append([p.detach().clone() for p in ddp.module.parameters()])
         variances.append([optimizer.state[p]["exp_avg_sq"].clone() for p in ddp.module.parameters()])
@@ -184,3 +189,33 @@ def test_after_the_warmup_the_counted_bytes_are_all_the_ranks_send():
     assert counted == WORLD * 3 * 2 * (WORLD - 1) * (-(-chunk // 8) + 4 * -(-chunk // 256))
     # DDP's own all-reduce would add 4 MB a step; gloo's barriers add a little
     assert by_rank[0][1] == pytest.approx(counted, rel=0.02)
+
+
+def test_a_run_reports_the_bytes_after_the_warmup_beside_the_whole_runs(tmp_path):
+    import json
+
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+
+    train(compose_config(["parallel=ddp", "trainer.devices=2", "trainer.max_steps=8", "trainer.run_test=false",
+                          "trainer.limit_val_batches=1", "logger=none", "callbacks=none", "optim=onebit_adam",
+                          "optim.warmup_steps=2"], tmp_path))
+    comm = json.loads((tmp_path / "results.json").read_text())["comm"]
+    fp32, after = comm["fp32_allreduce_bytes_per_step"], comm["bytes_sent_per_step_after_warmup"]
+    assert comm["name"] == "onebit_adam" and comm["counted"] and comm["warmup_steps"] == 2
+    assert comm["bytes_sent_per_step"] == round((2 * fp32 + 6 * after) / 8)  # 2 fp32 steps, 6 compressed
+    assert comm["compression_ratio_after_warmup"] > 25
+
+
+def test_onebit_adam_is_refused_where_ddp_does_not_average_or_a_codec_compresses(tmp_path):
+    from disttrain.config import validate
+    from disttrain.errors import ConfigError
+    from tests.conftest import compose_config
+
+    for overrides, message in ((["parallel=zero3", "trainer.devices=2"], "parallel=ddp with data-parallel ranks"),
+                               (["parallel=zero1", "trainer.devices=2"], "parallel=ddp with data-parallel ranks"),
+                               (["parallel=single"], "parallel=ddp with data-parallel ranks"),
+                               (["parallel=ddp", "trainer.devices=2", "comm=onebit"], "none with optim=onebit_adam"),
+                               (["optim.warmup_steps=0"], "optimiser steps >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            validate(compose_config(["optim=onebit_adam", *overrides], tmp_path / "run"))

@@ -104,12 +104,13 @@ class OneBitAdam(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One AdamW step during the warm-up, one 1-bit Adam step after it."""
-        if not self._frozen():
-            return super().step(closure)
         loss = None
-        if closure is not None:
+        if closure is not None:  # first: its backward pass is the exchange that decides the phase
             with torch.enable_grad():
                 loss = closure()
+        if not self._frozen():
+            super().step()
+            return loss
         moving = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         for group, p in moving:
             self.state[p]["exp_avg"].lerp_(p.grad, 1 - group["betas"][0])
