@@ -219,3 +219,9 @@ def test_onebit_adam_is_refused_where_ddp_does_not_average_or_a_codec_compresses
                                (["optim.warmup_steps=0"], "optimiser steps >= 1")):
         with pytest.raises(ConfigError, match=message):
             validate(compose_config(["optim=onebit_adam", *overrides], tmp_path / "run"))
+
+
+def test_the_planner_prices_two_moments_and_the_worker_residual():
+    from disttrain.plan.layout import state_bytes
+
+    assert state_bytes("onebit_adam").optim == state_bytes("adamw").optim + 4
