@@ -44,7 +44,7 @@ class CommMeter(pl.Callback):
         if isinstance(net, DistributedDataParallel):
             world = net.process_group.size()
             self.fp32_bytes = ring_allreduce_bytes(numel, 4, world)
-            if self.codec == "none":  # DDP's own all-reduce
+            if self.codec == "none":
                 self.computed = (self.fp32_bytes, ddp_buckets(net, numel * 4) * ring_allreduce_messages(world))
         elif isinstance(net, FSDPModule) and not self.layout.tp_enabled and not self.layout.pp_enabled:
             shard, replicate = self.layout.shard_degree, self.layout.dp_replicate  # FSDP shards over dp_shard x cp
