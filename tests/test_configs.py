@@ -59,6 +59,8 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
                       "+model.num_hidden_layers=2", "+model.num_attention_heads=4", "+model.num_key_value_heads=2"]
     if group == "model" and option == "custom":
         overrides.append("model._target_=tests.user_models.Decoder")
+    if group == "optim" and option == "onebit_adam":  # it exchanges its momentum over DDP's ranks
+        overrides += ["parallel=ddp", "trainer.devices=2"]
     return overrides
 
 

@@ -29,6 +29,8 @@ from disttrain.optim import (
 )
 from disttrain.optim import lamb as lamb_module
 from disttrain.optim import lars as lars_module
+from disttrain.optim import muon as muon_module
+from disttrain.optim import onebit_adam as onebit_adam_module
 from disttrain.optim import scheduler as scheduler_module
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,10 +267,11 @@ def test_defaults_validate_and_unknown_name():
         cfg.validate()
     with pytest.raises(ConfigError, match=r"^optim.name='adam' is invalid"):
         OPTIMIZERS.get("adam")
-    assert OPTIMIZERS.names() == ["adamw", "lamb", "lars", "muon", "sgd"]
+    assert OPTIMIZERS.names() == ["adamw", "lamb", "lars", "muon", "onebit_adam", "sgd"]
 
 
-@pytest.mark.parametrize("module", [torch_optims, lamb_module, lars_module, scheduler_module])
+@pytest.mark.parametrize("module", [torch_optims, lamb_module, lars_module, muon_module, onebit_adam_module,
+                                    scheduler_module])
 def test_schemas_are_documented_omegaconf_dataclasses(module):
     """Every schema: first field ``name``, a docstring under every field, OmegaConf-compatible types."""
     tree = ast.parse(inspect.getsource(module))

@@ -5,6 +5,7 @@ is registered here, on CPU/gloo and GPU/NCCL alike. (No postponed annotations in
 the hook's annotations at run time.)
 """
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -37,13 +38,7 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
                          state: ExchangeState) -> None:
     """Make ``ddp`` average its gradients through ``config``'s codec or PowerSGD, counting the bytes sent;
     ``state`` keeps what carries over between steps (residuals, PowerSGD's factors, the exchange count); the
-    first ``config.warmup_steps`` exchanges are plain fp32 all-reduces.
-
-    The buckets of an iteration are collected and exchanged as one payload in the model's parameter order
-    when the last one arrives: DDP lays its buckets out again after the first iteration of every process,
-    and a payload (its chunks, scales and residuals) that followed DDP's layout would differ between a
-    resumed process's first step and the uninterrupted run's.
-    """
+    first ``config.warmup_steps`` exchanges are plain fp32 all-reduces."""
     group = ddp.process_group
     codec = codec_of(config)
     if config.name == "powersgd":
@@ -58,10 +53,23 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
     def average(grads: list[torch.Tensor]) -> torch.Tensor:
         # the hook runs once per optimiser step: DDP does not communicate on accumulation micro-batches
         warming_up = state.exchanges < config.warmup_steps
-        mean = _fp32_mean(grads, group, counter) if warming_up else compressed(grads)
+        mean = fp32_mean(grads, group, counter) if warming_up else compressed(grads)
         state.exchanges += 1
         return mean
 
+    register_payload_hook(ddp, average)
+
+
+def register_payload_hook(ddp: DistributedDataParallel,
+                          average: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+    """Make ``ddp`` replace its gradients by ``average`` of them (their flat concatenation in, the flat result
+    out), once per iteration, over every gradient in the model's parameter order.
+
+    The buckets of an iteration are collected and handed over as one payload when the last one arrives: DDP
+    lays its buckets out again after the first iteration of every process, and a payload (its chunks, scales
+    and residuals) that followed DDP's layout would differ between a resumed process's first step and the
+    uninterrupted run's.
+    """
     position = {id(param): index for index, param in enumerate(ddp.module.parameters())}
     pending: list[tuple[dist.GradBucket, torch.futures.Future[torch.Tensor]]] = []
 
@@ -84,7 +92,7 @@ def register_compression(ddp: DistributedDataParallel, config: CommConfig, count
     ddp.register_comm_hook(None, hook)
 
 
-def _fp32_mean(grads: list[torch.Tensor], group: dist.ProcessGroup, counter: ByteCounter) -> torch.Tensor:
+def fp32_mean(grads: list[torch.Tensor], group: dist.ProcessGroup, counter: ByteCounter) -> torch.Tensor:
     """DDP's own exchange (each rank's gradients over the world size, summed in an fp32 all-reduce)."""
     world = dist.get_world_size(group)
     flat = torch.cat([grad.reshape(-1).float() for grad in grads]).div_(world)

@@ -116,6 +116,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if top.trainer.compile and layout.pp_enabled:
         raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
     top.comm.check_layout(layout, p.sync_every, p.servers)
+    if hasattr(optim, "check_run"):  # an optimiser that exchanges over the ranks itself
+        optim.check_run(layout, top.comm)
     if elastic:  # the global batch of the largest world, on every world of the range
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
         top.batch = elastic_batch(top.batch, Layout.on(p, largest).dp)

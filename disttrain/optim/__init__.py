@@ -12,6 +12,7 @@ from disttrain.optim.groups import param_groups
 from disttrain.optim.lamb import Lamb, LambConfig
 from disttrain.optim.lars import Lars, LarsConfig
 from disttrain.optim.muon import Muon, MuonConfig
+from disttrain.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 from disttrain.optim.registry import OPTIMIZERS, build_optimizer
 from disttrain.optim.scheduler import SchedulerConfig, build_scheduler
 from disttrain.optim.torch_optims import AdamWConfig, SGDConfig
@@ -25,6 +26,8 @@ __all__ = [
     "LarsConfig",
     "Muon",
     "MuonConfig",
+    "OneBitAdam",
+    "OneBitAdamConfig",
     "SGDConfig",
     "SchedulerConfig",
     "build_optimizer",

@@ -12,8 +12,9 @@ from disttrain.plan.recorder import ROOT
 CHECKPOINT_POLICIES = ("none", "full", "selective")
 """Values of ``parallel.activation_checkpoint``, from the most memory to the least recompute."""
 
-OPTIMISER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4}
-"""Optimiser state per fp32 parameter element: two moments for Adam-style, one momentum buffer for LARS."""
+OPTIMISER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4, "onebit_adam": 12}
+"""Optimiser state per fp32 parameter element: two moments for Adam-style, one momentum buffer for LARS; 1-bit Adam
+also keeps its worker residual (its server residual, 1 / N of it, is left out)."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,11 @@ class CommMeter(pl.Callback):
     computed from the parameter count as ring collectives, and reported as ``counted: false``."""
 
     def __init__(self, codec: str, counter: ByteCounter, layout: Layout, param_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype) -> None:
+                 reduce_dtype: torch.dtype, warmup_steps: int = 0) -> None:
         self.codec, self.counter = codec, counter
+        self.warmup_steps = warmup_steps
+        """Optimiser steps sent in fp32 before the compression starts (the bytes after them are reported apart)."""
+        self._after_warmup: tuple[int, int] | None = None  # (bytes, global step) when the warm-up was over
         self.layout = layout
         self.itemsizes = (reduce_dtype.itemsize, param_dtype.itemsize)
         self.fp32_bytes = 0
@@ -34,6 +37,9 @@ class CommMeter(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Size the uncompressed exchange once the model is wrapped."""
         net = getattr(pl_module, "net", None)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        if getattr(optimizer, "exchange", None) is not None:  # an optimiser that exchanges over the ranks (1-bit Adam)
+            self.codec, self.warmup_steps = optimizer.wire_name, optimizer.warmup_steps
         numel = sum(p.numel() for p in net.parameters() if p.requires_grad) if net is not None else 0
         if isinstance(net, DistributedDataParallel):
             world = net.process_group.size()
@@ -63,6 +69,20 @@ class CommMeter(pl.Callback):
         else:
             return
         self._start = (self.counter.bytes_sent, self.counter.messages, trainer.global_step)
+        self._note_warmup_end(trainer)
+
+    def _note_warmup_end(self, trainer: pl.Trainer) -> None:
+        """Remember the counter when the warm-up is over."""
+        if self._after_warmup is None and trainer.global_step >= self.warmup_steps:
+            self._after_warmup = (self.counter.bytes_sent, trainer.global_step)
+
+    def after_warmup_per_step(self, trainer: pl.Trainer) -> float | None:
+        """Mean bytes this rank sent per optimiser step since the warm-up ended (None before a step after it)."""
+        if self._after_warmup is None or trainer.global_step <= self._after_warmup[1]:
+            return None
+        if self.computed is not None:
+            return float(self.computed[0])
+        return (self.counter.bytes_sent - self._after_warmup[0]) / (trainer.global_step - self._after_warmup[1])
 
     def per_step(self, trainer: pl.Trainer) -> tuple[float, float] | None:
         """Mean bytes and messages this rank sent per optimiser step so far in this process (None before a
@@ -76,6 +96,8 @@ class CommMeter(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         step = trainer.global_step
+        if self._start is not None:
+            self._note_warmup_end(trainer)
         if self._start is not None and step % trainer.log_every_n_steps == 0:
             sent = self.per_step(trainer)
             if sent is not None:
@@ -92,6 +114,10 @@ class CommMeter(pl.Callback):
                        "fp32_allreduce_bytes_per_step": self.fp32_bytes,
                        "compression_ratio": round(self.fp32_bytes / sent, 4) if sent else None,
                        "counted": self.computed is None}
+        after = self.after_warmup_per_step(trainer)
+        if self.warmup_steps and after is not None:  # the whole run's figure above includes the fp32 warm-up
+            self.result.update(warmup_steps=self.warmup_steps, bytes_sent_per_step_after_warmup=round(after),
+                               compression_ratio_after_warmup=round(self.fp32_bytes / after, 4) if after else None)
 
 
 def ddp_buckets(ddp: DistributedDataParallel, nbytes: int) -> int:
@@ -110,4 +136,5 @@ def comm_meter_of(config: CommConfig, strategy: Any) -> CommMeter:
     policy = mixed_precision_policy(strategy.precision, strategy.root_device.type, wire_dtype(config))
     param_dtype = (policy.param_dtype if policy is not None else None) or torch.float32
     reduce_dtype = (policy.reduce_dtype if policy is not None else None) or param_dtype
-    return CommMeter(config.name, strategy.comm_counter, strategy.layout, param_dtype, reduce_dtype)
+    return CommMeter(config.name, strategy.comm_counter, strategy.layout, param_dtype, reduce_dtype,
+                     config.warmup_steps)

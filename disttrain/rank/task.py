@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -363,6 +364,8 @@ class TrainTask(pl.LightningModule):
         optimizer = build_optimizer(self.optim_cfg, self.net)
         strategy = self.trainer.strategy
         if isinstance(strategy, DistTrainStrategy):  # ZeRO-1 wraps the optimiser; the schedule must drive the wrapper
+            if hasattr(optimizer, "attach") and isinstance(self.net, DistributedDataParallel):  # 1-bit Adam
+                optimizer.attach(self.net, strategy.comm_counter, strategy.comm_state)
             optimizer = strategy.shard_optimizer(optimizer)
         scheduler = build_scheduler(self.scheduler_cfg, optimizer, self.total_steps)
         # torch's GradScaler sets the optimiser's found_inf itself (16-bit mixed precision)
