@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.optim.groups import kernel_options, param_groups
 from disttrain.optim.registry import OPTIMIZERS
+from disttrain.optim.torch_optims import AdamWConfig
 
 DEFAULT_WARMUP_STEPS = 40
 """Steps of plain AdamW before the variance freezes. 1-bit Adam's bytes over a run of S steps are about
@@ -30,35 +30,20 @@ On GPT nano (pydocs, 2 ranks, 300 steps) it ended 2.7% (seed 1) and 5.0% (seed 2
 
 
 @dataclass
-class OneBitAdamConfig:
-    """1-bit Adam: AdamW during ``warmup_steps``, then frozen variance and the momentum sent as signs and one
-    mean magnitude per 256 values with error feedback (``parallel=ddp`` with ``comm=none``)."""
+class OneBitAdamConfig(AdamWConfig):
+    """1-bit Adam: AdamW's options (its update during ``warmup_steps``), then frozen variance and the momentum sent
+    as signs and one mean magnitude per 256 values with error feedback (``parallel=ddp`` with ``comm=none``)."""
 
     name: str = "onebit_adam"
     """Registry name."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Decay rates [beta1, beta2] of the first and second moment averages (beta2 only during the warm-up)."""
-    eps: float = 1e-8
-    """Added to the root of the second moment before dividing."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay."""
-    exclude_bias_and_norm: bool = True
-    """Biases and norm weights (ndim < 2) get no weight decay."""
     warmup_steps: int = DEFAULT_WARMUP_STEPS
     """Optimiser steps of AdamW on fp32-averaged gradients (DeepSpeed's ``freeze_step``); the second moment is
     frozen after them and the momentum exchanged compressed. Absolute steps, counted with the exchange (in the
     checkpoint), so a resumed run switches at the same step."""
-    fused: bool = True
-    """torch's fused AdamW kernel for the warm-up where it applies (see ``optim=adamw``)."""
 
     def validate(self) -> None:
-        """Reject values outside the ranges the update rule is defined for."""
-        checks.positive("optim.lr", self.lr)
-        checks.betas("optim.betas", self.betas)
-        checks.positive("optim.eps", self.eps)
-        checks.non_negative("optim.weight_decay", self.weight_decay)
+        """AdamW's ranges, and a warm-up of at least one step."""
+        super().validate()
         if self.warmup_steps < 1:
             raise ConfigError("optim.warmup_steps", self.warmup_steps,
                               "a number of optimiser steps >= 1 (the frozen variance is the warm-up's)")
