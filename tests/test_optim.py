@@ -32,6 +32,7 @@ from disttrain.optim import lars as lars_module
 from disttrain.optim import muon as muon_module
 from disttrain.optim import onebit_adam as onebit_adam_module
 from disttrain.optim import scheduler as scheduler_module
+from disttrain.optim import soap as soap_module
 
 # ---------------------------------------------------------------------------------------------------
 # A hand-checkable example: a 2x2 weight, a 2-vector bias and a 2x2 weight that starts at zero.
@@ -267,11 +268,11 @@ def test_defaults_validate_and_unknown_name():
         cfg.validate()
     with pytest.raises(ConfigError, match=r"^optim.name='adam' is invalid"):
         OPTIMIZERS.get("adam")
-    assert OPTIMIZERS.names() == ["adamw", "lamb", "lars", "muon", "onebit_adam", "sgd"]
+    assert OPTIMIZERS.names() == ["adamw", "lamb", "lars", "muon", "onebit_adam", "sgd", "soap"]
 
 
 @pytest.mark.parametrize("module", [torch_optims, lamb_module, lars_module, muon_module, onebit_adam_module,
-                                    scheduler_module])
+                                    scheduler_module, soap_module])
 def test_schemas_are_documented_omegaconf_dataclasses(module):
     """Every schema: first field ``name``, a docstring under every field, OmegaConf-compatible types."""
     tree = ast.parse(inspect.getsource(module))

@@ -15,6 +15,7 @@ from disttrain.optim.muon import Muon, MuonConfig
 from disttrain.optim.onebit_adam import OneBitAdam, OneBitAdamConfig
 from disttrain.optim.registry import OPTIMIZERS, build_optimizer
 from disttrain.optim.scheduler import SchedulerConfig, build_scheduler
+from disttrain.optim.soap import Soap, SoapConfig
 from disttrain.optim.torch_optims import AdamWConfig, SGDConfig
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "OneBitAdamConfig",
     "SGDConfig",
     "SchedulerConfig",
+    "Soap",
+    "SoapConfig",
     "build_optimizer",
     "build_scheduler",
     "param_groups",

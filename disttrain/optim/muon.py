@@ -220,12 +220,14 @@ def route(model: nn.Module, matrix_patterns: list[str], other_patterns: list[str
     return matrices, others
 
 
-def routing_lines(matrices: list[tuple[str, Tensor]], others: list[tuple[str, Tensor]]) -> list[str]:
-    """One line per optimiser: how many parameters (tensors and values) it steps and their share of the values."""
+def routing_lines(matrices: list[tuple[str, Tensor]], others: list[tuple[str, Tensor]],
+                  matrix_optimiser: str = "muon") -> list[str]:
+    """One line per optimiser (``matrix_optimiser`` names the matrices' one): how many parameters (tensors and
+    values) it steps and their share of the values."""
     total = sum(p.numel() for _, p in matrices + others) or 1
     return [f"disttrain: {label}: {len(items)} tensors, {sum(p.numel() for _, p in items):,} values "
             f"({100 * sum(p.numel() for _, p in items) / total:.1f}% of the parameters)"
-            for label, items in (("muon (hidden matrices)", matrices),
+            for label, items in ((f"{matrix_optimiser} (hidden matrices)", matrices),
                                  ("adamw (embeddings, head, norms, biases)", others))]
 
 
