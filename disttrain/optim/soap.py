@@ -37,8 +37,8 @@ class Soap(torch.optim.Optimizer):
     As the paper's reference code, the first step only builds the preconditioners (an eigenbasis of ``G Gᵀ`` alone
     has a null space that ``G`` does not reach, where Adam would normalise rounding noise into a full-size step),
     the basis used at a step is the one from before that step's gradient, and ``v`` is not rotated. The bases come
-    from ``torch.linalg.eigh``, with a canonical basis of a null space (``eigenbasis``); the paper's alternative, a QR
-    power iteration, is not used.
+    from ``torch.linalg.eigh``, with a canonical basis of a (near) null space (``eigenbasis``); the paper's
+    alternative, a QR power iteration, is not used.
 
     Where a parameter is a DTensor that splits its matrices (FSDP2, tensor, expert parallelism, their hybrids) the
     gradient is gathered whole (``matrices.whole``) and every rank of the shard group holds and updates the same
@@ -47,6 +47,10 @@ class Soap(torch.optim.Optimizer):
     shard group. ZeRO-1 steps each matrix on one owner rank, which alone holds its state. A subclass with
     ``shard_local = True`` preconditions each local shard instead: wrong on purpose, so the parity tests can show
     they catch it.
+
+    The preconditioners and rotated moments are kept in ``precondition_dtype`` (float64 for the parity tests; a
+    checkpoint's load casts them to the parameter's dtype, as torch's ``Optimizer.load_state_dict`` does any state,
+    and the next step casts them back).
 
     State: ``step``, ``L``, ``R``, ``QL``, ``QR``, ``exp_avg``, ``exp_avg_sq`` per matrix, plain tensors of the
     whole matrix's shapes (the same under every layout), so ``torch.distributed.checkpoint`` saves them once and
@@ -66,6 +70,8 @@ class Soap(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         precondition_frequency: int = 10,
+        precondition_dtype: str = "float32",
+        null_space_rtol: float = 1e-3,
         differentiable: bool = False,
     ) -> None:
         if not lr >= 0:
@@ -75,7 +81,8 @@ class Soap(torch.optim.Optimizer):
         if differentiable:
             raise ValueError("Soap has no differentiable step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        precondition_frequency=precondition_frequency, soap=True)
+                        precondition_frequency=precondition_frequency, precondition_dtype=precondition_dtype,
+                        null_space_rtol=null_space_rtol, soap=True)
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["soap"] and any(p.ndim not in (2, 3) for p in group["params"]):
@@ -99,17 +106,21 @@ class Soap(torch.optim.Optimizer):
     def _soap_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """SOAP's step of one matrix (or stack of matrices) ``p`` with local gradient ``g``."""
         gathered = not self.shard_local
-        grad = (whole(g, p) if gathered else g).float()
+        grad = (whole(g, p) if gathered else g).to(PRECONDITION_DTYPES[group["precondition_dtype"]])
         state = self.state[p]
         if not state:
             rows, cols = grad.shape[-2:]
             batch = grad.shape[:-2]
             state["step"] = torch.tensor(0.0)
             for key, size in (("L", rows), ("R", cols)):
-                state[key] = torch.zeros(*batch, size, size)
-                state[f"Q{key}"] = torch.zeros(*batch, size, size)
+                state[key] = torch.zeros(*batch, size, size, dtype=grad.dtype)
+                state[f"Q{key}"] = torch.zeros(*batch, size, size, dtype=grad.dtype)
             state["exp_avg"] = torch.zeros_like(grad)
             state["exp_avg_sq"] = torch.zeros_like(grad)
+        else:  # torch's load_state_dict casts a loaded state to the parameter's dtype: back to the preconditioners'
+            for key in ("L", "R", "QL", "QR", "exp_avg", "exp_avg_sq"):
+                if state[key].dtype != grad.dtype:
+                    state[key] = state[key].to(grad.dtype)
         state["step"] += 1
         step = int(state["step"].item())
         beta1, beta2 = group["betas"]
@@ -131,37 +142,40 @@ class Soap(torch.optim.Optimizer):
         state["L"].lerp_(grad @ grad.mT, 1 - beta2)
         state["R"].lerp_(grad.mT @ grad, 1 - beta2)
         if step == 1 or (step - 1) % group["precondition_frequency"] == 0:
-            new_left, new_right = eigenbasis(state["L"]), eigenbasis(state["R"])
+            rtol = group["null_space_rtol"]
+            new_left, new_right = eigenbasis(state["L"], rtol), eigenbasis(state["R"], rtol)
             if step > 1:  # the first moment into the new basis (the paper's rotation)
                 exp_avg.copy_(new_left.mT @ (left @ exp_avg @ right.mT) @ new_right)
             left.copy_(new_left)
             right.copy_(new_right)
 
 
-NULL_SPACE_RTOL = 1e-5
-"""Eigenvalues of a preconditioner at most this fraction of its largest span its null space (rounding's level is
-1e-7 in float32)."""
+PRECONDITION_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def eigenbasis(preconditioner: Tensor) -> Tensor:
+def eigenbasis(preconditioner: Tensor, null_space_rtol: float) -> Tensor:
     """Eigenvectors (columns, ascending eigenvalues) of a symmetric positive semi-definite matrix, or of each of a
-    stack, with a canonical basis of its null space.
+    stack, with a canonical basis of its (near) null space: the eigenvalues at most ``null_space_rtol`` times the
+    largest.
 
     A preconditioner of a matrix with more rows than columns (and any one after few steps) is rank-deficient, and
-    ``torch.linalg.eigh`` returns an arbitrary basis of its null space that jumps with rounding; Adam's per-value
-    normalisation is not rotation-invariant, so a gradient's component there would step differently on each
-    layout. The null space's basis is made by Gram-Schmidt (QR) of the first unit vectors projected onto it, which
-    moves continuously with the matrix.
+    ``torch.linalg.eigh`` returns an arbitrary basis of its null space that jumps with rounding; the eigenvectors of
+    its smallest, closely spaced eigenvalues move as much with the rounding of the gradients (which differs between
+    layouts) as with the data. Adam's per-value normalisation is not rotation-invariant and gives those directions
+    full-size steps, so their basis is made by Gram-Schmidt (QR) of the first unit vectors projected onto their
+    span, which moves continuously with the matrix.
     """
     if preconditioner.ndim == 3:
-        return torch.stack([eigenbasis(m) for m in preconditioner]) if len(preconditioner) else preconditioner.clone()
+        if len(preconditioner) == 0:
+            return preconditioner.clone()
+        return torch.stack([eigenbasis(m, null_space_rtol) for m in preconditioner])
     size = preconditioner.shape[-1]
     values, vectors = torch.linalg.eigh(preconditioner)
     if size == 0:  # an empty shard (the per-shard mistake of the tests)
         return vectors
     if not values[-1] > 0:  # nothing seen yet (a state made by a step on zero gradients)
         return torch.eye(size, dtype=vectors.dtype, device=vectors.device)
-    null = int((values <= values[-1] * NULL_SPACE_RTOL).sum())
+    null = int((values <= values[-1] * null_space_rtol).sum())
     if null == 0:
         return vectors
     span = vectors[:, null:]
@@ -186,6 +200,12 @@ class SoapConfig:
     """Decoupled weight decay of the matrices."""
     precondition_frequency: int = 10
     """Steps between eigendecompositions of the preconditioners (the first step always computes them), >= 1."""
+    precondition_dtype: str = "float32"
+    """The dtype of L, R, their bases and the rotated moments: float32 or float64 (the parity tests: float32's
+    eigenvectors amplify rounding)."""
+    null_space_rtol: float = 1e-3
+    """Eigenvalues at most this fraction of a preconditioner's largest share a canonical basis rather than their
+    eigenvectors (see ``eigenbasis``), in [0, 1)."""
     matrix_params: list[str] = field(default_factory=list)
     """fnmatch patterns of parameter names (2-D or 3-D) sent to SOAP whatever the rule says."""
     other: MuonOthers = field(default_factory=MuonOthers)
@@ -199,6 +219,9 @@ class SoapConfig:
         checks.non_negative("optim.weight_decay", self.weight_decay)
         if self.precondition_frequency < 1:
             raise ConfigError("optim.precondition_frequency", self.precondition_frequency, "an integer >= 1")
+        checks.one_of("optim.precondition_dtype", self.precondition_dtype, tuple(PRECONDITION_DTYPES))
+        if not 0 <= self.null_space_rtol < 1:
+            raise ConfigError("optim.null_space_rtol", self.null_space_rtol, "a number in [0, 1)")
         checks.positive("optim.other.lr", self.other.lr)
         checks.betas("optim.other.betas", self.other.betas)
         checks.positive("optim.other.eps", self.other.eps)
@@ -218,4 +241,5 @@ def build_soap(cfg: SoapConfig, model: nn.Module) -> Soap:
               {"params": [p for _, p in others if p.ndim >= 2], "weight_decay": cfg.other.weight_decay, **adam_options},
               {"params": [p for _, p in others if p.ndim < 2], "weight_decay": 0.0, **adam_options}]
     return Soap([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                weight_decay=cfg.weight_decay, precondition_frequency=cfg.precondition_frequency)
+                weight_decay=cfg.weight_decay, precondition_frequency=cfg.precondition_frequency,
+                precondition_dtype=cfg.precondition_dtype, null_space_rtol=cfg.null_space_rtol)
