@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -18,6 +17,7 @@ from disttrain.optim.muon import Muon, MuonConfig, newton_schulz, orthogonalise,
 from tests import test_optim
 from tests.conftest import compose_config
 from tests.dist_utils import run_on_ranks
+from tests.sharded_matrices import layouts_against_one_process
 from tests.test_expert_parallel import MOE_MODEL
 from tests.test_parity import CLIP, STEPS, check_against, relative_deviation, run_summary
 from tests.test_resume_layouts import BASE as RESUME_BASE
@@ -154,22 +154,6 @@ def test_one_process_equals_torch_muon_and_adamw():
         assert torch.equal(p, q), name
 
 
-def _mlp() -> nn.Module:
-    """Uneven shards on 2 ranks (7 and 1 rows), a wide and a tall matrix."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 10), nn.LayerNorm(10), nn.Tanh(), nn.Linear(10, 7), nn.Tanh(),
-                         nn.Linear(7, 1), nn.Flatten(0))
-
-
-def _mlp_train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(4):
-        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, generator=gen)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 class PerShardMuon(Muon):
     """Muon that orthogonalises each rank's shard alone: the mistake the parity tests must catch."""
 
@@ -183,40 +167,21 @@ def _muon(model: nn.Module, shard_local: bool = False) -> Muon:
                 lr=0.05, ns_dtype="float32")
 
 
-def _sharded_worker() -> dict:
+def _muon_state_round_trip(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The state through torch.distributed.checkpoint into a fresh optimiser, compared."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    reference = _mlp()
-    _mlp_train(reference, _muon(reference))
-    results = {}
-    for layout in ("fsdp", "tp", "fsdp/shard_local", "tp/shard_local"):
-        model = _mlp()
-        if layout.startswith("fsdp"):
-            for i in (0, 3, 5):
-                fully_shard(model[i], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:  # tensor-parallel splits: rows of the first matrix, columns of the second
-            parallelize_module(model, mesh, {"0": ColwiseParallel(output_layouts=Replicate()),
-                                             "3": RowwiseParallel(input_layouts=Replicate())})
-        opt = _muon(model, shard_local=layout.endswith("shard_local"))
-        _mlp_train(model, opt)
-        diff = max(((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
-                   for p, q in zip(model.parameters(), reference.parameters(), strict=True))
-        results[layout] = {"max_diff": diff, "sharded": sum(isinstance(p, DTensor) for p in model.parameters())}
-        if layout == "fsdp":
-            state = get_optimizer_state_dict(model, opt)
-            fresh = _muon(model)
-            set_optimizer_state_dict(model, fresh, state)
-            results[layout]["state_keys"] = sorted({k for s in state["state"].values() for k in s})
-            results[layout]["restored"] = all(
-                torch.equal(fresh.state[p][k].full_tensor(), v.full_tensor()) for p in opt.state
-                for k, v in opt.state[p].items() if isinstance(v, DTensor))
-    return results
+    state = get_optimizer_state_dict(model, opt)
+    fresh = _muon(model)
+    set_optimizer_state_dict(model, fresh, state)
+    return {"state_keys": sorted({k for s in state["state"].values() for k in s}),
+            "restored": all(torch.equal(fresh.state[p][k].full_tensor(), v.full_tensor()) for p in opt.state
+                            for k, v in opt.state[p].items() if isinstance(v, DTensor))}
+
+
+def _sharded_worker() -> dict:
+    return layouts_against_one_process(_muon, 4, _muon_state_round_trip)
 
 
 def test_sharded_matrices_step_whole():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from disttrain.errors import ConfigError
@@ -14,6 +13,7 @@ from disttrain.optim import OPTIMIZERS
 from disttrain.optim.soap import Soap, SoapConfig
 from tests import test_optim
 from tests.dist_utils import run_on_ranks
+from tests.sharded_matrices import layouts_against_one_process, train
 
 B1, B2, LR, WD, EPS = 0.9, 0.95, 0.01, 0.1, 1e-8
 
@@ -87,22 +87,6 @@ def test_registered_schema_and_errors():
 
 
 # ---------------------------------------------------------------------------------------------- sharded matrices
-def _mlp() -> nn.Module:
-    """Uneven shards on 2 ranks (7 and 1 rows), a wide and a tall matrix."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 10), nn.LayerNorm(10), nn.Tanh(), nn.Linear(10, 7), nn.Tanh(),
-                         nn.Linear(7, 1), nn.Flatten(0))
-
-
-def _mlp_train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, generator=gen)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 class PerShardSoap(Soap):
     """SOAP that preconditions each rank's shard alone: the mistake the parity tests must catch."""
 
@@ -117,55 +101,38 @@ def _soap(model: nn.Module, shard_local: bool = False) -> Soap:
         lr=0.01, precondition_frequency=2, precondition_dtype="float64")
 
 
-def _sharded_worker() -> dict:
+def _soap_state_round_trip(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The runner's checkpoint path: plain whole-matrix state tensors of a sharded parameter round-trip, and the
+    loaded state steps on."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import DTensor
 
     from disttrain.checkpoint.optimizer_state import FLAT_STATE
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    reference = _mlp()
-    _mlp_train(reference, _soap(reference))
-    results = {}
-    for layout in ("fsdp", "tp", "fsdp/shard_local", "tp/shard_local"):
-        model = _mlp()
-        if layout.startswith("fsdp"):
-            for i in (0, 3, 5):
-                fully_shard(model[i], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:  # tensor-parallel splits: rows of the first matrix, columns of the second
-            parallelize_module(model, mesh, {"0": ColwiseParallel(output_layouts=Replicate()),
-                                             "3": RowwiseParallel(input_layouts=Replicate())})
-        opt = _soap(model, shard_local=layout.endswith("shard_local"))
-        _mlp_train(model, opt)
-        diff = max(((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
-                   for p, q in zip(model.parameters(), reference.parameters(), strict=True))
-        results[layout] = {"max_diff": diff, "sharded": sum(isinstance(p, DTensor) for p in model.parameters())}
-        if layout == "fsdp":
-            # the runner's checkpoint path: plain whole-matrix state tensors of a sharded parameter round-trip
-            state = get_optimizer_state_dict(model, opt, options=FLAT_STATE)
-            model.zero_grad(set_to_none=True)  # a fresh optimiser's state is made by a step on zero gradients
-            fresh = _soap(model)
-            template = get_optimizer_state_dict(model, fresh, options=FLAT_STATE)
-            set_optimizer_state_dict(model, fresh, state, options=FLAT_STATE)
-            first = next(p for p in opt.state if p.ndim == 2)
-            results[layout]["state_keys"] = sorted(opt.state[first])
-            results[layout]["template_shapes_match"] = all(
-                template[k].shape == v.shape for k, v in state.items() if torch.is_tensor(v))
-            # torch's load casts a state to its parameter's dtype (float32 here): equal to that rounding
-            results[layout]["not_restored"] = [
-                k for p in opt.state for k, v in opt.state[p].items()
-                if not torch.allclose(*(t.full_tensor() if isinstance(t, DTensor) else t.to(v.dtype)
-                                        for t in (fresh.state[p][k], v)), rtol=1e-6, atol=1e-7)]
-            _mlp_train(model, fresh)  # the loaded state steps on (its dtype restored)
-            results[layout]["steps_after_load"] = all(opt_state["L"].dtype == torch.float64
-                                                      for opt_state in fresh.state.values() if "L" in opt_state)
-            results[layout]["plain_state"] = all(not isinstance(opt.state[first][k], DTensor)
-                                                 for k in ("L", "R", "QL", "QR"))
-    return results
+    checks = {}
+    state = get_optimizer_state_dict(model, opt, options=FLAT_STATE)
+    model.zero_grad(set_to_none=True)  # a fresh optimiser's state is made by a step on zero gradients
+    fresh = _soap(model)
+    template = get_optimizer_state_dict(model, fresh, options=FLAT_STATE)
+    set_optimizer_state_dict(model, fresh, state, options=FLAT_STATE)
+    first = next(p for p in opt.state if p.ndim == 2)
+    checks["state_keys"] = sorted(opt.state[first])
+    checks["template_shapes_match"] = all(
+        template[k].shape == v.shape for k, v in state.items() if torch.is_tensor(v))
+    # torch's load casts a state to its parameter's dtype (float32 here): equal to that rounding
+    checks["not_restored"] = [
+        k for p in opt.state for k, v in opt.state[p].items()
+        if not torch.allclose(*(t.full_tensor() if isinstance(t, DTensor) else t.to(v.dtype)
+                                for t in (fresh.state[p][k], v)), rtol=1e-6, atol=1e-7)]
+    train(model, fresh, 5)  # the loaded state steps on (its dtype restored)
+    checks["steps_after_load"] = all(opt_state["L"].dtype == torch.float64
+                                     for opt_state in fresh.state.values() if "L" in opt_state)
+    checks["plain_state"] = all(not isinstance(opt.state[first][k], DTensor) for k in ("L", "R", "QL", "QR"))
+    return checks
+
+
+def _sharded_worker() -> dict:
+    return layouts_against_one_process(_soap, 5, _soap_state_round_trip)
 
 
 # measured (gloo, 5 steps, a basis refresh every 2, preconditioners in float64): FSDP2 0 (its gradients are one
