@@ -4,7 +4,7 @@ each matrix orthogonalised whole under every layout."""
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,14 +13,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as _torch_newton_schulz
-from torch.optim.adam import adam
 
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.optim.matrices import holds_whole_matrices, shard_of, whole
+from disttrain.optim.matrix_optimizer import MatrixOptimizer
 from disttrain.optim.norms import local
 from disttrain.optim.registry import OPTIMIZERS
-from disttrain.optim.stepping import closure_and_grads
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -29,7 +28,7 @@ HEAD_MODULES = ("lm_head", "output", "classifier", "score")
 parameter's path marks a head too (a CNN's ``head.fc``). Their matrices go to AdamW, as Muon's authors advise."""
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(MatrixOptimizer):
     """torch.optim.Muon's update for the groups with ``muon=True``, torch's AdamW for the others, in one optimiser
     (so ZeRO-1, the schedule and checkpoints see one optimiser).
 
@@ -47,16 +46,14 @@ class Muon(torch.optim.Optimizer):
     that needs one gather and no scatter (an owner would add a scatter of ``O`` per matrix), at the price of the
     iteration's FLOPs repeated on each rank of the shard group, which owners chosen to balance the matrices would
     save. ZeRO-1 already steps each matrix on one owner rank. Expert stacks split only by expert are stepped where
-    they lie. A subclass with ``shard_local = True`` orthogonalises each local shard instead: wrong on purpose, so
-    the parity tests can show they catch it (a class attribute, not a constructor argument: ZeRO-1 would carry one
-    into the param groups and so into checkpoints).
+    they lie. ``shard_local = True`` orthogonalises each local shard instead (``MatrixOptimizer``).
 
     State: ``momentum_buffer`` per matrix, ``step``/``exp_avg``/``exp_avg_sq`` per AdamW parameter, laid out like the
     parameter, so ``torch.distributed.checkpoint.state_dict`` saves and reshards it as AdamW's.
     """
 
-    shard_local = False
-    """Orthogonalise each local shard rather than the whole matrix (the deliberate mistake of the parity tests)."""
+    matrix_key = "muon"
+    adamw_eps_key = "adam_eps"
 
     def __init__(
         self,
@@ -72,38 +69,13 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: str = "bfloat16",
         betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
-        differentiable: bool = False,
     ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        # torch's Optimizer.load_state_dict puts ``differentiable`` into the defaults, from which ZeRO-1 rebuilds this
-        # class after a resume: accepted, and only as False (the step is not differentiable)
-        if differentiable:
-            raise ValueError("Muon has no differentiable step")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, betas=tuple(betas), adam_eps=adam_eps,
-                        muon=True)
+                        adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, betas=tuple(betas), adam_eps=adam_eps)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            if group["muon"] and any(p.ndim not in (2, 3) for p in group["params"]):
-                raise ValueError("Muon steps matrices (2-D) and stacks of matrices (3-D) only")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step: Muon on the matrices, AdamW on the rest, over the parameters that have a gradient."""
-        loss, grads = closure_and_grads(self, closure)
-        adamw: dict[int, tuple[dict[str, Any], list[tuple[Tensor, Tensor]]]] = {}
-        for group, p, g in grads:
-            if group["muon"]:
-                self._muon_step(group, p, g)
-            else:
-                adamw.setdefault(id(group), (group, []))[1].append((p, g))
-        for group, items in adamw.values():
-            self._adamw_step(group, items)
-        return loss
-
-    def _muon_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
+    def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """Muon's step of one matrix (or stack of matrices) ``p`` with local gradient ``g``."""
         state = self.state[p]
         if "momentum_buffer" not in state:
@@ -124,26 +96,6 @@ class Muon(torch.optim.Optimizer):
         w = local(p)
         w.mul_(1 - lr * group["weight_decay"])
         w.add_(ortho.to(w.dtype), alpha=-adjusted_lr)
-
-    def _adamw_step(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor]]) -> None:
-        """torch's AdamW step (its functional form) of ``group``'s parameters on their local shards: elementwise, so
-        a shard steps as the whole parameter would."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p, g in items:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(local(p))
-            grads.append(g)
-            exp_avgs.append(local(state["exp_avg"]))
-            exp_avg_sqs.append(local(state["exp_avg_sq"]))
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, decoupled_weight_decay=True, amsgrad=False,
-             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["adam_eps"],
-             maximize=False)
 
 
 def orthogonalise(matrices: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,

@@ -3,7 +3,7 @@ other parameter, each matrix preconditioned whole under every layout."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,13 +14,13 @@ from torch import Tensor, nn
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.optim.matrices import shard_of, whole
-from disttrain.optim.muon import Muon, MuonOthers, route, routing_lines
+from disttrain.optim.matrix_optimizer import MatrixOptimizer
+from disttrain.optim.muon import MuonOthers, route, routing_lines
 from disttrain.optim.norms import local
 from disttrain.optim.registry import OPTIMIZERS
-from disttrain.optim.stepping import closure_and_grads
 
 
-class Soap(torch.optim.Optimizer):
+class Soap(MatrixOptimizer):
     """SOAP for the groups with ``soap=True``, torch's AdamW for the others, in one optimiser (so ZeRO-1, the schedule
     and checkpoints see one optimiser).
 
@@ -44,9 +44,8 @@ class Soap(torch.optim.Optimizer):
     gradient is gathered whole (``matrices.whole``) and every rank of the shard group holds and updates the same
     whole ``L``, ``R``, ``QL``, ``QR``, ``m`` and ``v`` and keeps its own shard of the update: one gather per matrix
     and no scatter, at the price of the state's memory and the eigendecompositions repeated on each rank of the
-    shard group. ZeRO-1 steps each matrix on one owner rank, which alone holds its state. A subclass with
-    ``shard_local = True`` preconditions each local shard instead: wrong on purpose, so the parity tests can show
-    they catch it.
+    shard group. ZeRO-1 steps each matrix on one owner rank, which alone holds its state. ``shard_local = True``
+    preconditions each local shard instead (``MatrixOptimizer``).
 
     The preconditioners and rotated moments are kept in ``precondition_dtype`` (float64 for the parity tests; a
     checkpoint's load casts them to the parameter's dtype, as torch's ``Optimizer.load_state_dict`` does any state,
@@ -59,8 +58,7 @@ class Soap(torch.optim.Optimizer):
 
     # written here: no installed library's SOAP takes whole matrices gathered from disttrain's shards
 
-    shard_local = False
-    """Precondition each local shard rather than the whole matrix (the deliberate mistake of the parity tests)."""
+    matrix_key = "soap"
 
     def __init__(
         self,
@@ -72,38 +70,13 @@ class Soap(torch.optim.Optimizer):
         precondition_frequency: int = 10,
         precondition_dtype: str = "float32",
         null_space_rtol: float = 1e-3,
-        differentiable: bool = False,
     ) -> None:
-        if not lr >= 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        # torch's Optimizer.load_state_dict puts ``differentiable`` into the defaults, from which ZeRO-1 rebuilds this
-        # class after a resume: accepted, and only as False (the step is not differentiable)
-        if differentiable:
-            raise ValueError("Soap has no differentiable step")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, precondition_dtype=precondition_dtype,
-                        null_space_rtol=null_space_rtol, soap=True)
+                        null_space_rtol=null_space_rtol)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            if group["soap"] and any(p.ndim not in (2, 3) for p in group["params"]):
-                raise ValueError("Soap steps matrices (2-D) and stacks of matrices (3-D) only")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step: SOAP on the matrices, AdamW on the rest, over the parameters that have a gradient."""
-        loss, grads = closure_and_grads(self, closure)
-        adamw: dict[int, tuple[dict[str, Any], list[tuple[Tensor, Tensor]]]] = {}
-        for group, p, g in grads:
-            if group["soap"]:
-                self._soap_step(group, p, g)
-            else:
-                adamw.setdefault(id(group), (group, []))[1].append((p, g))
-        for group, items in adamw.values():
-            # the AdamW side reads adam_eps (Muon's name for it)
-            Muon._adamw_step(self, {**group, "adam_eps": group["eps"]}, items)
-        return loss
-
-    def _soap_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
+    def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """SOAP's step of one matrix (or stack of matrices) ``p`` with local gradient ``g``."""
         gathered = not self.shard_local
         grad = (whole(g, p) if gathered else g).to(PRECONDITION_DTYPES[group["precondition_dtype"]])
