@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from disttrain.counter_random import counter_random
 from disttrain.data.base import DataModule, EpochDistributedSampler
+from disttrain.data.chat import ChatConfig, ChatDataModule
 from disttrain.data.digits import DigitsConfig, DigitsDataModule
 from disttrain.data.folder import ImageFolderConfig, ImageFolderDataModule
 from disttrain.data.registry import DATA, build_datamodule
@@ -28,6 +29,8 @@ from disttrain.data.windows import MemmapTokens, TokenWindows
 
 __all__ = [
     "DATA",
+    "ChatConfig",
+    "ChatDataModule",
     "DataModule",
     "DataSpec",
     "DigitsConfig",

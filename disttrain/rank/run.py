@@ -94,6 +94,8 @@ def run_rank(run: RunConfig) -> float | None:
             results["energy"] = energy.result(fitted.steps, run.batch.global_size)
         if balance:
             results["experts"] = balance.result
+        if hasattr(run.datamodule, "report"):  # what a data module counted while reading its files
+            results["data"] = run.datamodule.report()
         sections = kind.results(trainer)
         results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
