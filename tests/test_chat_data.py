@@ -325,3 +325,16 @@ def test_a_short_run_on_chat_rows_trains_and_reports_the_rows(tmp_path, chat_tok
     report = json.loads((run_dir / "results.json").read_text())["data"]
     assert report["rows_read"] == 16 and report["truncated"] == 1 and report["train_rows"] + report["val_rows"] == 16
     assert losses[0] == pytest.approx(math.log(302), rel=0.1)  # a fresh model over the tokenizer's 302 ids
+
+
+@pytest.mark.parametrize(("layout", "key"), [(["parallel=pipeline", "model.tie_weights=false"], "parallel.pp"),
+                                             (["parallel=zero3", "parallel.cp=2"], "parallel.cp")], ids=["pp", "cp"])
+def test_layouts_whose_loss_counts_every_target_are_refused_before_ranks_start(tmp_path, chat_tokenizer, make_config,
+                                                                              layout, key):
+    from disttrain.config import validate
+
+    path = write_jsonl(tmp_path / "data" / "chat.jsonl", conversations(16))
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(["model=gpt", "data=chat", f"data.files=[{path}]", f"data.tokenizer={chat_tokenizer}",
+                              "batch.global_size=4", "trainer.devices=2", *layout]), world_size=None)
+    assert err.value.key == key and "with data=chat" in str(err.value), err.value

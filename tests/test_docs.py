@@ -14,7 +14,8 @@ promises for it: validation must refuse the command with that line (numbers asid
 Placeholders name the reader's own files, which the test makes (small) on first use: ``DIR`` and ``notes.txt``
 (a Hugging Face model folder and a text file, by ``tests.test_cli.with_own_files``), ``RUN_DIR`` and
 ``outputs/runs/<time>`` (a finished run, trained here), ``TOKENS_DIR`` and ``IMAGES_DIR`` (token files and an
-image folder, by the helpers of ``test_cli`` and ``test_image_folder``); a page's ```python block that starts
+image folder, by the helpers of ``test_cli`` and ``test_image_folder``), ``chat.jsonl`` and ``qa.parquet`` (chat
+rows, by ``test_chat_data``'s); a page's ```python block that starts
 with ``# NAME.py`` is that file, written where the commands run.
 
 The README's first block's ``train.py`` commands run whole, shortened by step counts, in ``tests/test_cli.py``
@@ -181,10 +182,30 @@ class OwnFiles:
         """A folder of images, one folder per class (``test_image_folder``'s)."""
         return str(write_classes(self.folder / "images", per_class=32))  # a training split of one default batch
 
+    @cached_property
+    def chat(self) -> str:
+        """Conversations and prompt/response pairs, one JSON object per line (``test_chat_data``'s rows)."""
+        from tests.test_chat_data import conversations, write_jsonl
+
+        return str(write_jsonl(self.folder / "chat" / "chat.jsonl", conversations(80)))
+
+    @cached_property
+    def qa(self) -> str:
+        """Prompt/response pairs as a Parquet file whose columns are ``question`` and ``answer``."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from tests.test_chat_data import conversations
+
+        rows = [{"question": row["prompt"], "answer": row["response"]} for row in conversations(160) if "prompt" in row]
+        (self.folder / "qa").mkdir(exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), self.folder / "qa" / "qa.parquet")
+        return str(self.folder / "qa" / "qa.parquet")
+
     def fill(self, arg: str) -> str:
         """``arg`` with every placeholder replaced by the file made for it."""
         for placeholder, made in (("outputs/runs/<time>", "run"), ("RUN_DIR", "run"), ("TOKENS_DIR", "tokens"),
-                                  ("IMAGES_DIR", "images")):
+                                  ("IMAGES_DIR", "images"), ("chat.jsonl", "chat"), ("qa.parquet", "qa")):
             if placeholder in arg:
                 arg = arg.replace(placeholder, getattr(self, made))
         if re.search(r"\bDIR\b", arg) or "notes.txt" in arg:
