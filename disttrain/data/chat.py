@@ -126,7 +126,7 @@ class ChatRows(Dataset):
 
     def __init__(self, cache: ChatCache, first: int, last: int, block_size: int) -> None:
         self.tokens, self.assistant = cache.tokens(), cache.assistant()
-        self.starts = cache.starts()[first:last + 1]
+        self.starts = cache.starts(first, last)
         self.block_size, self.pad_id = block_size, cache.pad_id
 
     def __len__(self) -> int:

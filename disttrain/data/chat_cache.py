@@ -98,9 +98,10 @@ class ChatCache:
         """One byte per id: 1 where it is the assistant's."""
         return MemmapTokens(os.path.join(self.folder, "assistant.bin"), np.uint8)
 
-    def starts(self) -> np.ndarray:
-        """Where each kept row starts in ``tokens``, and where the last ends (``rows + 1`` offsets)."""
-        return np.fromfile(os.path.join(self.folder, "starts.bin"), dtype=np.int64)
+    def starts(self, first: int, last: int) -> MemmapTokens:
+        """Where rows ``first`` to ``last`` (excluded) start in ``tokens``, and where the last of them ends
+        (``last - first + 1`` offsets), memory-mapped on first access."""
+        return MemmapTokens(os.path.join(self.folder, "starts.bin"), np.int64, first, last - first + 1)
 
 
 def cache_key(sources: ChatSources) -> str:

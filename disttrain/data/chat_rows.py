@@ -58,22 +58,23 @@ def check_chat_files(files: Sequence[str]) -> list[str]:
 def read_conversations(path: str, fields: RowFields) -> Iterator[Conversation]:
     """Every row of one file as a conversation, in order; ConfigError (one line: the key, the file, the row) for
     a row that is not an object, holds neither form, or whose messages are not what ``conversation`` accepts."""
-    rows = _parquet_rows(path) if path.endswith(".parquet") else _jsonl_rows(path)
+    rows = _parquet_rows(path, fields) if path.endswith(".parquet") else _jsonl_rows(path)
     for number, row in rows:
-        yield conversation(row, fields, f"row {number} of {path}")
+        yield conversation(row, fields, path, number)
 
 
-def conversation(row: dict[str, Any], fields: RowFields, where: str) -> Conversation:
-    """The messages of one row: its ``fields.messages`` list, else its prompt as the user's message and its
-    response as the assistant's. Each message needs a known role and string content, and one at least must be
-    the assistant's (the loss is computed on nothing else)."""
+def conversation(row: dict[str, Any], fields: RowFields, path: str, number: int) -> Conversation:
+    """The messages of row ``number`` of ``path``: its ``fields.messages`` list, else its prompt as the user's
+    message and its response as the assistant's. Each message needs a known role and string content, and one at
+    least must be the assistant's (the loss is computed on nothing else)."""
+    where = f"row {number} of {path}"
     if row.get(fields.messages) is not None:
         messages = row[fields.messages]
         if not isinstance(messages, list) or not messages:
             raise ConfigError("data.messages_key", fields.messages,
                               f"the key of a non-empty list of {{role, content}} messages; {where} holds a "
                               f"{type(messages).__name__} there")
-        turns = [_message(message, index, where) for index, message in enumerate(messages)]
+        turns = [_message(message, index, fields, path, where) for index, message in enumerate(messages)]
     elif isinstance(row.get(fields.prompt), str) and isinstance(row.get(fields.response), str):
         turns = [{"role": "user", "content": row[fields.prompt]},
                  {"role": "assistant", "content": row[fields.response]}]
@@ -83,21 +84,21 @@ def conversation(row: dict[str, Any], fields: RowFields, where: str) -> Conversa
                           f"'{fields.prompt}' and data.response_key='{fields.response}'; {where} holds neither "
                           f"(its keys: {sorted(row)[:10]})")
     if not any(turn["role"] == "assistant" for turn in turns):
-        raise ConfigError("data.files", where.rsplit(" of ", 1)[-1],
-                          f"conversations with at least one assistant message (the loss is on those); {where} "
-                          "has none")
+        raise ConfigError("data.files", path, f"conversations with at least one assistant message (the loss is on "
+                                              f"those); {where} has none")
     return turns
 
 
-def _message(message: Any, index: int, where: str) -> dict[str, str]:
+def _message(message: Any, index: int, fields: RowFields, path: str, where: str) -> dict[str, str]:
     """One message as ``{"role", "content"}``, checked."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-        raise ConfigError("data.messages_key", where.rsplit(" of ", 1)[-1],
-                          f"messages that are objects with a string 'content'; message {index} of {where} is "
-                          f"{json.dumps(message, default=str)[:80]}")
+        raise ConfigError("data.messages_key", fields.messages,
+                          f"the key of a list of messages that are objects with a string 'content'; message "
+                          f"{index} of {where} is {json.dumps(message, default=str)[:80]}")
     role = message.get("role")
     if role not in ROLES:
-        raise ConfigError(f"role of message {index} of {where}", role, f"one of {', '.join(ROLES)}")
+        raise ConfigError("data.files", path, f"messages whose role is one of {', '.join(ROLES)}; message {index} "
+                                              f"of {where} has role {json.dumps(role, default=str)}")
     return {"role": role, "content": message["content"]}
 
 
@@ -124,8 +125,9 @@ def _json_object(line: str, path: str, number: int) -> dict[str, Any]:
     return record
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(row number from 1, row)`` of a Parquet file, read a record batch at a time."""
+def _parquet_rows(path: str, fields: RowFields) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(row number from 1, row)`` of a Parquet file, read a record batch at a time and only the columns that
+    ``fields`` name."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -135,8 +137,14 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
         table = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises its own error types for a file that is not Parquet
         raise ConfigError("data.files", path, f"a readable Parquet file: {err}") from None
+    columns = [name for name in (fields.messages, fields.prompt, fields.response) if name in table.schema_arrow.names]
+    if not columns:
+        raise ConfigError("data.messages_key", fields.messages,
+                          f"a column of every Parquet file (a list of messages), or columns data.prompt_key="
+                          f"'{fields.prompt}' and data.response_key='{fields.response}'; {path} has neither "
+                          f"(its columns: {table.schema_arrow.names[:10]})")
     number = 0
-    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
         for row in batch.to_pylist():
             number += 1
             yield number, row
