@@ -281,6 +281,15 @@ def _parquet_without_fields(tmp_path: Path, path: Path) -> dict:
     return {"files": [str(path), str(tmp_path / "bad.parquet")]}
 
 
+def _template_rewriting_earlier_turns(tmp_path: Path, path: Path) -> dict:
+    """A template that writes an earlier answer shorter once a later message follows (as templates that drop
+    earlier reasoning do): the conversation's start is not its first messages' rendering."""
+    rewriting = TEMPLATE.replace("{{ m['content'] + '<|im_end|>\n' }}{% endgeneration %}",
+                                 "{{ (m['content'] if loop.last else '...') + '<|im_end|>\n' }}{% endgeneration %}")
+    assert rewriting != TEMPLATE
+    return {"tokenizer": str(make_chat_tokenizer(tmp_path / "rewriting", rewriting))}
+
+
 BAD_INPUT = {
     "missing file": ("data.files", _missing_file, "nope.jsonl does not exist"),
     "unknown extension": ("data.files", lambda tmp_path, path: {"files": [str(tmp_path / "chat.csv")]},
@@ -289,6 +298,8 @@ BAD_INPUT = {
     "parquet file without the fields": ("data.messages_key", _parquet_without_fields, "its columns: ['text']"),
     "unknown role": ("data.files", _unknown_role, "role is one of system, user, assistant; message 0 of row 13"),
     "no assistant turn": ("data.files", _no_assistant_turn, "at least one assistant message"),
+    "template rewriting earlier turns": ("data.tokenizer", _template_rewriting_earlier_turns,
+                                         "renders a conversation's first messages as the start of the whole"),
     "unknown too_long": ("data.too_long", lambda tmp_path, path: {"too_long": "wrap"}, "truncate or drop"),
     "tokenizer folder without tokenizer.json": ("data.tokenizer", lambda tmp_path, path: {"tokenizer": str(tmp_path)},
                                                 "tokenizer.json"),
