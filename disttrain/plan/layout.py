@@ -32,6 +32,13 @@ class MatrixStep:
     """Newton-Schulz iterations per matrix and optimiser step."""
     ns_dtype: str = "bfloat16"
     """The iteration's dtype (bfloat16 or float32): which of the profile's peak rates it computes at."""
+    kind: str = "muon"
+    """muon (``state`` per value, laid out like the parameter; Newton-Schulz) or soap (L, R, QL, QR and both
+    moments whole on every rank of a matrix's shard group, ``precondition_bytes`` per value; eigendecompositions)."""
+    precondition_bytes: int = 4
+    """SOAP: bytes per value of its state (its ``precondition_dtype``'s)."""
+    precondition_frequency: int = 1
+    """SOAP: optimiser steps between eigendecompositions."""
 
 
 @dataclass(frozen=True)
