@@ -12,18 +12,11 @@ from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from disttrain.errors import ConfigError
-from disttrain.launch.job import train
 from disttrain.optim.muon import Muon, MuonConfig, newton_schulz, orthogonalise, route, routing_lines
 from tests import test_optim
-from tests.conftest import compose_config
 from tests.dist_utils import run_on_ranks
+from tests.matrix_layouts import base, check_layout, layout_params, one_process_runs, resume_base, resume_deviation
 from tests.sharded_matrices import layouts_against_one_process
-from tests.test_expert_parallel import MOE_MODEL
-from tests.test_parity import CLIP, STEPS, check_against, relative_deviation, run_summary
-from tests.test_resume_layouts import BASE as RESUME_BASE
-from tests.test_resume_layouts import SAVED
-from tests.test_resume_layouts import STEPS as RESUME_STEPS
-from tests.test_run import GPT_FAST, step_losses
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -196,32 +189,7 @@ def test_sharded_matrices_step_whole():
 
 
 # ------------------------------------------------------------------------------------------------- through the runner
-BASE = [*GPT_FAST, "model.n_layer=2", "model.tie_weights=false", f"trainer.max_steps={STEPS}",
-        f"trainer.val_check_interval={STEPS}", "trainer.check_val_every_n_epoch=null",
-        f"trainer.gradient_clip_val={CLIP}", "optim=muon", "optim.ns_dtype=float32"]
-MOE = [*(o for o in BASE if not o.startswith("model")), *MOE_MODEL]
-PIPE = ["parallel=pipeline"]
-LAYOUTS = {
-    "ddp": (["parallel=ddp"], 2),
-    "zero1": (["parallel=zero1"], 2),
-    "zero2": (["parallel=zero2"], 2),
-    "zero3": (["parallel=zero3"], 2),
-    "zero3+accumulate4": (["parallel=zero3", "batch.accumulation=4"], 2),
-    "hsdp": (["parallel=hsdp"], 4),
-    "tp": (["parallel=tp"], 2),
-    "tp+sp": (["parallel=tp", "parallel.sequence_parallel=true"], 2),
-    "tp+accumulate4": (["parallel=tp", "batch.accumulation=4"], 2),
-    "pp-1f1b": ([*PIPE, "parallel.pipeline.schedule=1f1b"], 2),
-    "cp2": (["parallel.cp=2"], 2),
-    "dp_shard2xtp2": (["parallel=hybrid", "parallel.tp=2"], 4),
-    "pp2xdp_shard2": ([*PIPE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], 4),
-    "pp2xtp2xdp_shard2": ([*PIPE, "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
-                          8),
-}
-MOE_LAYOUTS = {
-    "ep2": (["parallel=zero3", "parallel.ep=2"], 2),
-    "ep2xtp2": (["parallel=hybrid", "parallel.tp=2", "parallel.ep=2"], 4),
-}
+BASE = base(["optim=muon", "optim.ns_dtype=float32"])
 FAST = ("zero1", "zero3", "zero3+accumulate4", "tp")
 """The layouts in the default suite: a matrix stepped by its ZeRO-1 owner, FSDP2's row shards (with accumulation,
 where the iteration must run once per optimiser step) and tensor-parallel row and column shards; the rest are
@@ -235,39 +203,16 @@ LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-5
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> Callable[[str, int], dict]:
     """``(model, accumulation) -> run_summary`` of one process, each run when first asked for."""
-    cache: dict[tuple[str, int], dict] = {}
-
-    def reference(model: str, accumulation: int) -> dict:
-        if (model, accumulation) not in cache:
-            overrides = [*(BASE if model == "gpt" else MOE), f"batch.accumulation={accumulation}"]
-            cache[model, accumulation] = run_summary(tmp_path_factory.mktemp(f"{model}-{accumulation}"), overrides)
-        return cache[model, accumulation]
-
-    return reference
+    return one_process_runs(tmp_path_factory, BASE)
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in FAST else pytest.mark.slow)
-                                    for name in [*LAYOUTS, *MOE_LAYOUTS]])
+@pytest.mark.parametrize("layout", layout_params(FAST))
 def test_layout_matches_one_process(tmp_path, references, layout):
-    model = "moe" if layout in MOE_LAYOUTS else "gpt"
-    overrides, ranks = {**LAYOUTS, **MOE_LAYOUTS}[layout]
-    accumulation = 4 if "batch.accumulation=4" in overrides else 1
-    got = run_summary(tmp_path / "run", [*(BASE if model == "gpt" else MOE), *overrides, f"trainer.devices={ranks}"])
-    check_against(references(model, accumulation), got, clipped=True, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL,
-                  norm_rtol=NORM_RTOL)
-    if accumulation > 1:  # the same global batches in one micro-batch: the same curve and weights (the validation
-        # batches differ: they are micro-batch sized)
-        single = references(model, 1)
-        assert relative_deviation(single["losses"], got["losses"]) <= LOSS_RTOL
-        assert relative_deviation(single["norms"], got["norms"]) <= NORM_RTOL
-        for name, weight in got["weights"].items():
-            torch.testing.assert_close(weight, single["weights"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    check_layout(tmp_path, references, BASE, layout, LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL)
 
 
 # ------------------------------------------------------------------------------------------------- resume elsewhere
-RESUME = [*(o for o in RESUME_BASE if not o.startswith(("optim", "model.n_layer"))), "model.n_layer=2", "optim=muon",
-          "optim.ns_dtype=float32"]
-RESUME_LAYOUTS = {"single": ([], 1), **LAYOUTS}
+RESUME = resume_base(["optim=muon", "optim.ns_dtype=float32"])
 # measured (fp32 iteration, gloo): the resumed steps within 1e-7 relative of the saving run's
 RESUME_RTOL = 1e-5
 
@@ -278,16 +223,5 @@ RESUME_RTOL = 1e-5
 def test_resumes_under_another_layout_on_the_same_curve(tmp_path, before, after):
     """Momentum buffers and AdamW's moments move between layouts: a run saved at step 4 under ``before`` and resumed
     under ``after`` continues the saving run's own curve."""
-    def layout(name: str) -> list[str]:
-        overrides, ranks = RESUME_LAYOUTS[name]
-        return [*overrides, f"trainer.devices={ranks}"]
-
-    train(compose_config([*RESUME, *layout(before)], tmp_path / "saved"))
-    curve = step_losses(tmp_path / "saved")
-    assert len(curve) == RESUME_STEPS
-    point = tmp_path / "saved" / "checkpoints" / f"last-step{SAVED}.ckpt"
-    train(compose_config([*RESUME, *layout(after), f"resume={point}"], tmp_path / "resumed"))
-    resumed = step_losses(tmp_path / "resumed")[-(RESUME_STEPS - SAVED):]
-    assert len(resumed) == RESUME_STEPS - SAVED
-    deviation = relative_deviation(curve[SAVED:], resumed)
-    assert deviation <= RESUME_RTOL, (deviation, curve[SAVED:], resumed)
+    deviation = resume_deviation(tmp_path, RESUME, before, after)
+    assert deviation <= RESUME_RTOL, deviation

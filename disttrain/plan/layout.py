@@ -19,8 +19,8 @@ also keeps its worker residual (its server residual, 1 / N of it, is left out)."
 
 @dataclass(frozen=True)
 class MatrixStep:
-    """What an optimiser that steps whole matrices (Muon) adds to a plan: the parameters it steps as matrices, their
-    state, and the Newton-Schulz iteration each runs per optimiser step (``disttrain.plan.matrix_step``)."""
+    """What an optimiser that steps whole matrices (Muon, SOAP) adds to a plan: the parameters it steps as matrices,
+    their state, and what it computes per optimiser step (``disttrain.plan.matrix_step``)."""
 
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Parameter name -> whole shape of each matrix (2-D) or stack of matrices (3-D, MoE experts) it steps."""
@@ -32,6 +32,13 @@ class MatrixStep:
     """Newton-Schulz iterations per matrix and optimiser step."""
     ns_dtype: str = "bfloat16"
     """The iteration's dtype (bfloat16 or float32): which of the profile's peak rates it computes at."""
+    kind: str = "muon"
+    """muon (``state`` per value, laid out like the parameter; Newton-Schulz) or soap (L, R, QL, QR and both
+    moments whole on every rank of a matrix's shard group, ``precondition_bytes`` per value; eigendecompositions)."""
+    precondition_bytes: int = 4
+    """SOAP: bytes per value of its state (its ``precondition_dtype``'s)."""
+    precondition_frequency: int = 1
+    """SOAP: optimiser steps between eigendecompositions."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class StateBytes:
     zero2_keeps_shards: bool = True
     """ZeRO-2 holds parameter shards beside the gathered parameters (FSDP2); False: the paper's P_os+g."""
     matrices: MatrixStep | None = None
-    """Where the optimiser steps whole matrices (Muon): which, and how (``optim`` is then a rank's mean, set per
+    """Where the optimiser steps whole matrices (Muon, SOAP): which, and how (``optim`` is then a rank's mean, set per
     layout by ``disttrain.plan.matrix_step.rank_state``)."""
 
 

@@ -1,7 +1,9 @@
-"""What an optimiser that steps whole matrices (``optim=muon``) costs a layout: its state per rank (momentum for
-the matrices, AdamW's moments for the rest), the gathers of the matrices a layout splits, and the Newton-Schulz
-iteration's FLOPs, as ``disttrain.optim.muon`` runs them: a split matrix is gathered whole on every rank of its
-shard group once per optimiser step and orthogonalised there, each rank keeping its piece (no scatter)."""
+"""What an optimiser that steps whole matrices (``optim=muon``, ``optim=soap``) costs a layout: its state per rank
+(Muon's momentum or SOAP's preconditioners for the matrices, AdamW's moments for the rest), the gathers of the
+matrices a layout splits, and the FLOPs of Muon's Newton-Schulz iteration or SOAP's rotations and
+eigendecompositions, as ``disttrain.optim.muon`` and ``disttrain.optim.soap`` run them: a split matrix is gathered
+whole on every rank of its shard group once per optimiser step and stepped there, each rank keeping its piece (no
+scatter)."""
 
 from __future__ import annotations
 
@@ -12,27 +14,60 @@ from torch import nn
 
 from disttrain.plan.communication import Collective, collective, group_link
 from disttrain.plan.devices import HardwareProfile
-from disttrain.plan.layout import Layout, MatrixStep, StateBytes, param_on_rank
+from disttrain.plan.layout import Layout, MatrixStep, StateBytes, param_on_rank, rank_expert_params, rank_params
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.step_time import threads_per_rank
 
 NS_RATES = {"bfloat16": "bf16", "float32": "fp32"}
 """The iteration's dtype -> the profile's peak rate it computes at."""
+PRECONDITION_BYTES = {"float32": 4, "float64": 8}
+"""SOAP's ``precondition_dtype`` -> bytes per value of its state."""
+GRADIENT_BYTES = 4
+"""Bytes per value of the gradients SOAP gathers (those of fp32 parameters)."""
+EIGH_FLOPS = 9
+"""FLOPs of a symmetric eigendecomposition with eigenvectors per n^3 (Golub and Van Loan's symmetric QR algorithm)."""
 
 
-def muon_state(net: nn.Module, optim: Any) -> StateBytes:
-    """State bytes of ``optim=muon`` on ``net`` (built on the meta device), its parameters routed by Muon's own rule
-    and the config's patterns (``disttrain.optim.muon.route``)."""
-    from disttrain.optim.muon import MuonConfig, route
+def _matrix_shapes(net: nn.Module, optim: Any, defaults: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> whole shape of the parameters of ``net`` a matrix optimiser steps, routed by Muon's rule and the
+    config's patterns (``disttrain.optim.muon.route``)."""
+    from disttrain.optim.muon import route
 
-    defaults = MuonConfig()
     other = getattr(optim, "other", defaults.other)
     matrices, _ = route(net, list(getattr(optim, "matrix_params", None) or []),
                         list(getattr(other, "params", None) or []))
-    step = MatrixStep({name: tuple(p.shape) for name, p in matrices},
-                      ns_steps=getattr(optim, "ns_steps", defaults.ns_steps),
+    return {name: tuple(p.shape) for name, p in matrices}
+
+
+def muon_state(net: nn.Module, optim: Any) -> StateBytes:
+    """State bytes of ``optim=muon`` on ``net`` (built on the meta device)."""
+    from disttrain.optim.muon import MuonConfig
+
+    defaults = MuonConfig()
+    step = MatrixStep(_matrix_shapes(net, optim, defaults), ns_steps=getattr(optim, "ns_steps", defaults.ns_steps),
                       ns_dtype=getattr(optim, "ns_dtype", defaults.ns_dtype))
     return StateBytes(optim=step.other_state, matrices=step)
+
+
+def soap_state(net: nn.Module, optim: Any) -> StateBytes:
+    """State bytes of ``optim=soap`` on ``net`` (built on the meta device). Its rotations and eigendecompositions
+    are timed at the profile's fp32 rate, also in float64 (which most accelerators compute slower: a lower bound)."""
+    from disttrain.optim.soap import SoapConfig
+
+    defaults = SoapConfig()
+    dtype = getattr(optim, "precondition_dtype", defaults.precondition_dtype)
+    step = MatrixStep(_matrix_shapes(net, optim, defaults), ns_dtype="float32", kind="soap",
+                      precondition_bytes=PRECONDITION_BYTES[dtype],
+                      precondition_frequency=getattr(optim, "precondition_frequency", defaults.precondition_frequency))
+    return StateBytes(optim=step.other_state, matrices=step)
+
+
+def soap_values(shape: tuple[int, ...]) -> int:
+    """Values of SOAP's state of one matrix (or stack of matrices) of ``shape``: L and QL (rows^2 each), R and QR
+    (cols^2 each) and the two rotated moments (rows x cols each), per matrix of a stack."""
+    *batch, rows, cols = shape
+    count = batch[0] if batch else 1
+    return count * 2 * (rows * rows + cols * cols + rows * cols)
 
 
 def _local(stats: ModelStats, layout: Layout, name: str) -> float:
@@ -46,6 +81,8 @@ def rank_state(stats: ModelStats, layout: Layout, units: list[str] | None, state
     step = state.matrices
     if step is None:
         return state
+    if step.kind == "soap":
+        return replace(state, optim=_soap_mean(stats, layout, units, step))
     total = weighted = 0.0
     for name in stats.param_numel:
         if param_on_rank(stats, name, units):
@@ -53,6 +90,28 @@ def rank_state(stats: ModelStats, layout: Layout, units: list[str] | None, state
             total += n
             weighted += n * (step.state if name in step.shapes else step.other_state)
     return replace(state, optim=weighted / total if total else step.other_state)
+
+
+def _soap_mean(stats: ModelStats, layout: Layout, units: list[str] | None, step: MatrixStep) -> float:
+    """``rank_state``'s mean for SOAP: the state bytes the rank holding ``units`` keeps, over the elements
+    ``disttrain.plan.memory.model_state`` divides it among (dense over ``state_shards``, experts over ``ep`` x
+    ``expert_state_shards``). Each matrix's state is whole on every rank of its shard group (FSDP2, tensor and
+    expert parallelism gather it), a 1/dp_shard share of it under ZeRO-1 (one owner per matrix); AdamW's moments
+    are laid out like their parameter."""
+    owners = layout.dp_shard if layout.shards_only_optimizer_state else 1
+    held = 0.0
+    for name in stats.param_numel:
+        if not param_on_rank(stats, name, units):
+            continue
+        if name in step.shapes:
+            held += soap_values(step.shapes[name]) * step.precondition_bytes / owners
+        else:
+            expert = name in stats.expert_params
+            shards = layout.ep * layout.expert_state_shards if expert else layout.state_shards
+            held += _local(stats, layout, name) * step.other_state / shards
+    params, experts = rank_params(stats, layout, units), rank_expert_params(stats, layout, units)
+    spread = (params - experts) / layout.state_shards + experts / layout.ep / layout.expert_state_shards
+    return held / spread if spread else step.other_state
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
@@ -70,14 +129,29 @@ def _split(stats: ModelStats, layout: Layout, name: str) -> tuple[bool, int]:
     return layout.tp > 1 and bool(stats.tp_sharded.get(name)), shards
 
 
+def soap_flops(rows: int, cols: int, precondition_frequency: int) -> float:
+    """FLOPs per optimiser step of SOAP on a ``rows x cols`` matrix: the gradient into the eigenbasis and the update
+    out of it (``QLᵀ G QR``, ``QL U QRᵀ``: 4 r c (r + c)), ``G Gᵀ`` and ``Gᵀ G`` (2 r c (r + c)); and, once per
+    ``precondition_frequency`` steps, the eigendecompositions of L and R (``EIGH_FLOPS`` (r^3 + c^3)) and the first
+    moment into the new basis (4 r c (r + c)). Elementwise terms and the null spaces' QR are left out."""
+    products = 2 * rows * cols * (rows + cols)
+    refresh = EIGH_FLOPS * (rows ** 3 + cols ** 3) + 2 * products
+    return 3 * products + refresh / precondition_frequency
+
+
 def orthogonalise_flops(stats: ModelStats, layout: Layout, units: list[str] | None, step: MatrixStep) -> float:
-    """Newton-Schulz FLOPs per optimiser step of the rank holding ``units``: every matrix it steps whole, a split one
-    too (each rank of its shard group computes it), a 1/dp_shard share under ZeRO-1 (each matrix has one owner),
-    and of a stack of matrices (3-D: experts) the matrices of its local shard (split by experts, never gathered)."""
+    """The matrix optimiser's FLOPs per optimiser step of the rank holding ``units``: every matrix it steps whole, a
+    split one too (each rank of its shard group computes it), a 1/dp_shard share under ZeRO-1 (each matrix has one
+    owner). Of a stack of matrices (3-D: experts) Muon steps the matrices of its local shard (split by experts, never
+    gathered), SOAP every matrix (gathered whole)."""
     flops = 0.0
     owners = layout.dp_shard if layout.shards_only_optimizer_state else 1
     for name, shape in step.shapes.items():
         if not param_on_rank(stats, name, units):
+            continue
+        if step.kind == "soap":
+            flops += soap_flops(shape[-2], shape[-1], step.precondition_frequency) * (
+                shape[0] if len(shape) == 3 else 1) / owners
             continue
         each = newton_schulz_flops(shape[-2], shape[-1], step.ns_steps)
         if len(shape) == 3:
@@ -97,23 +171,27 @@ def orthogonalise_seconds(flops: float, layout: Layout, profile: HardwareProfile
 
 def matrix_gathers(stats: ModelStats, layout: Layout, units: list[str] | None, step: MatrixStep,
                    profile: HardwareProfile) -> list[Collective]:
-    """The all-gathers per optimiser step that make each split 2-D matrix of the rank holding ``units`` whole on
-    every rank of its shard group (tensor parallelism's, ZeRO-2/3's or both: gathered over their product, which
-    sends as much as a ring over it), in the momentum's dtype, after backward (nothing left to hide them). Stacks of
-    matrices are split by experts only and stepped where they lie."""
+    """The all-gathers per optimiser step that make each split matrix of the rank holding ``units`` whole on every
+    rank of its shard group (tensor parallelism's, ZeRO-2/3's or both: gathered over their product, which sends as
+    much as a ring over it), after backward (nothing left to hide them): Muon's momentum in its dtype, of the 2-D
+    matrices (its stacks of matrices are split by experts only and stepped where they lie); SOAP's gradients, of the
+    stacks too (over expert parallelism's ranks as well)."""
     groups: dict[tuple[str, int, int], tuple[float, int]] = {}
     shard_group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+    soap = step.kind == "soap"
     for name, shape in step.shapes.items():
-        if len(shape) != 2 or not param_on_rank(stats, name, units):
+        if (len(shape) != 2 and not soap) or not param_on_rank(stats, name, units):
             continue
         tp_split, shards = _split(stats, layout, name)
-        size = (layout.tp if tp_split else 1) * shards
+        ep = layout.ep if name in stats.expert_params else 1
+        size = (layout.tp if tp_split else 1) * shards * ep
         if size == 1:
             continue
-        label = "+".join(g for g, on in ((shard_group, shards > 1), ("tp", tp_split)) if on)
-        span = layout.tp * (layout.cp * layout.dp_shard if shards > 1 else 1)
+        label = "+".join(g for g, on in (("ep", ep > 1), (shard_group, shards > 1), ("tp", tp_split)) if on)
+        span = layout.tp * (layout.cp * layout.dp_shard if shards * ep > 1 else 1)
         buffer, calls = groups.get((label, size, span), (0.0, 0))
-        groups[(label, size, span)] = (buffer + stats.param_numel[name] * step.state, calls + 1)
+        per_value = GRADIENT_BYTES if soap else step.state
+        groups[(label, size, span)] = (buffer + stats.param_numel[name] * per_value, calls + 1)
     return [collective("all_gather", label, size, buffer, calls, group_link(profile, span), after_step=True,
                        what="whole matrices")
             for (label, size, span), (buffer, calls) in groups.items()]

@@ -12,7 +12,7 @@ from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
 from disttrain.plan.layout import Layout, expert_degrees, state_bytes
-from disttrain.plan.matrix_step import muon_state
+from disttrain.plan.matrix_step import muon_state, soap_state
 from disttrain.plan.memory import ActivationBytes
 from disttrain.plan.model_stats import ModelStats, measure_model
 from disttrain.plan.units import human_bytes
@@ -42,6 +42,8 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
 
     if getattr(optim, "name", "") == "muon":  # momentum for the matrices Muon steps, AdamW's moments for the rest
         state = muon_state(net, optim)
+    elif getattr(optim, "name", "") == "soap":  # whole preconditioners and moments for its matrices
+        state = soap_state(net, optim)
     else:
         state = state_bytes(getattr(optim, "name", ""), getattr(optim, "momentum", 0.0) or 0.0)
     heads = getattr(getattr(net, "dims", None), "n_head", None)

@@ -53,7 +53,7 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats
         lines += ["communication: none", ""]
     if e.orthogonalise_flops:
         gathered = sum(c.sent_bytes for c in e.collectives if c.what == "whole matrices")
-        lines.append(f"orthogonalisation (Newton-Schulz of the matrix optimiser, once per optimiser step): "
+        lines.append(f"orthogonalisation (Muon's Newton-Schulz or SOAP's eigenbases, once per optimiser step): "
                      f"{e.orthogonalise_flops / 1e9:.4g} GFLOP, {e.orthogonalise_s * 1e3:.3g} ms "
                      f"({100 * e.orthogonalise_s / e.step_s:.1f}% of the step); gathers of whole matrices send "
                      f"{human_bytes(gathered)}")
