@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from disttrain.models.heads import HeadBlocks
+from disttrain.optim.matrices import whole
 from disttrain.optim.norms import local
 from disttrain.optim.stepping import closure_and_grads
 
@@ -37,6 +38,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if not defaults["lr"] >= 0:
             raise ValueError(f"invalid learning rate {defaults['lr']}")
         super().__init__(params, {**defaults, self.matrix_key: True})
+        self.gathered_bytes = 0
+        """Bytes this rank has received, since it was built, to make its split matrices whole (``gather_whole``)."""
         for group in self.param_groups:
             if group[self.matrix_key] and any(p.ndim not in (2, 3) for p in group["params"]):
                 raise ValueError(f"{type(self).__name__} steps matrices (2-D) and stacks of matrices (3-D) only")
@@ -60,6 +63,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """Step the matrix (or stack of matrices) ``p`` of ``group`` with its local gradient ``g``."""
         raise NotImplementedError
+
+    def gather_whole(self, local_tensor: Tensor, p: Tensor) -> Tensor:
+        """``matrices.whole(local_tensor, p)``, its bytes counted in ``gathered_bytes``: what this rank did not
+        hold (the whole less its own shard), which over a ring all-gather is also what each rank sends."""
+        full = whole(local_tensor, p)
+        if full is not local_tensor:
+            self.gathered_bytes += (full.numel() - local_tensor.numel()) * full.element_size()
+        return full
 
     @staticmethod
     def head_blocks(group: dict[str, Any]) -> HeadBlocks | None:

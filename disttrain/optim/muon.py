@@ -17,7 +17,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as _torch_newton_schul
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.models.heads import HeadBlocks, from_heads, head_blocks_of, to_heads
-from disttrain.optim.matrices import holds_whole_heads, holds_whole_matrices, shard_of, whole
+from disttrain.optim.matrices import holds_whole_heads, holds_whole_matrices, shard_of
 from disttrain.optim.matrix_optimizer import MatrixOptimizer
 from disttrain.optim.norms import local
 from disttrain.optim.registry import OPTIMIZERS
@@ -93,7 +93,7 @@ class Muon(MatrixOptimizer):
         heads = self.head_blocks(group)
         whole_here = holds_whole_heads(p, heads) if heads else holds_whole_matrices(p)
         gathered = not (self.shard_local or whole_here)
-        matrices = whole(update, p) if gathered else update
+        matrices = self.gather_whole(update, p) if gathered else update
         if heads:  # each head's block is a matrix of its own: a stack of them
             matrices = to_heads(matrices, heads)
         ortho = orthogonalise(matrices, group["ns_coefficients"], group["ns_steps"], group["eps"],

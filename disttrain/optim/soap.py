@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from disttrain import checks
 from disttrain.errors import ConfigError
 from disttrain.models.heads import from_heads, to_heads
-from disttrain.optim.matrices import shard_of, whole
+from disttrain.optim.matrices import shard_of
 from disttrain.optim.matrix_optimizer import MatrixOptimizer
 from disttrain.optim.muon import MuonOthers, matrix_groups, route, routing_lines
 from disttrain.optim.norms import local
@@ -84,7 +84,7 @@ class Soap(MatrixOptimizer):
     def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """SOAP's step of one matrix (or stack of matrices) ``p`` with local gradient ``g``."""
         gathered = not self.shard_local
-        grad = whole(g, p) if gathered else g
+        grad = self.gather_whole(g, p) if gathered else g
         heads = self.head_blocks(group)
         if heads:  # each head's block is a matrix of its own: a stack of them
             grad = to_heads(grad, heads)
