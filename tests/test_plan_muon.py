@@ -29,13 +29,13 @@ def _gpt(device: str = "cpu") -> torch.nn.Module:
         return GPT(GPTDims(2, 4, 64, 32, 256), tie_weights=True)
 
 
-def _plan(layout: str, ns_dtype: str = "float32"):
-    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(ns_dtype=ns_dtype), "32-true",
-                         PROFILES["h100_sxm"])
+def _plan(layout: str, ns_dtype: str = "float32", per_head: bool = False):
+    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(ns_dtype=ns_dtype, per_head=per_head),
+                         "32-true", PROFILES["h100_sxm"])
     return inputs.estimate(LAYOUTS[layout])
 
 
-def _muon_rank(layouts: list[str]) -> list[tuple[int, int | None, int]]:
+def _muon_rank(layouts: list[str], per_head: bool = False) -> list[tuple[int, int | None, int]]:
     """Per layout: the bytes of the Muon optimiser's state this rank holds after a step of the tiny GPT, read from
     the tensors (the scalar step counters left out), the bytes all ranks wrote during a second step, and the bytes
     the optimiser counted itself gathering in that step."""
@@ -54,7 +54,7 @@ def _muon_rank(layouts: list[str]) -> list[tuple[int, int | None, int]]:
         params = list(module.parameters())
         for p in params:
             p.grad = torch.ones_like(p)
-        opt = build_muon(MuonConfig(ns_dtype="float32"), module)
+        opt = build_muon(MuonConfig(ns_dtype="float32", per_head=per_head), module)
         opt.step()
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
         held = sum((v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size() for v in state)
@@ -81,6 +81,25 @@ def test_state_and_gathers_match_two_ranks() -> None:
         sent = ranks[0][i][1]
         if sent is not None:
             assert sent == pytest.approx(2 * gathers[0].sent_bytes, rel=0.05), (layout, sent)
+
+
+def test_per_head_gathers_and_flops_match_two_ranks() -> None:
+    """``optim.per_head``: a shard holding whole heads is stepped where it lies, so ZeRO-3 gathers only the output
+    projections (whose rows cut every head) and the MLP, tensor parallelism only the MLP: the plan's gathers equal
+    what each rank's Muon counted gathering; the iteration's FLOPs are the heads' matrices (of 16 x 64), of the
+    rank's own heads where it holds whole ones."""
+    ranks = run_on_ranks(_muon_rank, 2, list(LAYOUTS), True, timeout=240)
+    mlp = 2 * 2 * 64 * 256  # per layer fc and proj, two layers
+    gathered = {"zero3": (mlp + 2 * 64 * 64) * 4 / 2, "tp": mlp * 4 / 2}
+    head = newton_schulz_flops(16, 64, 5)
+    hand = {"zero3": 2 * (3 * 2 * head + 4 * head + 2 * newton_schulz_flops(64, 256, 5)),
+            "tp": 2 * (4 * 2 * head + 2 * newton_schulz_flops(64, 256, 5))}
+    for i, layout in enumerate(LAYOUTS):
+        est = _plan(layout, per_head=True)
+        planned = sum(c.sent_bytes for c in est.collectives if c.what == "whole matrices")
+        assert planned == gathered[layout], (layout, planned)
+        assert all(rank[i][2] == planned for rank in ranks), (layout, [rank[i][2] for rank in ranks])
+        assert est.orthogonalise_flops == hand[layout], (layout, est.orthogonalise_flops, hand[layout])
 
 
 def test_state_bytes_are_momentum_for_matrices_and_two_moments_for_the_rest() -> None:

@@ -32,6 +32,9 @@ class MatrixStep:
     """Newton-Schulz iterations per matrix and optimiser step."""
     ns_dtype: str = "bfloat16"
     """The iteration's dtype (bfloat16 or float32): which of the profile's peak rates it computes at."""
+    heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Parameter name -> (axis, width) of each attention projection stepped per head (``optim.per_head``: its heads
+    are blocks of ``width`` along ``axis``, 0 rows or 1 columns; see ``disttrain.models.heads``)."""
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,19 @@ NS_RATES = {"bfloat16": "bf16", "float32": "fp32"}
 def muon_state(net: nn.Module, optim: Any) -> StateBytes:
     """State bytes of ``optim=muon`` on ``net`` (built on the meta device), its parameters routed by Muon's own rule
     and the config's patterns (``disttrain.optim.muon.route``)."""
+    from disttrain.models.heads import head_blocks_of
     from disttrain.optim.muon import MuonConfig, route
 
     defaults = MuonConfig()
     other = getattr(optim, "other", defaults.other)
     matrices, _ = route(net, list(getattr(optim, "matrix_params", None) or []),
                         list(getattr(other, "params", None) or []))
+    declared = head_blocks_of(net) if getattr(optim, "per_head", False) else {}
     step = MatrixStep({name: tuple(p.shape) for name, p in matrices},
                       ns_steps=getattr(optim, "ns_steps", defaults.ns_steps),
-                      ns_dtype=getattr(optim, "ns_dtype", defaults.ns_dtype))
+                      ns_dtype=getattr(optim, "ns_dtype", defaults.ns_dtype),
+                      heads={name: (declared[name].axis, declared[name].width) for name, p in matrices
+                             if name in declared and p.ndim == 2})
     return StateBytes(optim=step.other_state, matrices=step)
 
 
@@ -70,17 +74,41 @@ def _split(stats: ModelStats, layout: Layout, name: str) -> tuple[bool, int]:
     return layout.tp > 1 and bool(stats.tp_sharded.get(name)), shards
 
 
+def heads_held_whole(stats: ModelStats, layout: Layout, name: str, step: MatrixStep) -> int:
+    """Over how many ranks the rank's shards of the attention projection ``name`` (stepped per head) split its
+    heads while each holds whole ones, stepped where they lie as ``disttrain.optim.muon`` steps them: tensor
+    parallelism alone (its split is along the heads' axis), or ZeRO-2/3 alone on a projection whose heads are rows
+    (FSDP2 splits rows), into pieces of whole heads. 0: gathered whole (both split it, or pieces cut heads) or not
+    per head."""
+    if name not in step.heads:
+        return 0
+    axis, width = step.heads[name]
+    tp_split, shards = _split(stats, layout, name)
+    if tp_split and shards > 1:  # FSDP2 over tensor parallelism interleaves its pieces
+        return 0
+    pieces = layout.tp if tp_split else shards
+    if not tp_split and axis != 0:
+        return 0 if pieces > 1 else 1
+    return pieces if step.shapes[name][axis] % (pieces * width) == 0 else 0
+
+
 def orthogonalise_flops(stats: ModelStats, layout: Layout, units: list[str] | None, step: MatrixStep) -> float:
     """Newton-Schulz FLOPs per optimiser step of the rank holding ``units``: every matrix it steps whole, a split one
     too (each rank of its shard group computes it), a 1/dp_shard share under ZeRO-1 (each matrix has one owner),
-    and of a stack of matrices (3-D: experts) the matrices of its local shard (split by experts, never gathered)."""
+    and of a stack of matrices (3-D: experts) the matrices of its local shard (split by experts, never gathered).
+    A projection stepped per head is its heads' matrices, of its local heads where its shard holds whole ones."""
     flops = 0.0
     owners = layout.dp_shard if layout.shards_only_optimizer_state else 1
     for name, shape in step.shapes.items():
         if not param_on_rank(stats, name, units):
             continue
         each = newton_schulz_flops(shape[-2], shape[-1], step.ns_steps)
-        if len(shape) == 3:
+        if name in step.heads:
+            axis, width = step.heads[name]
+            block = (width, shape[1]) if axis == 0 else (shape[0], width)
+            local = heads_held_whole(stats, layout, name, step) or 1
+            flops += newton_schulz_flops(*block, step.ns_steps) * shape[axis] // width / local / owners
+        elif len(shape) == 3:
             tp_split, shards = _split(stats, layout, name)
             ep = layout.ep if name in stats.expert_params else 1
             flops += each * shape[0] / (layout.tp if tp_split else 1) / ep / shards / owners
@@ -100,7 +128,8 @@ def matrix_gathers(stats: ModelStats, layout: Layout, units: list[str] | None, s
     """The all-gathers per optimiser step that make each split 2-D matrix of the rank holding ``units`` whole on
     every rank of its shard group (tensor parallelism's, ZeRO-2/3's or both: gathered over their product, which
     sends as much as a ring over it), in the momentum's dtype, after backward (nothing left to hide them). Stacks of
-    matrices are split by experts only and stepped where they lie."""
+    matrices are split by experts only and stepped where they lie, as are projections stepped per head whose shards
+    hold whole heads."""
     groups: dict[tuple[str, int, int], tuple[float, int]] = {}
     shard_group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
     for name, shape in step.shapes.items():
@@ -108,7 +137,7 @@ def matrix_gathers(stats: ModelStats, layout: Layout, units: list[str] | None, s
             continue
         tp_split, shards = _split(stats, layout, name)
         size = (layout.tp if tp_split else 1) * shards
-        if size == 1:
+        if size == 1 or heads_held_whole(stats, layout, name, step):
             continue
         label = "+".join(g for g, on in ((shard_group, shards > 1), ("tp", tp_split)) if on)
         span = layout.tp * (layout.cp * layout.dp_shard if shards > 1 else 1)
