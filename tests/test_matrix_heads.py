@@ -71,8 +71,8 @@ def test_heads_view_round_trips():
 def test_models_declare_their_heads():
     """GPT, Llama (grouped-query: k and v hold fewer heads), the mixture and a transformers Llama name their q/k/v
     by rows and the output projection by columns, in one value the optimiser reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
     from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
 
     from disttrain.models.gpt import GPT, GPTDims
     from disttrain.models.hf.model import HFCausalLM
@@ -93,6 +93,13 @@ def test_models_declare_their_heads():
                                                    num_key_value_heads=2)))
     assert head_blocks_of(hf) == {**{f"model.layers.0.self_attn.{n}_proj.weight": HeadBlocks(ROWS, 4)
                                      for n in "qkv"}, "model.layers.0.self_attn.o_proj.weight": HeadBlocks(COLUMNS, 4)}
+    # fused q/k/v: Phi-3's q then k then v heads, GPT-NeoX's per head (each block one of them, head_size wide)
+    from tests.test_hf_tensor_parallel import ARCHS
+
+    for arch, fused in (("phi3", "model.layers.0.self_attn.qkv_proj.weight"),
+                        ("gpt_neox", "gpt_neox.layers.0.attention.query_key_value.weight")):
+        net = HFCausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **ARCHS[arch])))
+        assert head_blocks_of(net)[fused] == HeadBlocks(ROWS, 16), arch
     wrapped = nn.Sequential(gpt)  # found under a wrapper, with its prefix
     assert "0.blocks.0.attn.q.weight" in head_blocks_of(wrapped)
     from disttrain.parallel.pipeline.split import UnitStage
@@ -215,3 +222,24 @@ def test_layout_matches_one_process_per_head(tmp_path, capfd, one_process, optim
     got = run_summary(tmp_path / "run", [*_runner_base(optimiser), *RUNNER_LAYOUTS[layout], "trainer.devices=2"])
     assert "per head: 8 attention projections as 16 head matrices" in capfd.readouterr().out
     check_against(one_process(optimiser), got, clipped=True, loss_rtol=1e-5, weight_atol=1e-5, norm_rtol=1e-5)
+
+
+def test_resumes_per_head_under_another_layout_on_the_same_curve(tmp_path):
+    """The head groups' keys travel in the checkpoint: a run saved under ZeRO-3 with ``optim.per_head=true`` and
+    resumed under tensor parallelism continues the saving run's curve."""
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+    from tests.test_muon import RESUME, RESUME_RTOL
+    from tests.test_parity import relative_deviation
+    from tests.test_resume_layouts import SAVED
+    from tests.test_resume_layouts import STEPS as RESUME_STEPS
+    from tests.test_run import step_losses
+
+    base = [*RESUME, "optim.per_head=true"]
+    train(compose_config([*base, "parallel=zero3", "trainer.devices=2"], tmp_path / "saved"))
+    curve = step_losses(tmp_path / "saved")
+    point = tmp_path / "saved" / "checkpoints" / f"last-step{SAVED}.ckpt"
+    train(compose_config([*base, "parallel=tp", "trainer.devices=2", f"resume={point}"], tmp_path / "resumed"))
+    resumed = step_losses(tmp_path / "resumed")[-(RESUME_STEPS - SAVED):]
+    assert len(resumed) == RESUME_STEPS - SAVED
+    assert relative_deviation(curve[SAVED:], resumed) <= RESUME_RTOL
