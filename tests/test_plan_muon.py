@@ -29,15 +29,16 @@ def _gpt(device: str = "cpu") -> torch.nn.Module:
         return GPT(GPTDims(2, 4, 64, 32, 256), tie_weights=True)
 
 
-def _plan(layout: str, ns_dtype: str = "float32"):
-    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(ns_dtype=ns_dtype), "32-true",
-                         PROFILES["h100_sxm"])
+def _plan(layout: str, ns_dtype: str = "float32", per_head: bool = False):
+    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), MuonConfig(ns_dtype=ns_dtype, per_head=per_head),
+                         "32-true", PROFILES["h100_sxm"])
     return inputs.estimate(LAYOUTS[layout])
 
 
-def _muon_rank(layouts: list[str]) -> list[tuple[int, int | None]]:
+def _muon_rank(layouts: list[str], per_head: bool = False) -> list[tuple[int, int | None, int]]:
     """Per layout: the bytes of the Muon optimiser's state this rank holds after a step of the tiny GPT, read from
-    the tensors (the scalar step counters left out), and the bytes all ranks wrote during a second step."""
+    the tensors (the scalar step counters left out), the bytes all ranks wrote during a second step, and the bytes
+    the optimiser counted itself gathering in that step."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -53,18 +54,20 @@ def _muon_rank(layouts: list[str]) -> list[tuple[int, int | None]]:
         params = list(module.parameters())
         for p in params:
             p.grad = torch.ones_like(p)
-        opt = build_muon(MuonConfig(ns_dtype="float32"), module)
+        opt = build_muon(MuonConfig(ns_dtype="float32", per_head=per_head), module)
         opt.step()
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
         held = sum((v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size() for v in state)
-        out.append((held, sent_bytes_during(opt.step)))
+        before = opt.gathered_bytes
+        out.append((held, sent_bytes_during(opt.step), opt.gathered_bytes - before))
     return out
 
 
 def test_state_and_gathers_match_two_ranks() -> None:
     """ZeRO-3 and tp=2: the planned optimiser state per rank is what the ranks' Muon holds, to the byte; the
     gathers of whole matrices are the hand formula (each rank sends half of every matrix, in fp32) and what the
-    ranks wrote during a step (gloo's barriers add a little)."""
+    ranks wrote during a step (gloo's barriers add a little), and equal, on each rank, what the optimiser counted
+    itself gathering (what the run's ``exchange:`` line reports)."""
     layouts = list(LAYOUTS)
     ranks = run_on_ranks(_muon_rank, 2, layouts, timeout=240)
     for i, layout in enumerate(layouts):
@@ -74,9 +77,29 @@ def test_state_and_gathers_match_two_ranks() -> None:
         gathers = [c for c in est.collectives if c.what == "whole matrices"]
         assert [(c.group, c.size, c.calls) for c in gathers] == [("dp_shard" if layout == "zero3" else "tp", 2, 12)]
         assert gathers[0].sent_bytes == MATRIX_ELEMENTS * 4 / 2
+        assert all(rank[i][2] == gathers[0].sent_bytes for rank in ranks), (layout, [rank[i][2] for rank in ranks])
         sent = ranks[0][i][1]
         if sent is not None:
             assert sent == pytest.approx(2 * gathers[0].sent_bytes, rel=0.05), (layout, sent)
+
+
+def test_per_head_gathers_and_flops_match_two_ranks() -> None:
+    """``optim.per_head``: a shard holding whole heads is stepped where it lies, so ZeRO-3 gathers only the output
+    projections (whose rows cut every head) and the MLP, tensor parallelism only the MLP: the plan's gathers equal
+    what each rank's Muon counted gathering; the iteration's FLOPs are the heads' matrices (of 16 x 64), of the
+    rank's own heads where it holds whole ones."""
+    ranks = run_on_ranks(_muon_rank, 2, list(LAYOUTS), True, timeout=240)
+    mlp = 2 * 2 * 64 * 256  # per layer fc and proj, two layers
+    gathered = {"zero3": (mlp + 2 * 64 * 64) * 4 / 2, "tp": mlp * 4 / 2}
+    head = newton_schulz_flops(16, 64, 5)
+    hand = {"zero3": 2 * (3 * 2 * head + 4 * head + 2 * newton_schulz_flops(64, 256, 5)),
+            "tp": 2 * (4 * 2 * head + 2 * newton_schulz_flops(64, 256, 5))}
+    for i, layout in enumerate(LAYOUTS):
+        est = _plan(layout, per_head=True)
+        planned = sum(c.sent_bytes for c in est.collectives if c.what == "whole matrices")
+        assert planned == gathered[layout], (layout, planned)
+        assert all(rank[i][2] == planned for rank in ranks), (layout, [rank[i][2] for rank in ranks])
+        assert est.orthogonalise_flops == hand[layout], (layout, est.orthogonalise_flops, hand[layout])
 
 
 def test_state_bytes_are_momentum_for_matrices_and_two_moments_for_the_rest() -> None:
@@ -144,3 +167,29 @@ def test_auto_weighs_the_orthogonalisation_and_the_state() -> None:
         if e.layout.pp == 1:
             assert e.memory["optimizer"] == pytest.approx(adamw.estimate(e.layout).memory["optimizer"] - saved)
         assert any(c.what == "whole matrices" for c in e.collectives) == (e.layout.shards_parameters or e.layout.tp > 1)
+
+
+@pytest.mark.parametrize(("layout", "overrides"), [("zero3", ["parallel=zero3"]), ("tp", ["parallel=tp"])])
+def test_run_reports_the_gathers_the_plan_prices(tmp_path, capfd, layout, overrides) -> None:
+    """A 2-rank run counts the bytes Muon gathers per step into ``results.json`` and its ``exchange:`` line (beside
+    ZeRO-3's gradient exchange; alone under tensor parallelism, whose exchange is not measured), equal to the
+    plan's figure for that layout."""
+    import json
+
+    from disttrain.launch.job import train
+    from disttrain.models.gpt import GPT, GPTDims
+    from tests.conftest import compose_config
+    from tests.test_run import GPT_FAST
+
+    train(compose_config([*GPT_FAST, "trainer.max_steps=3", "optim=muon", *overrides, "trainer.devices=2"],
+                         tmp_path))
+    comm = json.loads((tmp_path / "results.json").read_text())["comm"]
+    with torch.device("meta"):  # GPT micro; the matrices do not depend on the vocabulary
+        net = GPT(GPTDims(2, 2, 32, 32, 256))
+    inputs = plan_inputs(net, SPEC, 1, ParallelConfig(), MuonConfig(), "32-true", PROFILES["h100_sxm"])
+    planned = sum(c.sent_bytes for c in inputs.estimate(LAYOUTS[layout]).collectives if c.what == "whole matrices")
+    assert planned > 0 and comm["matrix_gather_bytes_per_step"] == planned, (comm, planned)
+    line = next(x for x in capfd.readouterr().out.splitlines() if x.startswith("  exchange:"))
+    assert f"whole-matrix gathers {round(planned):,} bytes per rank and step (counted)" in line, line
+    gradients = f"  exchange: {comm['bytes_sent_per_step']:,} bytes" if layout == "zero3" else "  exchange: whole"
+    assert line.startswith(gradients), line

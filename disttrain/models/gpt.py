@@ -23,6 +23,7 @@ from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.models.attention import SequenceSplit, causal_attention, positions_of
 from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
 from disttrain.models.registry import MODELS
 
 FLAVOURS: dict[str, dict[str, int]] = {
@@ -249,6 +250,12 @@ class GPT(nn.Module):
     def tp_sizes(self) -> dict[str, int]:
         """Each tp rank holds whole attention heads."""
         return {"model.n_head": self.dims.n_head}
+
+    def attention_heads(self) -> dict[str, HeadBlocks]:
+        """q, k and v stack their heads by rows, the output projection by columns."""
+        width = self.dims.head_dim
+        return {**{f"blocks.*.attn.{name}.weight": HeadBlocks(ROWS, width) for name in ("q", "k", "v")},
+                "blocks.*.attn.proj.weight": HeadBlocks(COLUMNS, width)}
 
     def pipeline_units(self) -> list[str]:
         """Embeddings, each block, final norm, head: applied in turn they are ``forward``."""

@@ -33,6 +33,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.attention import SequenceSplit, causal_attention, positions_of
 from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
 from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
 from disttrain.models.registry import MODELS
 
@@ -335,6 +336,12 @@ class Llama(nn.Module):
     def tp_sizes(self) -> dict[str, int]:
         """Each tp rank holds whole query heads and whole key/value heads."""
         return {"model.n_head": self.dims.n_head, "model.n_kv_head": self.dims.n_kv_head}
+
+    def attention_heads(self) -> dict[str, HeadBlocks]:
+        """q, k and v stack their heads by rows (k and v the fewer key/value heads), o by columns."""
+        width = self.dims.head_dim
+        return {**{f"layers.*.attention.{name}.weight": HeadBlocks(ROWS, width) for name in ("q", "k", "v")},
+                "layers.*.attention.o.weight": HeadBlocks(COLUMNS, width)}
 
     def pipeline_units(self) -> list[str]:
         """Embedding, each layer, final norm, output: applied in turn they are ``forward``."""

@@ -34,6 +34,11 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     a ``ModuleList`` stands for its entries. Default: the entries of the model's ``ModuleList`` children,
     else its large children.
 
+``attention_heads(self) -> dict[str, HeadBlocks]`` (optional)
+    Parameter-name pattern (as ``tp_plan``'s, e.g. ``blocks.*.attn.q.weight``) -> where that attention projection
+    keeps its heads (``disttrain.models.heads.HeadBlocks``: blocks of the head dimension along its rows or columns),
+    for a matrix optimiser that steps each head as its own matrix (``optim.per_head``).
+
 ``pretrained(self) -> str | None`` (optional)
     A folder of Hugging Face safetensors whose tensors, by this model's parameter names (or, for a ``model=hf``
     model, in a layout ``transformers`` converts from: ``disttrain.models.hf.conversion``), replace its

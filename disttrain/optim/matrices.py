@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from disttrain.models.heads import HeadBlocks
 from disttrain.optim.norms import is_dtensor
 
 
@@ -55,3 +56,23 @@ def holds_whole_matrices(owner: Tensor) -> bool:
         return True
     return owner.ndim == 3 and all(placement.is_replicate() or getattr(placement, "dim", None) == 0
                                    for placement in owner.placements)
+
+
+def holds_whole_heads(owner: Tensor, blocks: HeadBlocks) -> bool:
+    """Whether this rank's shard of the attention projection ``owner`` is made of whole heads: every mesh dimension
+    that splits it splits the heads' axis into even, contiguous pieces of whole heads (tensor parallelism's
+    column-wise q/k/v and row-wise output projection; FSDP2's row shards of q/k/v where the heads divide evenly), so
+    each head's block can be stepped where it lies with no gather."""
+    if not is_sharded(owner):
+        return True
+    from torch.distributed.tensor import Shard
+
+    pieces = 1
+    for size, placement in zip(owner.device_mesh.shape, owner.placements, strict=True):
+        if placement.is_replicate():
+            continue
+        # a strided shard (FSDP2 over tensor parallelism) interleaves pieces: not a plain run of heads
+        if type(placement) is not Shard or placement.dim != blocks.axis:
+            return False
+        pieces *= size
+    return owner.shape[blocks.axis] % (pieces * blocks.width) == 0

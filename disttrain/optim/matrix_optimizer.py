@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
+from disttrain.models.heads import HeadBlocks
+from disttrain.optim.matrices import whole
 from disttrain.optim.norms import local
 from disttrain.optim.stepping import closure_and_grads
 
@@ -20,7 +22,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
     stepped by ``matrix_step``; the other groups take torch's AdamW step (``betas``, ``weight_decay`` and the
     epsilon under ``adamw_eps_key``). A subclass with ``shard_local = True`` steps each local shard of a matrix
     instead of the whole: wrong on purpose, so the parity tests can show they catch it (a class attribute, not a
-    constructor argument: ZeRO-1 would carry one into the param groups and so into checkpoints)."""
+    constructor argument: ZeRO-1 would carry one into the param groups and so into checkpoints).
+
+    A group of attention projections stepped per head carries ``head_axis`` and ``head_width`` (a ``HeadBlocks``,
+    see ``disttrain.models.heads``): its group keys, so ZeRO-1's rebuilt optimiser and checkpoints keep them."""
 
     matrix_key = "matrix"
     """The param-group key that marks the groups of matrices (True) and of AdamW's parameters (False)."""
@@ -33,9 +38,13 @@ class MatrixOptimizer(torch.optim.Optimizer):
         if not defaults["lr"] >= 0:
             raise ValueError(f"invalid learning rate {defaults['lr']}")
         super().__init__(params, {**defaults, self.matrix_key: True})
+        self.gathered_bytes = 0
+        """Bytes this rank has received, since it was built, to make its split matrices whole (``gather_whole``)."""
         for group in self.param_groups:
             if group[self.matrix_key] and any(p.ndim not in (2, 3) for p in group["params"]):
                 raise ValueError(f"{type(self).__name__} steps matrices (2-D) and stacks of matrices (3-D) only")
+            if self.head_blocks(group) and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError(f"{type(self).__name__} steps the heads of 2-D attention projections only")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -54,6 +63,21 @@ class MatrixOptimizer(torch.optim.Optimizer):
     def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """Step the matrix (or stack of matrices) ``p`` of ``group`` with its local gradient ``g``."""
         raise NotImplementedError
+
+    def gather_whole(self, local_tensor: Tensor, p: Tensor) -> Tensor:
+        """``matrices.whole(local_tensor, p)``, its bytes counted in ``gathered_bytes``: what this rank did not
+        hold (the whole less its own shard), which over a ring all-gather is also what each rank sends."""
+        full = whole(local_tensor, p)
+        if full is not local_tensor:
+            self.gathered_bytes += (full.numel() - local_tensor.numel()) * full.element_size()
+        return full
+
+    @staticmethod
+    def head_blocks(group: dict[str, Any]) -> HeadBlocks | None:
+        """The heads of ``group``'s attention projections, each stepped as its own matrix (None: whole matrices)."""
+        if group.get("head_axis") is None:
+            return None
+        return HeadBlocks(group["head_axis"], group["head_width"])
 
     def _adamw_step(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor]]) -> None:
         """torch's AdamW step (its functional form) of ``group``'s parameters on their local shards: elementwise, so

@@ -16,7 +16,8 @@ from torch.optim._muon import _zeropower_via_newtonschulz as _torch_newton_schul
 
 from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim.matrices import holds_whole_matrices, shard_of, whole
+from disttrain.models.heads import HeadBlocks, from_heads, head_blocks_of, to_heads
+from disttrain.optim.matrices import holds_whole_heads, holds_whole_matrices, shard_of
 from disttrain.optim.matrix_optimizer import MatrixOptimizer
 from disttrain.optim.norms import local
 from disttrain.optim.registry import OPTIMIZERS
@@ -47,6 +48,11 @@ class Muon(MatrixOptimizer):
     iteration's FLOPs repeated on each rank of the shard group, which owners chosen to balance the matrices would
     save. ZeRO-1 already steps each matrix on one owner rank. Expert stacks split only by expert are stepped where
     they lie. ``shard_local = True`` orthogonalises each local shard instead (``MatrixOptimizer``).
+
+    A group with ``head_axis``/``head_width`` (``optim.per_head``) orthogonalises each attention head's block of
+    its projections as its own matrix, at that block's adjusted rate; where this rank's shard holds whole heads
+    (tensor parallelism, FSDP2's row shards of q/k/v that split between heads) they are stepped where they lie,
+    otherwise the projection is gathered whole as any matrix.
 
     State: ``momentum_buffer`` per matrix, ``step``/``exp_avg``/``exp_avg_sq`` per AdamW parameter, laid out like the
     parameter, so ``torch.distributed.checkpoint.state_dict`` saves and reshards it as AdamW's.
@@ -84,15 +90,21 @@ class Muon(MatrixOptimizer):
         momentum = group["momentum"]
         buf.lerp_(g, 1 - momentum)
         update = g.lerp(buf, momentum) if group["nesterov"] else buf
-        gathered = not (self.shard_local or holds_whole_matrices(p))
-        matrices = whole(update, p) if gathered else update
+        heads = self.head_blocks(group)
+        whole_here = holds_whole_heads(p, heads) if heads else holds_whole_matrices(p)
+        gathered = not (self.shard_local or whole_here)
+        matrices = self.gather_whole(update, p) if gathered else update
+        if heads:  # each head's block is a matrix of its own: a stack of them
+            matrices = to_heads(matrices, heads)
         ortho = orthogonalise(matrices, group["ns_coefficients"], group["ns_steps"], group["eps"],
                               NS_DTYPES[group["ns_dtype"]])
+        if heads:
+            ortho = from_heads(ortho, heads)
         if gathered:
             ortho = shard_of(ortho, p)
         lr = group["lr"]
-        # the whole matrix's shape: an expert stack's matrices are [rows, cols] after the expert index
-        adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])
+        # the whole matrix's shape (an expert stack's matrices are [rows, cols] after the expert index), or a head's
+        adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], heads.block_shape(p.shape) if heads else p.shape[-2:])
         w = local(p)
         w.mul_(1 - lr * group["weight_decay"])
         w.add_(ortho.to(w.dtype), alpha=-adjusted_lr)
@@ -173,14 +185,36 @@ def route(model: nn.Module, matrix_patterns: list[str], other_patterns: list[str
 
 
 def routing_lines(matrices: list[tuple[str, Tensor]], others: list[tuple[str, Tensor]],
-                  matrix_optimiser: str = "muon") -> list[str]:
+                  matrix_optimiser: str = "muon", heads: dict[str, HeadBlocks] | None = None) -> list[str]:
     """One line per optimiser (``matrix_optimiser`` names the matrices' one): how many parameters (tensors and
-    values) it steps and their share of the values."""
+    values) it steps and their share of the values; ``heads`` (given where ``optim.per_head`` is on: the matrices'
+    attention heads) adds how many projections it steps per head, as how many head matrices."""
     total = sum(p.numel() for _, p in matrices + others) or 1
-    return [f"disttrain: {label}: {len(items)} tensors, {sum(p.numel() for _, p in items):,} values "
-            f"({100 * sum(p.numel() for _, p in items) / total:.1f}% of the parameters)"
-            for label, items in ((f"{matrix_optimiser} (hidden matrices)", matrices),
-                                 ("adamw (embeddings, head, norms, biases)", others))]
+    lines = [f"disttrain: {label}: {len(items)} tensors, {sum(p.numel() for _, p in items):,} values "
+             f"({100 * sum(p.numel() for _, p in items) / total:.1f}% of the parameters)"
+             for label, items in ((f"{matrix_optimiser} (hidden matrices)", matrices),
+                                  ("adamw (embeddings, head, norms, biases)", others))]
+    if heads is not None:
+        split = [(p, heads[name]) for name, p in matrices if name in heads]
+        lines[0] += (f"; per head: {len(split)} attention projections as "
+                     f"{sum(blocks.count(p.shape) for p, blocks in split)} head matrices" if split else
+                     "; per head: none (the model declares no attention heads: attention_heads())")
+    return lines
+
+
+def matrix_groups(model: nn.Module, matrices: list[tuple[str, Tensor]], per_head: bool
+                  ) -> tuple[list[dict[str, Any]], dict[str, HeadBlocks] | None]:
+    """The param groups of ``matrices`` (the whole ones first, then one per head layout with its ``head_axis`` and
+    ``head_width``) and, where ``per_head``, the heads ``model`` declares (None otherwise)."""
+    heads = head_blocks_of(model) if per_head else None
+    by_layout: dict[HeadBlocks | None, list[Tensor]] = {None: []}
+    for name, p in matrices:
+        blocks = heads.get(name) if heads else None
+        by_layout.setdefault(blocks if blocks is not None and p.ndim == 2 else None, []).append(p)
+    groups = [{"params": params} if blocks is None else
+              {"params": params, "head_axis": blocks.axis, "head_width": blocks.width}
+              for blocks, params in by_layout.items()]
+    return [g for g in groups if g["params"]], heads
 
 
 @dataclass
@@ -226,6 +260,9 @@ class MuonConfig:
     """The iteration's dtype: bfloat16 (torch's) or float32."""
     matrix_params: list[str] = field(default_factory=list)
     """fnmatch patterns of parameter names (2-D or 3-D) sent to Muon whatever the rule says."""
+    per_head: bool = False
+    """Orthogonalise each attention head's block of the q/k/v and output projections as its own matrix (the model
+    declares where its heads lie: ``attention_heads()``), rather than each projection whole."""
     other: MuonOthers = field(default_factory=MuonOthers)
     """AdamW's options and patterns for the parameters Muon does not step."""
 
@@ -252,11 +289,12 @@ def build_muon(cfg: MuonConfig, model: nn.Module) -> Muon:
     """Muon over the (possibly wrapped) model's matrices and AdamW over its other trainable parameters; rank 0 prints
     the routing (on a pipeline, of its own stages)."""
     matrices, others = route(model, list(cfg.matrix_params), list(cfg.other.params))
+    matrix_param_groups, heads = matrix_groups(model, matrices, cfg.per_head)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        for line in routing_lines(matrices, others):
+        for line in routing_lines(matrices, others, heads=heads):
             print(line, flush=True)
     adam_options = {"muon": False, "lr": cfg.other.lr, "betas": tuple(cfg.other.betas), "adam_eps": cfg.other.eps}
-    groups = [{"params": [p for _, p in matrices]},
+    groups = [*matrix_param_groups,
               {"params": [p for _, p in others if p.ndim >= 2], "weight_decay": cfg.other.weight_decay, **adam_options},
               {"params": [p for _, p in others if p.ndim < 2], "weight_decay": 0.0, **adam_options}]
     return Muon([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,

@@ -13,9 +13,10 @@ from torch import Tensor, nn
 
 from disttrain import checks
 from disttrain.errors import ConfigError
-from disttrain.optim.matrices import shard_of, whole
+from disttrain.models.heads import from_heads, to_heads
+from disttrain.optim.matrices import shard_of
 from disttrain.optim.matrix_optimizer import MatrixOptimizer
-from disttrain.optim.muon import MuonOthers, route, routing_lines
+from disttrain.optim.muon import MuonOthers, matrix_groups, route, routing_lines
 from disttrain.optim.norms import local
 from disttrain.optim.registry import OPTIMIZERS
 
@@ -46,6 +47,10 @@ class Soap(MatrixOptimizer):
     and no scatter, at the price of the state's memory and the eigendecompositions repeated on each rank of the
     shard group. ZeRO-1 steps each matrix on one owner rank, which alone holds its state. ``shard_local = True``
     preconditions each local shard instead (``MatrixOptimizer``).
+
+    A group with ``head_axis``/``head_width`` (``optim.per_head``) preconditions each attention head's block of its
+    projections as its own matrix (a stack: ``L``, ``R`` and the moments per head). It is gathered whole even where
+    a shard holds whole heads, so its state keeps the whole projection's shapes under every layout.
 
     The preconditioners and rotated moments are kept in ``precondition_dtype`` (float64 for the parity tests; a
     checkpoint's load casts them to the parameter's dtype, as torch's ``Optimizer.load_state_dict`` does any state,
@@ -80,7 +85,11 @@ class Soap(MatrixOptimizer):
     def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """SOAP's step of one matrix (or stack of matrices) ``p`` with local gradient ``g``."""
         gathered = not self.shard_local
-        grad = (whole(g, p) if gathered else g).to(PRECONDITION_DTYPES[group["precondition_dtype"]])
+        grad = self.gather_whole(g, p) if gathered else g
+        heads = self.head_blocks(group)
+        if heads:  # each head's block is a matrix of its own: a stack of them
+            grad = to_heads(grad, heads)
+        grad = grad.to(PRECONDITION_DTYPES[group["precondition_dtype"]])
         state = self.state[p]
         if not state:
             rows, cols = grad.shape[-2:]
@@ -107,6 +116,8 @@ class Soap(MatrixOptimizer):
             normalised = (exp_avg / (1 - beta1 ** n)) / (
                 (state["exp_avg_sq"] / (1 - beta2 ** n)).sqrt() + group["eps"])
             update = left @ normalised @ right.mT
+            if heads:
+                update = from_heads(update, heads)
             if gathered:
                 update = shard_of(update, p)
             lr = group["lr"]
@@ -184,6 +195,9 @@ class SoapConfig:
     (1e-1 did as well as 1e-3 by giving most of a small matrix's spectrum the canonical basis)."""
     matrix_params: list[str] = field(default_factory=list)
     """fnmatch patterns of parameter names (2-D or 3-D) sent to SOAP whatever the rule says."""
+    per_head: bool = False
+    """Precondition each attention head's block of the q/k/v and output projections as its own matrix (the model
+    declares where its heads lie: ``attention_heads()``), rather than each projection whole."""
     other: MuonOthers = field(default_factory=MuonOthers)
     """AdamW's options and patterns for the parameters SOAP does not step."""
 
@@ -209,11 +223,12 @@ def build_soap(cfg: SoapConfig, model: nn.Module) -> Soap:
     """SOAP over the (possibly wrapped) model's matrices (Muon's routing) and AdamW over its other trainable
     parameters; rank 0 prints the routing (on a pipeline, of its own stages)."""
     matrices, others = route(model, list(cfg.matrix_params), list(cfg.other.params))
+    matrix_param_groups, heads = matrix_groups(model, matrices, cfg.per_head)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        for line in routing_lines(matrices, others, "soap"):
+        for line in routing_lines(matrices, others, "soap", heads):
             print(line, flush=True)
     adam_options = {"soap": False, "lr": cfg.other.lr, "betas": tuple(cfg.other.betas), "eps": cfg.other.eps}
-    groups = [{"params": [p for _, p in matrices]},
+    groups = [*matrix_param_groups,
               {"params": [p for _, p in others if p.ndim >= 2], "weight_decay": cfg.other.weight_decay, **adam_options},
               {"params": [p for _, p in others if p.ndim < 2], "weight_decay": 0.0, **adam_options}]
     return Soap([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,

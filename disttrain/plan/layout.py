@@ -39,6 +39,9 @@ class MatrixStep:
     """SOAP: bytes per value of its state (its ``precondition_dtype``'s)."""
     precondition_frequency: int = 1
     """SOAP: optimiser steps between eigendecompositions."""
+    heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Parameter name -> (axis, width) of each attention projection stepped per head (``optim.per_head``: its heads
+    are blocks of ``width`` along ``axis``, 0 rows or 1 columns; see ``disttrain.models.heads``)."""
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,24 @@ def _matrix_shapes(net: nn.Module, optim: Any, defaults: Any) -> dict[str, tuple
     return {name: tuple(p.shape) for name, p in matrices}
 
 
+def _heads(net: nn.Module, optim: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """Name -> (axis, width) of the attention projections among ``shapes`` stepped per head (``optim.per_head``),
+    as the model declares its heads (``disttrain.models.heads``); empty when the option is off."""
+    from disttrain.models.heads import head_blocks_of
+
+    declared = head_blocks_of(net) if getattr(optim, "per_head", False) else {}
+    return {name: (declared[name].axis, declared[name].width) for name, shape in shapes.items()
+            if name in declared and len(shape) == 2}
+
+
 def muon_state(net: nn.Module, optim: Any) -> StateBytes:
     """State bytes of ``optim=muon`` on ``net`` (built on the meta device)."""
     from disttrain.optim.muon import MuonConfig
 
     defaults = MuonConfig()
-    step = MatrixStep(_matrix_shapes(net, optim, defaults), ns_steps=getattr(optim, "ns_steps", defaults.ns_steps),
-                      ns_dtype=getattr(optim, "ns_dtype", defaults.ns_dtype))
+    shapes = _matrix_shapes(net, optim, defaults)
+    step = MatrixStep(shapes, ns_steps=getattr(optim, "ns_steps", defaults.ns_steps),
+                      ns_dtype=getattr(optim, "ns_dtype", defaults.ns_dtype), heads=_heads(net, optim, shapes))
     return StateBytes(optim=step.other_state, matrices=step)
 
 
@@ -56,10 +67,22 @@ def soap_state(net: nn.Module, optim: Any) -> StateBytes:
 
     defaults = SoapConfig()
     dtype = getattr(optim, "precondition_dtype", defaults.precondition_dtype)
-    step = MatrixStep(_matrix_shapes(net, optim, defaults), ns_dtype="float32", kind="soap",
-                      precondition_bytes=PRECONDITION_BYTES[dtype],
-                      precondition_frequency=getattr(optim, "precondition_frequency", defaults.precondition_frequency))
+    shapes = _matrix_shapes(net, optim, defaults)
+    step = MatrixStep(shapes, ns_dtype="float32", kind="soap", precondition_bytes=PRECONDITION_BYTES[dtype],
+                      precondition_frequency=getattr(optim, "precondition_frequency", defaults.precondition_frequency),
+                      heads=_heads(net, optim, shapes))
     return StateBytes(optim=step.other_state, matrices=step)
+
+
+def stepped_matrices(step: MatrixStep, name: str) -> tuple[int, int, int]:
+    """(count, rows, cols) of the matrices parameter ``name`` is stepped as: its heads' blocks where it is stepped per
+    head, the matrices of a stack (3-D: experts), else itself."""
+    shape = step.shapes[name]
+    if name in step.heads:
+        axis, width = step.heads[name]
+        return shape[axis] // width, *((width, shape[1]) if axis == 0 else (shape[0], width))
+    *batch, rows, cols = shape
+    return (batch[0] if batch else 1), rows, cols
 
 
 def soap_values(shape: tuple[int, ...]) -> int:
@@ -104,7 +127,8 @@ def _soap_mean(stats: ModelStats, layout: Layout, units: list[str] | None, step:
         if not param_on_rank(stats, name, units):
             continue
         if name in step.shapes:
-            held += soap_values(step.shapes[name]) * step.precondition_bytes / owners
+            count, rows, cols = stepped_matrices(step, name)
+            held += soap_values((count, rows, cols)) * step.precondition_bytes / owners
         else:
             expert = name in stats.expert_params
             shards = layout.ep * layout.expert_state_shards if expert else layout.state_shards
@@ -139,22 +163,46 @@ def soap_flops(rows: int, cols: int, precondition_frequency: int) -> float:
     return 3 * products + refresh / precondition_frequency
 
 
+def heads_held_whole(stats: ModelStats, layout: Layout, name: str, step: MatrixStep) -> int:
+    """Over how many ranks the rank's shards of the attention projection ``name`` (stepped per head) split its
+    heads while each holds whole ones, stepped where they lie as ``disttrain.optim.muon`` steps them: tensor
+    parallelism alone (its split is along the heads' axis), or ZeRO-2/3 alone on a projection whose heads are rows
+    (FSDP2 splits rows), into pieces of whole heads. 0: gathered whole (both split it, or pieces cut heads) or not
+    per head."""
+    if name not in step.heads:
+        return 0
+    axis, width = step.heads[name]
+    tp_split, shards = _split(stats, layout, name)
+    if tp_split and shards > 1:  # FSDP2 over tensor parallelism interleaves its pieces
+        return 0
+    pieces = layout.tp if tp_split else shards
+    if not tp_split and axis != 0:
+        return 0 if pieces > 1 else 1
+    return pieces if step.shapes[name][axis] % (pieces * width) == 0 else 0
+
+
 def orthogonalise_flops(stats: ModelStats, layout: Layout, units: list[str] | None, step: MatrixStep) -> float:
     """The matrix optimiser's FLOPs per optimiser step of the rank holding ``units``: every matrix it steps whole, a
     split one too (each rank of its shard group computes it), a 1/dp_shard share under ZeRO-1 (each matrix has one
     owner). Of a stack of matrices (3-D: experts) Muon steps the matrices of its local shard (split by experts, never
-    gathered), SOAP every matrix (gathered whole)."""
+    gathered), SOAP every matrix (gathered whole). A projection stepped per head is its heads' matrices, of
+    its local heads where its shard holds whole ones (Muon; SOAP gathers it whole)."""
     flops = 0.0
     owners = layout.dp_shard if layout.shards_only_optimizer_state else 1
     for name, shape in step.shapes.items():
         if not param_on_rank(stats, name, units):
             continue
         if step.kind == "soap":
-            flops += soap_flops(shape[-2], shape[-1], step.precondition_frequency) * (
-                shape[0] if len(shape) == 3 else 1) / owners
+            count, rows, cols = stepped_matrices(step, name)
+            flops += soap_flops(rows, cols, step.precondition_frequency) * count / owners
             continue
         each = newton_schulz_flops(shape[-2], shape[-1], step.ns_steps)
-        if len(shape) == 3:
+        if name in step.heads:
+            axis, width = step.heads[name]
+            block = (width, shape[1]) if axis == 0 else (shape[0], width)
+            local = heads_held_whole(stats, layout, name, step) or 1
+            flops += newton_schulz_flops(*block, step.ns_steps) * shape[axis] // width / local / owners
+        elif len(shape) == 3:
             tp_split, shards = _split(stats, layout, name)
             ep = layout.ep if name in stats.expert_params else 1
             flops += each * shape[0] / (layout.tp if tp_split else 1) / ep / shards / owners
@@ -175,7 +223,8 @@ def matrix_gathers(stats: ModelStats, layout: Layout, units: list[str] | None, s
     rank of its shard group (tensor parallelism's, ZeRO-2/3's or both: gathered over their product, which sends as
     much as a ring over it), after backward (nothing left to hide them): Muon's momentum in its dtype, of the 2-D
     matrices (its stacks of matrices are split by experts only and stepped where they lie); SOAP's gradients, of the
-    stacks too (over expert parallelism's ranks as well)."""
+    stacks too (over expert parallelism's ranks as well). Muon steps a projection stepped per head
+    whose shards hold whole heads where it lies."""
     groups: dict[tuple[str, int, int], tuple[float, int]] = {}
     shard_group = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
     soap = step.kind == "soap"
@@ -185,7 +234,7 @@ def matrix_gathers(stats: ModelStats, layout: Layout, units: list[str] | None, s
         tp_split, shards = _split(stats, layout, name)
         ep = layout.ep if name in stats.expert_params else 1
         size = (layout.tp if tp_split else 1) * shards * ep
-        if size == 1:
+        if size == 1 or (not soap and heads_held_whole(stats, layout, name, step)):
             continue
         label = "+".join(g for g, on in (("ep", ep > 1), (shard_group, shards > 1), ("tp", tp_split)) if on)
         span = layout.tp * (layout.cp * layout.dp_shard if shards * ep > 1 else 1)

@@ -17,7 +17,9 @@ from disttrain.parallel.layout import Layout
 class CommMeter(pl.Callback):
     """Measures the gradient bytes per step of a data-parallel run. A codec's bytes are counted at disttrain's
     collective calls; DDP's own fp32 all-reduce (``comm=none``) and FSDP2's collectives (ZeRO-2/3) are
-    computed from the parameter count as ring collectives, and reported as ``counted: false``."""
+    computed from the parameter count as ring collectives, and reported as ``counted: false``. Beside them, the
+    bytes a matrix optimiser (Muon, SOAP) gathers per step to step split matrices whole, as it counts them
+    (``matrix_gather_bytes_per_step``: this rank's, under any layout that splits its matrices)."""
 
     def __init__(self, codec: str, counter: ByteCounter, layout: Layout, param_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, warmup_steps: int = 0) -> None:
@@ -32,12 +34,20 @@ class CommMeter(pl.Callback):
         self.computed: tuple[int, int] | None = None
         """(bytes, messages) per step from the formula where disttrain does not make the calls (None: counted)."""
         self._start: tuple[int, int, int] | None = None  # (bytes, messages, global step) when training started
+        self.gatherer: Any = None
+        """The matrix optimiser (Muon, SOAP) that counts the bytes it gathers to step split matrices whole (None:
+        the run has none)."""
+        self._gathers_start: tuple[int, int] | None = None  # (bytes gathered, global step) when training started
         self.result: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Size the uncompressed exchange once the model is wrapped."""
         net = getattr(pl_module, "net", None)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self.gatherer = next((o for o in (optimizer, getattr(optimizer, "optim", None))  # ZeRO-1's local one
+                              if hasattr(o, "gathered_bytes")), None)
+        if self.gatherer is not None:
+            self._gathers_start = (self.gatherer.gathered_bytes, trainer.global_step)
         if getattr(optimizer, "exchange", None) is not None:  # an optimiser that exchanges over the ranks (1-bit Adam)
             self.codec, self.warmup_steps = optimizer.wire_name, optimizer.warmup_steps
         numel = sum(p.numel() for p in net.parameters() if p.requires_grad) if net is not None else 0
@@ -94,6 +104,13 @@ class CommMeter(pl.Callback):
         steps = trainer.global_step - self._start[2]
         return (self.counter.bytes_sent - self._start[0]) / steps, (self.counter.messages - self._start[1]) / steps
 
+    def gathered_per_step(self, trainer: pl.Trainer) -> float | None:
+        """Mean bytes this rank gathered per optimiser step so far to step its split matrices whole, as the matrix
+        optimiser counted them (None: no matrix optimiser, or before a step)."""
+        if self._gathers_start is None or trainer.global_step <= self._gathers_start[1]:
+            return None
+        return (self.gatherer.gathered_bytes - self._gathers_start[0]) / (trainer.global_step - self._gathers_start[1])
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         step = trainer.global_step
         if self._start is not None:
@@ -105,6 +122,9 @@ class CommMeter(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The figures for ``results.json``."""
+        gathered = self.gathered_per_step(trainer)
+        if gathered:  # beside the gradient exchange, also where that is not measured (tensor parallelism)
+            self.result = {"name": self.codec, "matrix_gather_bytes_per_step": round(gathered)}
         per_step = self.per_step(trainer)
         if per_step is None:
             return
@@ -114,6 +134,8 @@ class CommMeter(pl.Callback):
                        "fp32_allreduce_bytes_per_step": self.fp32_bytes,
                        "compression_ratio": round(self.fp32_bytes / sent, 4) if sent else None,
                        "counted": self.computed is None}
+        if gathered is not None:
+            self.result["matrix_gather_bytes_per_step"] = round(gathered)
         after = self.after_warmup_per_step(trainer)
         if self.warmup_steps and after is not None:  # the whole run's figure above includes the fp32 warm-up
             self.result.update(warmup_steps=self.warmup_steps, bytes_sent_per_step_after_warmup=round(after),

@@ -63,16 +63,22 @@ def quiet_noise() -> None:
 
 
 def _exchange_line(results: dict[str, Any]) -> str | None:
-    """What the data-parallel exchange sent, as ``results.json``'s ``comm``, ``outer_steps`` and ``param_server``
-    say (None for a run without one)."""
-    comm = results.get("comm")
-    if not comm or not comm.get("compression_ratio"):  # layouts whose exchange is not measured, or sent nothing
+    """What the data-parallel exchange sent and a matrix optimiser gathered, as ``results.json``'s ``comm``,
+    ``outer_steps`` and ``param_server`` say (None for a run with neither)."""
+    comm = results.get("comm") or {}
+    gathered = comm.get("matrix_gather_bytes_per_step")
+    parts = []
+    if comm.get("compression_ratio"):  # layouts whose exchange is not measured, or sent nothing, have none
+        how = "counted" if comm["counted"] else "from the layout's formula"
+        ratio = comm["compression_ratio"]
+        versus = "an fp32 all-reduce" if ratio == 1 else (f"{ratio:g}x fewer than an fp32 all-reduce" if ratio > 1
+                                                           else f"{1 / ratio:.3g}x more than an fp32 all-reduce")
+        parts.append(f"{comm['bytes_sent_per_step']:,} bytes per rank and step ({versus}, {how})")
+    if gathered:
+        parts.append(f"whole-matrix gathers {gathered:,} bytes per rank and step (counted)")
+    if not parts:
         return None
-    how = "counted" if comm["counted"] else "from the layout's formula"
-    ratio = comm["compression_ratio"]
-    versus = "an fp32 all-reduce" if ratio == 1 else (f"{ratio:g}x fewer than an fp32 all-reduce" if ratio > 1
-                                                       else f"{1 / ratio:.3g}x more than an fp32 all-reduce")
-    parts = [f"  exchange: {comm['bytes_sent_per_step']:,} bytes per rank and step ({versus}, {how})"]
+    parts[0] = f"  exchange: {parts[0]}"
     outer = results.get("outer_steps")
     if outer:
         parts.append(f"{outer['count']} outer steps, every {outer['sync_every']}")

@@ -18,6 +18,7 @@ from torch import nn
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.attention import SequenceSplit
+from disttrain.models.heads import HeadBlocks
 from disttrain.models.hf import attention as hf_attention
 from disttrain.models.hf import balance as hf_balance
 from disttrain.models.hf import experts as hf_experts
@@ -76,6 +77,11 @@ class HFCausalLM(nn.Module):
         sizes = {"model.num_attention_heads": getattr(config, "num_attention_heads", None),
                  "model.num_key_value_heads": getattr(config, "num_key_value_heads", None)}
         return {key: size for key, size in sizes.items() if size}
+
+    def attention_heads(self) -> dict[str, HeadBlocks]:
+        """The heads of the attention projections the config's tensor-parallel plan splits (see
+        ``disttrain.models.hf.tp_plan.attention_heads``)."""
+        return hf_plan.attention_heads(self)
 
     def pipeline_units(self) -> list[str]:
         """The config's ``base_model_pp_plan`` and the head (empty: its units are not cut, see

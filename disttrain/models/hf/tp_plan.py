@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
 
 TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "per_head",
              "colwise_gather_output": "colwise_gather", "colwise_rep": "colwise_gather",
@@ -86,3 +87,39 @@ def layer_lists(net: nn.Module) -> list[str]:
     never_split = set(getattr(net._model, "_no_split_modules", None) or ())
     return [name for name, module in net.named_modules()
             if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in never_split]
+
+
+BY_ROWS = ("colwise", "colwise_gather_output", "colwise_rep")
+"""``transformers``' styles that split a projection's output features: an attention projection's heads are rows."""
+BY_COLUMNS = ("rowwise", "rowwise_split_input", "rowwise_rep")
+"""Its styles that split a projection's input features: the output projection's heads are columns."""
+
+
+def attention_heads(net: nn.Module) -> dict[str, HeadBlocks]:
+    """The heads of the attention projections that the config's tensor-parallel plan splits: a column-wise
+    projection of an attention module (one with a ``head_dim`` or ``head_size``) holding the query heads, the
+    key/value heads or both and the query heads (a fused qkv) stacks them by rows, a row-wise one reading the query
+    heads by columns. A model whose config declares no plan (GPT-2) declares no heads, nor does multi-head latent
+    attention (DeepSeek), whose projections' heads are not ``head_dim`` wide."""
+    prefix, _ = _base(net)
+    config = net.hf_config
+    query_heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    modules = dict(net.named_modules())
+    heads = {}
+    for pattern, style in plan.items():
+        if style not in (*BY_ROWS, *BY_COLUMNS) or not query_heads:
+            continue
+        parts = f"{prefix}.{pattern}".split(".")
+        for name, module in modules.items():
+            parent = modules.get(name.rpartition(".")[0])
+            width = getattr(parent, "head_dim", None) or getattr(parent, "head_size", None)  # GPT-NeoX: head_size
+            if not (isinstance(module, nn.Linear) and isinstance(width, int) and _matches(name.split("."), parts)):
+                continue
+            if style in BY_ROWS and module.out_features in (query_heads * width, kv_heads * width,
+                                                             (query_heads + 2 * kv_heads) * width):
+                heads[f"{name}.weight"] = HeadBlocks(ROWS, width)
+            elif style in BY_COLUMNS and module.in_features == query_heads * width:
+                heads[f"{name}.weight"] = HeadBlocks(COLUMNS, width)
+    return heads

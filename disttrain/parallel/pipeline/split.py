@@ -35,6 +35,8 @@ from disttrain.parallel.model_plan import pipeline_units_of
 if TYPE_CHECKING:  # imported where stages are built: it imports torch._dynamo (slow), which validation needs not
     from torch.distributed.pipelining import PipelineStage
 
+    from disttrain.models.heads import HeadBlocks
+
 SCHEDULES: dict[str, str] = {
     "gpipe": "GPipe",
     "1f1b": "1F1B",
@@ -212,6 +214,13 @@ class UnitStage(nn.Module):
                 parent = parent._modules[part]
             parent.add_module(leaf, model.get_submodule(name))
         self.unit_names = list(units)
+        # kept outside the module tree: what the model declares of its whole self (its attention heads)
+        object.__setattr__(self, "_whole_model", model)
+
+    def attention_heads(self) -> dict[str, HeadBlocks]:
+        """The model's own declaration (``disttrain.models.heads``): its patterns are the units' names too."""
+        declare = getattr(self._whole_model, "attention_heads", None)
+        return declare() if callable(declare) else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The units in turn: the first stage takes the model's input, the last returns its output."""
