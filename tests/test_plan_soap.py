@@ -134,3 +134,21 @@ def test_plan_mode_prints_the_eigenbases(tmp_path) -> None:
     line = next(x for x in plan.stdout.splitlines() if x.startswith("orthogonalisation"))
     assert "SOAP's eigenbases" in line and "GFLOP" in line and "% of the step" in line
     assert "| all_gather (whole matrices) | dp_shard | 2 |" in plan.stdout
+
+
+def test_per_head_state_bytes_on_one_rank() -> None:
+    """``optim.per_head=true``: the planned state is what SOAP holds with each attention head's block as its own
+    matrix (a smaller L, QL for q/k/v but R, QR of the whole width per head; the reverse for the output projection),
+    to the byte, which differs from the whole matrices' figure."""
+    from disttrain.optim.soap import build_soap
+
+    model = _gpt()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    config = SoapConfig(precondition_dtype="float64", per_head=True)
+    opt = build_soap(config, model)
+    opt.step()
+    inputs = plan_inputs(_gpt("meta"), SPEC, 1, ParallelConfig(), config, "32-true", PROFILES["h100_sxm"])
+    planned = inputs.estimate(Layout()).memory["optimizer"]
+    assert planned == _held(opt)
+    assert planned != _plan(Layout()).memory["optimizer"]
