@@ -25,6 +25,7 @@ from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.trainer_checks import check_compile_mode, check_trainer
 from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
+from disttrain.eval.config import check_eval
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
 from disttrain.models.target import TargetModelConfig
@@ -132,6 +133,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += check_federated(top, layout, datamodule)
     plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
+    check_eval(top.eval, model.name, getattr(data, "tokenizer", None), layout, plan.kind, top.checkpoint.monitor)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)
