@@ -108,12 +108,14 @@ def setting(tmp_path_factory) -> dict:
 
 
 def run_overrides(setting: dict, *more: str) -> list[str]:
-    """Fine-tune the folder's model for three steps, scoring the tasks at each validation (every other step)."""
+    """Fine-tune the folder's model for three steps, scoring the tasks before training, at each validation (every
+    other step) and at the end, and ranking checkpoints by the multiple-choice accuracy."""
     return ["model=hf", f"model.path={setting['folder']}", "model.pretrained=true", "data=text",
             f"data.files=[{','.join(map(str, setting['files']))}]", f"data.tokenizer={setting['folder']}",
             "data.block_size=32", "batch.global_size=8", "trainer.max_steps=3", "trainer.val_check_interval=2",
             "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=1", "trainer.run_test=false",
             "logger=csv", "callbacks=none", "optim.lr=1e-3", "fault_tolerance.hang_timeout_s=120",
+            "trainer.validate_before_training=true", "checkpoint.monitor=eval/sums_mc/acc",
             *eval_overrides(setting["tasks"], "eval.write_samples=true"), *more]
 
 
@@ -168,10 +170,14 @@ def test_in_loop_scores_equal_the_harness_on_the_exported_checkpoint(setting, ru
 
     run_dir = runs(layout)
     results = json.loads((run_dir / "results.json").read_text())
-    assert [scoring["step"] for scoring in results["eval"]["scored"]] == [2, 3]
+    scored = {scoring["step"]: scoring["scores"] for scoring in results["eval"]["scored"]}
+    assert sorted(scored) == [0, 2, 3]
     logged = logged_scores(run_dir)
-    assert sorted(logged) == [2, 3]
-    final = results["eval"]["scored"][-1]["scores"]
+    assert sorted(logged) == [0, 2, 3]
+    # the one validation during training (step 2) ranked its checkpoint by its score
+    assert results["best"] == {"metric": "eval/sums_mc/acc", "value": pytest.approx(scored[2]["eval/sums_mc/acc"])}
+    assert Path(results["best_checkpoint"]).name == "step2.ckpt"
+    final = scored[3]
     assert logged[3] == pytest.approx(final, abs=0) and set(final) == {
         "eval/sums_mc/acc", "eval/sums_mc/acc_norm", "eval/sums_gen/exact_match"}
     for name, value in final.items():
@@ -227,3 +233,41 @@ def test_what_cannot_be_scored_is_one_line_before_ranks_start(setting, tmp_path,
         validate(compose_config([*overrides, f"eval.include_path={tasks}", *change], tmp_path / "run"))
     text = str(refused.value)
     assert text.startswith(message.format(tasks=tasks, missing=missing)) and "\n" not in text, text
+
+
+def test_the_command_line_scores_a_checkpoint_as_the_run_did(setting, runs, capsys):
+    """``python -m disttrain.eval`` on the two-rank run's last checkpoint (the tasks of its own config, another
+    few-shot number on the command line) scores what the harness scores on its export; with the run's own settings,
+    what the run logged at its last step."""
+    from disttrain.eval.__main__ import main
+
+    run_dir = runs("zero3")
+    final = json.loads((run_dir / "results.json").read_text())["eval"]["scored"][-1]["scores"]
+    capsys.readouterr()  # the run's own output
+    main([str(run_dir / "checkpoints" / "last.ckpt")])
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"scores of {run_dir / 'checkpoints' / 'last.ckpt'}:")
+    found = json.loads(printed.split(":", 1)[1])
+    assert found.keys() == final.keys()
+    for name, value in final.items():
+        assert found[name] == pytest.approx(value, abs=SCORE_ATOL, rel=0), name
+    main([str(run_dir), "eval.tasks=[sums_mc]", "eval.num_fewshot=0", "eval.limit=4"])
+    found = json.loads(capsys.readouterr().out.split(":", 1)[1])
+    assert set(found) == {"eval/sums_mc/acc", "eval/sums_mc/acc_norm"}
+    assert found["eval/sums_mc/acc"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["eval.tasks=[nothing]"], "Error: eval.tasks='nothing' is invalid: a task of lm-evaluation-harness under"),
+    (["eval.batch_size=0"], "Error: eval.batch_size=0 is invalid: 1 or more"),
+    (["trainer.devices=2"], "Error: override='trainer.devices=2' is invalid: eval.KEY=VALUE"),
+], ids=["unknown-task", "batch-size", "not-eval"])
+def test_the_command_line_refuses_in_one_line(setting, runs, capsys, args, message):
+    from disttrain.eval.__main__ import main
+
+    run_dir = runs("single")
+    capsys.readouterr()  # the run's own output
+    with pytest.raises(SystemExit) as stopped:
+        main([str(run_dir), *args])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err

@@ -12,6 +12,8 @@ from disttrain.errors import ConfigError
 
 METRIC_PREFIX = "eval/"
 """Logged task scores are named ``eval/<task>/<metric>`` (``/<filter>`` added for a filter other than none)."""
+SCORED_MODELS = ("hf",)
+"""The models whose tasks are scored: ``transformers`` models, which the harness's model class wraps."""
 DEFAULT_FEWSHOT_SEED = 1234
 """lm-evaluation-harness's own default seed of the few-shot sampler (``lm_eval.defaults.DEFAULT_OTHER_SEED``)."""
 
@@ -72,13 +74,7 @@ def check_eval(cfg: EvalConfig, model_name: str, tokenizer: str | None, layout: 
             raise ConfigError("checkpoint.monitor", monitor, "a metric the run logs: eval.tasks is empty, so no "
                               f"{METRIC_PREFIX}* score is measured")
         return
-    check_values(cfg)
-    if model_name != "hf":
-        raise ConfigError("eval.tasks", cfg.tasks, f"[] unless model=hf (the harness scores a transformers model; "
-                          f"this run's model is {model_name})")
-    if tokenizer is None:
-        raise ConfigError("eval.tasks", cfg.tasks, "[] unless the data has a data.tokenizer folder (the harness "
-                          "gives the model text)")
+    check_scorable(cfg, model_name, tokenizer)
     if layout.pp > 1 or layout.cp > 1 or kind != "synchronous":
         raise ConfigError("eval.tasks", cfg.tasks, "[] under pipeline or context parallelism and kinds of run other "
                           "than synchronous (tasks are scored by the model's own forward on every rank); "
@@ -90,6 +86,19 @@ def check_eval(cfg: EvalConfig, model_name: str, tokenizer: str | None, layout: 
         if cfg.every_n_steps is not None:
             raise ConfigError("checkpoint.monitor", monitor, "a score measured at every validation, which ranks "
                               f"checkpoints: eval.every_n_steps=null (it is {cfg.every_n_steps})")
+
+
+def check_scorable(cfg: EvalConfig, model_name: str, tokenizer: str | None) -> None:
+    """ConfigError for tasks that cannot be scored on this model and data: values out of range, a model other than
+    ``model=hf`` or data without a tokenizer, tasks the harness does not
+    know or whose data files are missing."""
+    check_values(cfg)
+    if model_name not in SCORED_MODELS:
+        raise ConfigError("eval.tasks", cfg.tasks, f"[] unless the model is one of {list(SCORED_MODELS)} (the harness "
+                          f"scores a transformers model; this run's model is {model_name})")
+    if tokenizer is None:
+        raise ConfigError("eval.tasks", cfg.tasks, "[] unless the data has a data.tokenizer folder (the harness "
+                          "gives the model text)")
     check_tasks(cfg)
 
 
