@@ -228,7 +228,7 @@ def test_what_cannot_be_scored_is_one_line_before_ranks_start(setting, tmp_path,
         change = [c for c in change if c != "MISSING"]
     else:
         missing = None
-    overrides = [o for o in run_overrides(setting) if not o.startswith("eval.include_path")]
+    overrides = [o for o in run_overrides(setting) if not o.startswith(("eval.include_path", "checkpoint.monitor"))]
     with pytest.raises(ConfigError) as refused:
         validate(compose_config([*overrides, f"eval.include_path={tasks}", *change], tmp_path / "run"))
     text = str(refused.value)
@@ -271,3 +271,30 @@ def test_the_command_line_refuses_in_one_line(setting, runs, capsys, args, messa
         main([str(run_dir), *args])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_scoring_leaves_the_runs_random_states_as_they_were():
+    """Inside, the seeds ``simple_evaluate`` sets (what the harness's scores are compared under); after, Python's,
+    NumPy's and torch's generators continue as if no scoring had happened (a score mid-run changes no draw of the
+    run's)."""
+    import random
+
+    import numpy as np
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+
+    from disttrain.eval.scoring import seeded_as_the_harness
+
+    def draws() -> tuple:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    def seed() -> None:
+        random.seed(5), np.random.seed(5), torch.manual_seed(5)
+
+    seed()
+    expected = draws()
+    seed()
+    with seeded_as_the_harness():
+        inside = float(torch.rand(1))
+    assert draws() == expected
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+    assert inside == float(torch.rand(1))
