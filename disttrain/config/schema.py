@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 
 from disttrain.comm.config import CommConfig
-from disttrain.eval.config import EvalConfig
+from disttrain.config.evaluation import EvalConfig
 from disttrain.fault.config import FaultToleranceConfig
 from disttrain.federated.config import FederatedConfig
 from disttrain.parallel.config import ParallelConfig

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from disttrain.config.batch import ResolvedBatch, resolve_batch
+from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
 from disttrain.config.precision import resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
@@ -25,7 +26,6 @@ from disttrain.config.torchft_checks import check_torchft
 from disttrain.config.trainer_checks import check_compile_mode, check_trainer
 from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
-from disttrain.eval.config import check_eval
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
 from disttrain.models.target import TargetModelConfig

@@ -38,7 +38,7 @@ def eval_config(run_cfg: Any, overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from disttrain.eval.config import EvalConfig
+    from disttrain.config.evaluation import EvalConfig
 
     for item in overrides:
         if not item.startswith("eval.") or "=" not in item:
@@ -70,7 +70,7 @@ def scores(args: argparse.Namespace) -> tuple[Path, dict[str, float]]:
     from omegaconf import OmegaConf
 
     from disttrain.checkpoint.export import export_hf
-    from disttrain.eval.config import check_scorable, task_manager
+    from disttrain.config.evaluation import check_scorable, task_manager
 
     checkpoint, run_dir = checkpoint_of(args.source)
     run_cfg = OmegaConf.load(run_dir / "config.yaml")

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from disttrain.eval.config import EvalConfig
+from disttrain.config.evaluation import EvalConfig
 
 SAMPLES_FOLDER = "eval"
 """The run directory's folder of scored documents (``eval.write_samples``)."""
@@ -77,7 +77,7 @@ class TaskScores(pl.Callback):
 
     def _tasks(self) -> Any:
         if self._manager is None:
-            from disttrain.eval.config import task_manager
+            from disttrain.config.evaluation import task_manager
 
             self._manager = task_manager(self.cfg)
         return self._manager

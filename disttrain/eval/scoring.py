@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from disttrain.eval.config import EvalConfig, metric_name
+from disttrain.config.evaluation import EvalConfig, metric_name
 
 
 @contextmanager
