@@ -129,7 +129,8 @@ def runs(setting) -> dict:
     def run(layout: str) -> Path:
         if layout not in done:
             run_dir = setting["root"] / f"run-{layout}"
-            more = ["parallel=zero3", "trainer.devices=2"] if layout == "zero3" else ["parallel=single"]
+            more = {"single": ["parallel=single"], "zero3": ["parallel=zero3", "trainer.devices=2"],
+                    "tp": ["parallel=tp", "trainer.devices=2"], "ddp": ["parallel=ddp", "trainer.devices=2"]}[layout]
             train(compose_config(run_overrides(setting, *more), run_dir))
             done[layout] = run_dir
         return done[layout]
@@ -164,8 +165,12 @@ def logged_scores(run_dir: Path) -> dict[int, dict[str, float]]:
     return rows
 
 
-@pytest.mark.parametrize("layout", ["single", "zero3"])
+@pytest.mark.parametrize("layout", ["single", "zero3", *(pytest.param(layout, marks=pytest.mark.slow)
+                                                         for layout in ("tp", "ddp"))])
 def test_in_loop_scores_equal_the_harness_on_the_exported_checkpoint(setting, runs, layout, tmp_path):
+    """The run's scores (logged, in results.json, ranking its checkpoint) are the harness's own with its ``hf``
+    model on the exported last checkpoint, score by score and document by document. Under tensor parallelism both
+    ranks score every request (one data-parallel rank); DDP's replicas split them as ZeRO-3's shards do."""
     from disttrain.checkpoint.export import export_hf
 
     run_dir = runs(layout)
