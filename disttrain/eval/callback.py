@@ -86,11 +86,13 @@ class TaskScores(pl.Callback):
         """The harness's model over the task's forward, built on first use (the network is laid out by then)."""
         if self._lm is None:
             from disttrain.eval.lm import ShardedLM, hf_model_of, load_tokenizer
+            from disttrain.eval.scoring import quiet_harness
 
             hf_model = hf_model_of(pl_module.net)
             shares = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-            self._lm = ShardedLM(pl_module, hf_model, load_tokenizer(self.tokenizer, hf_model.config),
-                                 self.cfg.batch_size, shares.get("rank", 0), shares.get("num_replicas", 1))
+            with quiet_harness():  # its warnings about a model passed as an object are what is meant here
+                self._lm = ShardedLM(pl_module, hf_model, load_tokenizer(self.tokenizer, hf_model.config),
+                                     self.cfg.batch_size, shares.get("rank", 0), shares.get("num_replicas", 1))
         return self._lm
 
     @property
