@@ -15,7 +15,8 @@ Placeholders name the reader's own files, which the test makes (small) on first 
 (a Hugging Face model folder and a text file, by ``tests.test_cli.with_own_files``), ``RUN_DIR`` and
 ``outputs/runs/<time>`` (a finished run, trained here), ``TOKENS_DIR`` and ``IMAGES_DIR`` (token files and an
 image folder, by the helpers of ``test_cli`` and ``test_image_folder``), ``chat.jsonl`` and ``qa.parquet`` (chat
-rows, by ``test_chat_data``'s); a page's ```python block that starts
+rows, by ``test_chat_data``'s), ``TASKS_DIR`` and ``TUNED_RUN`` (task files over local data, and a run fine-tuned
+from ``DIR``, for ``eval``); a page's ```python block that starts
 with ``# NAME.py`` is that file, written where the commands run.
 
 The README's first block's ``train.py`` commands run whole, shortened by step counts, in ``tests/test_cli.py``
@@ -173,6 +174,33 @@ class OwnFiles:
         return str(self.folder / "run")
 
     @cached_property
+    def tasks(self) -> str:
+        """A folder of two lm-evaluation-harness task files over local JSONL (``test_eval_tasks``'s)."""
+        from tests.test_eval_tasks import write_tasks
+
+        return str(write_tasks(self.folder))
+
+    @cached_property
+    def tuned(self) -> str:
+        """A finished run's directory: one step of fine-tuning the ``DIR`` model on ``notes.txt``, with the
+        tokenizer naming its end-of-text token (which the harness puts before a document)."""
+        import json
+        import shutil
+
+        from disttrain.launch.job import train
+        from tests.test_text_data import EOS
+
+        model_dir, notes = self.hf
+        tokenizer = self.folder / "tokenizer"
+        tokenizer.mkdir()
+        shutil.copy(Path(model_dir) / "tokenizer.json", tokenizer)
+        (tokenizer / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+        train(compose_config(["model=hf", f"model.path={model_dir}", "model.pretrained=true", "data=text",
+                              f"data.files=[{notes}]", f"data.tokenizer={tokenizer}", "data.block_size=32",
+                              *TINY_RUN[2:]], self.folder / "tuned"))
+        return str(self.folder / "tuned")
+
+    @cached_property
     def tokens(self) -> str:
         """A folder of nanoGPT-style token files (``test_cli``'s)."""
         return str(token_files(self.folder / "tokens"))
@@ -205,7 +233,8 @@ class OwnFiles:
     def fill(self, arg: str) -> str:
         """``arg`` with every placeholder replaced by the file made for it."""
         for placeholder, made in (("outputs/runs/<time>", "run"), ("RUN_DIR", "run"), ("TOKENS_DIR", "tokens"),
-                                  ("IMAGES_DIR", "images"), ("chat.jsonl", "chat"), ("qa.parquet", "qa")):
+                                  ("IMAGES_DIR", "images"), ("chat.jsonl", "chat"), ("qa.parquet", "qa"),
+                                  ("TASKS_DIR", "tasks"), ("TUNED_RUN", "tuned")):
             if placeholder in arg:
                 arg = arg.replace(placeholder, getattr(self, made))
         if re.search(r"\bDIR\b", arg) or "notes.txt" in arg:

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 
 from disttrain.comm.config import CommConfig
+from disttrain.config.evaluation import EvalConfig
 from disttrain.fault.config import FaultToleranceConfig
 from disttrain.federated.config import FederatedConfig
 from disttrain.parallel.config import ParallelConfig
@@ -139,7 +140,8 @@ class CheckpointConfig:
     save_top_k: int = 1
     """How many best-by-monitor checkpoints to keep (0: none, -1: all)."""
     monitor: str | None = None
-    """Metric that ranks checkpoints; null: the task's validation metric (val/acc or val/loss)."""
+    """Metric that ranks checkpoints; null: the task's validation metric (val/acc or val/loss). A task score
+    (``eval/<task>/<metric>``) ranks them where the tasks are scored at every validation."""
     every_n_train_steps: int | None = None
     """A save point (``last.ckpt``) every n optimiser steps as well, from the first step on, whatever is
     monitored; null: save points at each validation and the end only. Saves between validations are not
@@ -210,6 +212,8 @@ class TrainConfig:
     """Global batch, micro-batch and accumulation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints kept."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """lm-evaluation-harness tasks scored on the model as it trains (``eval.tasks``)."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Restarts, hang detection, preemption and non-finite steps."""
     logger: dict[str, Any] = field(default_factory=dict)

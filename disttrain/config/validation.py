@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from disttrain.config.batch import ResolvedBatch, resolve_batch
+from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
 from disttrain.config.precision import resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
@@ -134,6 +135,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += check_federated(top, layout, datamodule)
     plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
+    check_eval(top.eval, model.name, getattr(data, "tokenizer", None), layout, plan.kind, top.checkpoint.monitor)
     if plan.kind != "federated":
         steps_per_epoch = datamodule.num_train_samples // batch.global_size
         notices += length_notices(top.trainer, steps_per_epoch)

@@ -17,6 +17,7 @@ from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config.resolved import load_rank_file
 from disttrain.config.run import RunConfig
 from disttrain.errors import SaveFailed
+from disttrain.eval.callback import TaskScores
 from disttrain.fault.config import LOST_PEER_EXIT, restart_count
 from disttrain.fault.replica_groups import group_view, job_world_size
 from disttrain.fault.rng import RandomStates
@@ -76,6 +77,10 @@ def run_rank(run: RunConfig) -> float | None:
         elastic = ElasticResume()
         trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement), elastic])
         energy = EnergyMeter(cfg.trainer.log_every_n_steps)
+        scores = TaskScores(cfg.eval, run.data.tokenizer, cfg.run_dir, cfg.trainer.validate_before_training) \
+            if cfg.eval.enabled else None
+        # first: its scoring counts as validation time, and precedes the checkpoint's ranking
+        trainer.callbacks[:0] = [scores] if scores else []
         trainer.callbacks += [*([energy] if cfg.energy else []), *([balance] if balance else []),
                               *([batch_balance] if batch_balance else []),
                               *kind.callbacks(trainer.strategy),
@@ -96,6 +101,8 @@ def run_rank(run: RunConfig) -> float | None:
             results["experts"] = balance.result
         if hasattr(run.datamodule, "report"):  # what a data module counted while reading its files
             results["data"] = run.datamodule.report()
+        if scores:
+            results["eval"] = scores.result
         sections = kind.results(trainer)
         results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
