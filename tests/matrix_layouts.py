@@ -44,6 +44,14 @@ MOE_LAYOUTS = {
     "ep2xtp2": (["parallel=hybrid", "parallel.tp=2", "parallel.ep=2"], 4),
 }
 """Layout name -> (overrides, ranks) of the MoE runs (expert stacks split by expert)."""
+HF_LAYOUTS = {
+    "hf-ddp": (["parallel=ddp"], 2),
+    "hf-zero3": (["parallel=zero3"], 2),
+    "hf-zero3+accumulate4": (["parallel=zero3", "batch.accumulation=4"], 2),
+    "hf-tp": (["parallel=tp"], 2),
+}
+"""Layout name -> (overrides, ranks) of the Hugging Face Llama runs (``model=hf``: transformers' own projections,
+grouped-query k/v narrower than q, sharded by FSDP2 and by the config's own tensor-parallel plan)."""
 RESUME_LAYOUTS = {"single": ([], 1), **LAYOUTS}
 """The layouts a resumed run may save or resume under: one process too."""
 
@@ -60,6 +68,19 @@ def moe_base(gpt: list[str]) -> list[str]:
     return [*(o for o in gpt if not o.startswith("model")), *MOE_MODEL]
 
 
+def hf_base(gpt: list[str]) -> list[str]:
+    """``gpt`` (a ``base``) with a tiny Hugging Face Llama (``tests/test_hf_models.TINY``) in place of GPT."""
+    from tests.test_hf_models import TINY
+
+    return [*(o for o in gpt if not o.startswith("model")), "model=hf", "model.arch=llama",
+            *(f"+model.{key}={value}" for key, value in TINY.items())]
+
+
+def runs_of(model: str, gpt: list[str], moe: list[str]) -> list[str]:
+    """The overrides of ``model``'s runs: gpt (``gpt``), moe (``moe``) or hf (``hf_base(gpt)``)."""
+    return gpt if model == "gpt" else moe if model == "moe" else hf_base(gpt)
+
+
 def layout_params(fast: tuple[str, ...]) -> list:
     """Every layout as a pytest parameter, those not in ``fast`` marked slow."""
     return [pytest.param(name, marks=() if name in fast else pytest.mark.slow) for name in [*LAYOUTS, *MOE_LAYOUTS]]
@@ -67,14 +88,15 @@ def layout_params(fast: tuple[str, ...]) -> list:
 
 def one_process_runs(tmp_path_factory: pytest.TempPathFactory, gpt: list[str],
                      moe: list[str] | None = None) -> Callable[[str, int], dict]:
-    """``(model, accumulation) -> run_summary`` of one process (``model``: gpt, or moe: ``moe``'s overrides, by
-    default ``moe_base(gpt)``), each run when first asked for (a module fixture's references)."""
+    """``(model, accumulation) -> run_summary`` of one process (``model``: gpt; moe: ``moe``'s overrides, by
+    default ``moe_base(gpt)``; hf: ``hf_base(gpt)``), each run when first asked for (a module fixture's
+    references)."""
     cache: dict[tuple[str, int], dict] = {}
     moe = moe_base(gpt) if moe is None else moe
 
     def reference(model: str, accumulation: int) -> dict:
         if (model, accumulation) not in cache:
-            overrides = [*(gpt if model == "gpt" else moe), f"batch.accumulation={accumulation}"]
+            overrides = [*runs_of(model, gpt, moe), f"batch.accumulation={accumulation}"]
             cache[model, accumulation] = run_summary(tmp_path_factory.mktemp(f"{model}-{accumulation}"), overrides)
         return cache[model, accumulation]
 
@@ -91,14 +113,14 @@ def deviations(reference: dict, got: dict) -> dict[str, float]:
 def check_layout(tmp_path: Path, references: Callable[[str, int], dict], gpt: list[str], layout: str,
                  loss_rtol: float, norm_rtol: float, weight_atol: float,
                  moe: list[str] | None = None) -> dict[str, float]:
-    """Run ``layout`` (of the GPT runs ``gpt`` or the MoE runs ``moe``, by default ``moe_base(gpt)``) and check it
-    against one process at these tolerances; with accumulation 4, against one process at accumulation 1 too (the
-    same global batches in one micro-batch: the same curve and weights; the validation batches differ, being
-    micro-batch sized). Returns the deviations from one process."""
-    model = "moe" if layout in MOE_LAYOUTS else "gpt"
-    overrides, ranks = {**LAYOUTS, **MOE_LAYOUTS}[layout]
+    """Run ``layout`` (of the GPT runs ``gpt``, the MoE runs ``moe``, by default ``moe_base(gpt)``, or the Hugging
+    Face runs ``hf_base(gpt)``) and check it against one process at these tolerances; with accumulation 4, against
+    one process at accumulation 1 too (the same global batches in one micro-batch: the same curve and weights; the
+    validation batches differ, being micro-batch sized). Returns the deviations from one process."""
+    model = "moe" if layout in MOE_LAYOUTS else "hf" if layout in HF_LAYOUTS else "gpt"
+    overrides, ranks = {**LAYOUTS, **MOE_LAYOUTS, **HF_LAYOUTS}[layout]
     accumulation = 4 if "batch.accumulation=4" in overrides else 1
-    runs = gpt if model == "gpt" else moe_base(gpt) if moe is None else moe
+    runs = runs_of(model, gpt, moe_base(gpt) if moe is None else moe)
     got = run_summary(tmp_path / "run", [*runs, *overrides, f"trainer.devices={ranks}"])
     reference = references(model, accumulation)
     check_against(reference, got, clipped=True, loss_rtol=loss_rtol, weight_atol=weight_atol, norm_rtol=norm_rtol)
