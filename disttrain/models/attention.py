@@ -26,8 +26,17 @@ class SequenceSplit(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-               fp32: bool | None = None) -> torch.Tensor:
-        """Causal attention of this rank's queries over the whole sequence's keys and values."""
+               fp32: bool | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys and values (within the
+        documents whose ids ``[B, T]`` the whole sequence's tokens have, where given)."""
+        ...
+
+    def split(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence ``tensor`` (sequence along ``dim``)."""
+        ...
+
+    def gather_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole sequences ``[B, T]``, in order, of token ids ``[B, t]`` held as this rank's part."""
         ...
 
     @property
@@ -69,17 +78,44 @@ def attends_in_fp32(q: torch.Tensor, fp32: bool | None = None) -> bool:
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, fp32: bool | None = None,
-    split: SequenceSplit | None = None,
+    split: SequenceSplit | None = None, documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal ``scaled_dot_product_attention`` of ``[B, H, T, D]`` inputs, in fp32 where ``attends_in_fp32``.
     ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention). With a ``split`` the inputs are
-    this rank's tokens of a sequence split over ranks, and attention covers the whole sequence."""
+    this rank's tokens of a sequence split over ranks, and attention covers the whole sequence. With
+    ``documents`` (the document ids ``[B, T]`` of the whole sequence's tokens) a token attends only within its
+    own document (``disttrain.models.documents``)."""
     if split is not None:
-        return split.attend(q, k, v, dropout_p, fp32)
+        return split.attend(q, k, v, dropout_p, fp32, documents)
     k, v = repeat_kv_heads(q, k, v)
     if not attends_in_fp32(q, fp32):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return _attend(q, k, v, dropout_p, documents)
     # autocast would cast the fp32 inputs straight back to bf16: attention is on its lower-precision list
     with torch.autocast(q.device.type, enabled=False):
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, is_causal=True)
+        y = _attend(q.float(), k.float(), v.float(), dropout_p, documents)
     return y.to(q.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+            documents: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention over the whole sequence, or within the documents whose ids ``documents`` gives."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return document_attention(q, k, v, documents, dropout_p)
+
+
+def document_mask(query_ids: torch.Tensor, key_ids: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, Tq, Tk]`` boolean mask (True: attended) of queries with document ids ``query_ids`` ``[B, Tq]`` at
+    window positions ``query_positions`` ``[Tq]`` over the keys ``0 .. Tk-1`` with ids ``key_ids`` ``[B, Tk]``:
+    causal, and within a document."""
+    keys = torch.arange(key_ids.size(-1), device=key_ids.device)
+    causal = keys[None, :] <= query_positions[:, None]
+    return ((query_ids[:, :, None] == key_ids[:, None, :]) & causal)[:, None]
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor,
+                       dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of ``[B, H, T, D]`` inputs (as many key/value heads as query heads) within the documents
+    whose ids ``[B, T]`` each token has."""
+    mask = document_mask(ids, ids, torch.arange(ids.size(-1), device=ids.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

@@ -1,0 +1,69 @@
+"""Packed windows: several documents back to back, each closed by the end-of-document token, attending only within
+themselves and with positions restarting at each.
+
+Token ``i`` of a window belongs to the document that the first end-of-document token at or after ``i`` closes (the
+end token itself ends its own document): its document id is the number of end tokens before it. A token sits at
+position ``i - s`` of its document, ``s`` being where the document starts in the window (the first document of a
+window, a continuation, starts at 0).
+
+A model that packs documents gives each module that attends or places positions a ``documents`` attribute: one
+``PackedDocuments`` shared by all of them. The module that reads the token ids (the embedding) calls ``read`` once
+per forward; the others ask it for the ids and positions of the tokens they hold. A pipeline stage that holds no
+embedding is read its micro-batch's tokens by the pipeline runtime (``disttrain.parallel.pipeline.runtime``).
+
+Attention within documents is causal attention with a block-diagonal mask over the window's keys, given to
+torch's scaled dot-product attention as a boolean mask (``disttrain.models.attention.document_attention``):
+exact, and on the CPU faster than one causal call per document for windows up to 1,024 tokens, slower for long
+windows of few documents (``benchmarks/document_attention.py``, its table in benchmarks/README.md). Under context
+parallelism each chunk of queries is masked by the document ids of its own positions and of the whole sequence's
+keys (``disttrain.parallel.context``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disttrain.models.attention import SequenceSplit
+
+
+def document_ids(tokens: torch.Tensor, end_token: int) -> torch.Tensor:
+    """Document id of every token of windows ``[B, T]``: the number of end tokens before it (an end token belongs
+    to the document it closes)."""
+    ends = (tokens == end_token).long()
+    return ends.cumsum(-1) - ends
+
+
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token in its document, from document ids ``[B, T]`` (non-decreasing along T)."""
+    steps = torch.arange(ids.size(-1), device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    return steps - torch.where(starts, steps, 0).cummax(-1).values
+
+
+class PackedDocuments:
+    """The documents of the windows of the current forward pass, shared by the modules of one model."""
+
+    def __init__(self, end_token: int) -> None:
+        self.end_token = end_token
+        """The token id that closes every document (the tokenizer's end-of-sequence id)."""
+        self.ids: torch.Tensor | None = None
+        """Document ids ``[B, T]`` of the whole windows last read (None: none read yet)."""
+
+    def read(self, tokens: torch.Tensor, split: SequenceSplit | None = None) -> None:
+        """Take the document ids of token ids ``[B, t]``: whole windows, or under ``split`` this rank's part of
+        them (the ids then need the tokens of the whole window, gathered over the split's ranks)."""
+        if split is not None and split.size > 1:
+            tokens = split.gather_tokens(tokens)
+        self.ids = document_ids(tokens, self.end_token)
+
+    def current(self) -> torch.Tensor:
+        """The document ids of the windows last read; RuntimeError when none was."""
+        if self.ids is None:
+            raise RuntimeError("no window's documents were read before attention (the embedding reads them)")
+        return self.ids
+
+    def positions(self, split: SequenceSplit | None = None) -> torch.Tensor:
+        """Positions ``[B, t]`` in their documents of this rank's tokens (all of them without a split)."""
+        positions = document_positions(self.current())
+        return positions if split is None or split.size == 1 else split.split(positions)

@@ -1,0 +1,119 @@
+"""Packed windows with document masks: each document of a window attends only within itself, with positions
+restarting at it, so its logits equal the logits of the document fed alone (gpt, llama, moe, an HF Llama), whole
+and under context parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from disttrain.data.spec import DataSpec
+from disttrain.models import MODELS, build_model
+from disttrain.models.documents import document_ids, document_positions
+from disttrain.parallel.context import SequenceSplit, apply_context_parallel
+from tests.dist_utils import run_on_ranks
+
+END = 1
+"""The end-of-document token of the test windows."""
+VOCAB, WINDOW = 64, 32
+EXACT = 1e-6
+
+
+def test_document_ids_and_positions_restart_after_each_end_token() -> None:
+    tokens = torch.tensor([[5, 6, END, 7, END, END, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12]])
+    ids = document_ids(tokens, END)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 8]
+    assert document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+
+
+def packed_windows(seed: int = 0) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+    """Two windows of documents (each closed by ``END`` but a window's last, which runs on), and for each window the
+    ``(start, end)`` of its documents."""
+    generator = torch.Generator().manual_seed(seed)
+    windows, spans = [], []
+    for lengths in ([7, 12, 1, 12], [WINDOW - 3, 3]):
+        tokens, starts = [], []
+        for length in lengths:
+            starts.append(len(tokens))
+            body = torch.randint(2, VOCAB, (length,), generator=generator).tolist()
+            tokens += body[:-1] + [END]
+        tokens[-1] = 2  # the window's last document is cut, not closed
+        windows.append(tokens)
+        spans.append([(s, e) for s, e in zip(starts, [*starts[1:], WINDOW], strict=True)])
+    return torch.tensor(windows), spans
+
+
+def build(name: str, document_end: int | None, **sizes) -> torch.nn.Module:
+    """A micro model ``name`` for ``WINDOW``-token windows (documents closed by ``document_end``)."""
+    cfg = MODELS.get(name).schema(name=name, flavour="micro", **sizes)
+    spec = DataSpec(kind="text", vocab_size=VOCAB, block_size=WINDOW, document_end=document_end)
+    torch.manual_seed(0)
+    return build_model(cfg, spec).eval()
+
+
+def largest_difference_from_documents_alone(model: torch.nn.Module, logits: torch.Tensor,
+                                            windows: torch.Tensor, spans) -> float:
+    """The largest difference between each document's logits in ``logits`` (of ``windows``) and its logits fed
+    to ``model`` alone."""
+    worst = 0.0
+    with torch.no_grad():
+        for row, documents in enumerate(spans):
+            for start, end in documents:
+                alone = model(windows[row:row + 1, start:end])
+                worst = max(worst, (logits[row:row + 1, start:end] - alone).abs().max().item())
+    return worst
+
+
+MODEL_SIZES = {"gpt": {}, "llama": {}, "moe": {"n_experts": 4, "top_k": 2}}
+
+
+@pytest.mark.parametrize("name", list(MODEL_SIZES))
+def test_each_document_of_a_packed_window_has_its_logits_alone(name) -> None:
+    model = build(name, END, **MODEL_SIZES[name])
+    windows, spans = packed_windows()
+    with torch.no_grad():
+        logits = model(windows)
+    difference = largest_difference_from_documents_alone(model, logits, windows, spans)
+    assert difference < EXACT, difference
+    # the same weights reading the window as one sequence: later documents see the earlier ones
+    whole = build(name, None, **MODEL_SIZES[name])
+    with torch.no_grad():
+        assert largest_difference_from_documents_alone(whole, whole(windows), windows, spans) > 1e-3
+
+
+def _documents_under_cp(name: str) -> dict:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = build(name, END, **MODEL_SIZES[name])
+    windows, spans = packed_windows()
+    split = SequenceSplit(dist.group.WORLD, rank, size)
+    reference = build(name, END, **MODEL_SIZES[name])
+    apply_context_parallel(model, split)
+    local = model(split.split(windows))
+    whole = torch.zeros(windows.size(0), WINDOW, local.size(-1))
+    whole[:, split.positions(WINDOW // size)] = local.detach()
+    loss_grads = {}
+    local.float().pow(2).mean().backward()
+    for param_name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.clone()
+            dist.all_reduce(grad)
+            loss_grads[param_name] = grad
+    # one process over the whole windows: the same loss (a mean over every token) and its gradients
+    reference.train()
+    reference(windows).float().pow(2).mean().backward()
+    grad_difference = max((loss_grads[n] / size - p.grad).abs().max().item()
+                          for n, p in reference.named_parameters() if p.grad is not None)
+    gathered = [torch.empty_like(whole) for _ in range(size)]
+    dist.all_gather(gathered, whole)
+    logits = sum(gathered)  # each position is filled by the one rank holding it, zero elsewhere
+    reference.eval()
+    return {"documents": largest_difference_from_documents_alone(reference, logits, windows, spans),
+            "grads": grad_difference}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_documents_under_context_parallelism_have_their_logits_alone(name, ranks) -> None:
+    for result in run_on_ranks(_documents_under_cp, ranks, name):
+        assert result["documents"] < EXACT and result["grads"] < EXACT, result
