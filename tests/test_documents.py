@@ -117,3 +117,74 @@ def _documents_under_cp(name: str) -> dict:
 def test_documents_under_context_parallelism_have_their_logits_alone(name, ranks) -> None:
     for result in run_on_ranks(_documents_under_cp, ranks, name):
         assert result["documents"] < EXACT and result["grads"] < EXACT, result
+
+
+HF_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64}
+HF_ARCHS = {"llama": HF_SIZES, "qwen3": {**HF_SIZES, "head_dim": 16}}
+
+
+def build_hf_model(arch: str, document_end: int | None, attention: str | None = None) -> torch.nn.Module:
+    """A tiny ``transformers`` ``arch`` model under disttrain's network (never downloaded)."""
+    from disttrain.models.hf.config import HFConfig
+    from disttrain.models.hf.model import build_hf
+
+    torch.manual_seed(0)
+    spec = DataSpec(kind="text", vocab_size=VOCAB, block_size=WINDOW, document_end=document_end)
+    return build_hf(HFConfig(arch=arch, fields=HF_ARCHS[arch], attn_implementation=attention), spec).eval()
+
+
+@pytest.mark.parametrize(("arch", "attention"), [("llama", None), ("llama", "eager"), ("qwen3", None)])
+def test_each_document_of_a_packed_window_has_its_logits_alone_in_an_hf_model(arch, attention) -> None:
+    model = build_hf_model(arch, END, attention)
+    windows, spans = packed_windows()
+    with torch.no_grad():
+        logits = model(windows)
+    assert largest_difference_from_documents_alone(model, logits, windows, spans) < EXACT
+    whole = build_hf_model(arch, None, attention)
+    with torch.no_grad():
+        assert largest_difference_from_documents_alone(whole, whole(windows), windows, spans) > 1e-3
+
+
+def test_an_hf_model_type_not_checked_for_packed_documents_is_refused_in_one_line() -> None:
+    from disttrain.errors import ConfigError
+    from disttrain.models.hf.config import HFConfig
+    from disttrain.models.hf.model import build_hf
+
+    spec = DataSpec(kind="text", vocab_size=VOCAB, block_size=WINDOW, document_end=END)
+    gpt2 = {"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64}
+    with pytest.raises(ConfigError, match=r"data\.document_mask.*model type gpt2.*llama, qwen3") as error:
+        build_hf(HFConfig(arch="gpt2", fields=gpt2), spec)
+    assert "\n" not in str(error.value)
+
+
+def _hf_documents_under_cp(arch: str) -> dict:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = build_hf_model(arch, END)
+    windows, spans = packed_windows()
+    split = SequenceSplit(dist.group.WORLD, rank, size)
+    apply_context_parallel(model, split)
+    with torch.no_grad():
+        local = model(split.split(windows))
+    whole = torch.zeros(windows.size(0), WINDOW, local.size(-1))
+    whole[:, split.positions(WINDOW // size)] = local
+    gathered = [torch.empty_like(whole) for _ in range(size)]
+    dist.all_gather(gathered, whole)
+    reference = build_hf_model(arch, END)
+    return {"documents": largest_difference_from_documents_alone(reference, sum(gathered), windows, spans)}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_documents_of_an_hf_llama_under_context_parallelism_have_their_logits_alone(ranks) -> None:
+    for result in run_on_ranks(_hf_documents_under_cp, ranks, "llama"):
+        assert result["documents"] < EXACT, result
+
+
+def test_a_model_of_your_own_is_refused_packed_documents_in_one_line() -> None:
+    from disttrain.errors import ConfigError
+    from disttrain.models.target import TargetModelConfig
+
+    spec = DataSpec(kind="text", vocab_size=VOCAB, block_size=WINDOW, document_end=END)
+    with pytest.raises(ConfigError, match=r"data\.document_mask.*model\._target_=torch\.nn\.Identity") as error:
+        build_model(TargetModelConfig("torch.nn.Identity"), spec)
+    assert "\n" not in str(error.value)
