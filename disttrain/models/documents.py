@@ -60,7 +60,8 @@ class PackedDocuments:
     def current(self) -> torch.Tensor:
         """The document ids of the windows last read; RuntimeError when none was."""
         if self.ids is None:
-            raise RuntimeError("no window's documents were read before attention (the embedding reads them)")
+            raise RuntimeError("no window's documents were read before attention (the model's forward, or the "
+                               "pipeline runtime for its stages, reads them)")
         return self.ids
 
     def positions(self, split: SequenceSplit | None = None) -> torch.Tensor:
