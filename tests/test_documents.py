@@ -251,3 +251,30 @@ def test_pipeline_stages_with_documents_match_one_process(name, schedule, stages
     assert set(grads) == {n for n, p in model.named_parameters()}
     difference = max((grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
     assert difference < EXACT, difference
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_the_planner_counts_the_document_mask_whatever_the_checkpointing(policy) -> None:
+    from omegaconf import OmegaConf
+
+    from disttrain.config.typed import model_typed
+    from disttrain.data.spec import example_batch
+    from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+    from disttrain.plan.measure import measured_activations
+    from disttrain.plan.planner import predicted_activation_bytes
+
+    spec = DataSpec("text", vocab_size=96, block_size=256, document_end=END)
+
+    def nano_gpt() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model(model_typed(OmegaConf.create({"name": "gpt", "flavour": "nano"}), MODELS), spec)
+
+    net = nano_gpt()
+    if policy != "none":
+        apply_activation_checkpointing(net, policy=policy)
+    # the smaller of two: a busy machine may free a buffer a little late
+    held = min(measured_activations(net, example_batch(spec, 4))[0] for _ in range(2))
+    predicted = predicted_activation_bytes(nano_gpt(), spec, 4, 1, policy)
+    # measured: 0.998-1.000 for every policy; without the mask's term, 0.77 under full checkpointing (the 1 MB mask
+    # of 4 x 256 x 256 fp32 scores beside 3.5 MB of block inputs)
+    assert predicted.held == pytest.approx(held, rel=0.02), (predicted, held)

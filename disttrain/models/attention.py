@@ -49,6 +49,19 @@ class SequenceSplit(Protocol):
         ...
 
 
+class Documents(Protocol):
+    """What attention asks of the documents of packed windows (``disttrain.models.documents`` keeps them)."""
+
+    def current(self) -> torch.Tensor:
+        """Document ids ``[B, T]`` of the whole windows of the current forward."""
+        ...
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Their causal block-diagonal mask ``[B, 1, T, T]`` to add to the scores in ``dtype`` (0 or -inf), one
+        tensor for every layer of the forward."""
+        ...
+
+
 def positions_of(length: int, device: torch.device, split: SequenceSplit | None) -> torch.Tensor:
     """Positions of a module's ``length`` tokens in their sequence: ``0 .. length-1``, or where a split puts them."""
     return torch.arange(length, device=device) if split is None else split.positions(length, device)
@@ -78,15 +91,15 @@ def attends_in_fp32(q: torch.Tensor, fp32: bool | None = None) -> bool:
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, fp32: bool | None = None,
-    split: SequenceSplit | None = None, documents: torch.Tensor | None = None,
+    split: SequenceSplit | None = None, documents: Documents | None = None,
 ) -> torch.Tensor:
     """Causal ``scaled_dot_product_attention`` of ``[B, H, T, D]`` inputs, in fp32 where ``attends_in_fp32``.
     ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention). With a ``split`` the inputs are
-    this rank's tokens of a sequence split over ranks, and attention covers the whole sequence. With
-    ``documents`` (the document ids ``[B, T]`` of the whole sequence's tokens) a token attends only within its
-    own document (``disttrain.models.documents``)."""
+    this rank's tokens of a sequence split over ranks, and attention covers the whole sequence. With the
+    ``documents`` of packed windows a token attends only within its own document (``disttrain.models.documents``).
+    """
     if split is not None:
-        return split.attend(q, k, v, dropout_p, fp32, documents)
+        return split.attend(q, k, v, dropout_p, fp32, None if documents is None else documents.current())
     k, v = repeat_kv_heads(q, k, v)
     if not attends_in_fp32(q, fp32):
         return _attend(q, k, v, dropout_p, documents)
@@ -97,11 +110,13 @@ def causal_attention(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-            documents: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention over the whole sequence, or within the documents whose ids ``documents`` gives."""
+            documents: Documents | None) -> torch.Tensor:
+    """Causal attention over the whole sequence, or within each of the ``documents``."""
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return document_attention(q, k, v, documents, dropout_p)
+    # an additive mask of the inputs' dtype is kept for backward as it is, one for every layer, where a boolean
+    # one is turned into a float copy kept by each layer
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.additive_mask(q.dtype), dropout_p=dropout_p)
 
 
 def document_mask(query_ids: torch.Tensor, key_ids: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
@@ -113,9 +128,18 @@ def document_mask(query_ids: torch.Tensor, key_ids: torch.Tensor, query_position
     return ((query_ids[:, :, None] == key_ids[:, None, :]) & causal)[:, None]
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean ``mask`` (True: attended) as 0 and -inf in ``dtype``, to add to attention scores."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def window_document_mask(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask ``[B, 1, T, T]`` within the documents whose ids ``[B, T]`` a window's tokens have."""
+    return additive_mask(document_mask(ids, ids, torch.arange(ids.size(-1), device=ids.device)), dtype)
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor,
                        dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of ``[B, H, T, D]`` inputs (as many key/value heads as query heads) within the documents
     whose ids ``[B, T]`` each token has."""
-    mask = document_mask(ids, ids, torch.arange(ids.size(-1), device=ids.device))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_document_mask(ids, q.dtype), dropout_p=dropout_p)

@@ -12,18 +12,20 @@ per forward; the others ask it for the ids and positions of the tokens they hold
 embedding is read its micro-batch's tokens by the pipeline runtime (``disttrain.parallel.pipeline.runtime``).
 
 Attention within documents is causal attention with a block-diagonal mask over the window's keys, given to
-torch's scaled dot-product attention as a boolean mask (``disttrain.models.attention.document_attention``):
-exact, and on the CPU faster than one causal call per document for windows up to 1,024 tokens, slower for long
-windows of few documents (``benchmarks/document_attention.py``, its table in benchmarks/README.md). Under context
-parallelism each chunk of queries is masked by the document ids of its own positions and of the whole sequence's
-keys (``disttrain.parallel.context``).
+torch's scaled dot-product attention as an additive mask in the inputs' dtype (``additive_mask``): exact, and on
+the CPU faster than one causal call per document for windows up to 1,024 tokens, slower for long windows of few
+documents (``benchmarks/document_attention.py``, its table in benchmarks/README.md). Built once per forward, it is
+the one tensor every layer keeps for backward (a boolean mask would be turned into a float copy per layer). Under
+context parallelism each chunk of queries is masked by the document ids of its own positions and of the whole
+sequence's keys (``disttrain.parallel.context``), recomputed in backward rather than kept.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from disttrain.models.attention import SequenceSplit
+from disttrain.models.attention import SequenceSplit, window_document_mask
 
 
 def document_ids(tokens: torch.Tensor, end_token: int) -> torch.Tensor:
@@ -41,6 +43,11 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     return steps - torch.where(starts, steps, 0).cummax(-1).values
 
 
+def documents_of(model: nn.Module) -> PackedDocuments | None:
+    """The documents the modules of ``model`` share (None: its windows are not packed)."""
+    return next((m.documents for m in model.modules() if getattr(m, "documents", None) is not None), None)
+
+
 class PackedDocuments:
     """The documents of the windows of the current forward pass, shared by the modules of one model."""
 
@@ -49,6 +56,7 @@ class PackedDocuments:
         """The token id that closes every document (the tokenizer's end-of-sequence id)."""
         self.ids: torch.Tensor | None = None
         """Document ids ``[B, T]`` of the whole windows last read (None: none read yet)."""
+        self._mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def read(self, tokens: torch.Tensor, split: SequenceSplit | None = None) -> None:
         """Take the document ids of token ids ``[B, t]``: whole windows, or under ``split`` this rank's part of
@@ -56,6 +64,7 @@ class PackedDocuments:
         if split is not None and split.size > 1:
             tokens = split.gather_tokens(tokens)
         self.ids = document_ids(tokens, self.end_token)
+        self._mask = None
 
     def current(self) -> torch.Tensor:
         """The document ids of the windows last read; RuntimeError when none was."""
@@ -63,6 +72,18 @@ class PackedDocuments:
             raise RuntimeError("no window's documents were read before attention (the model's forward, or the "
                                "pipeline runtime for its stages, reads them)")
         return self.ids
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The causal mask within the documents of the windows last read, ``[B, 1, T, T]`` of 0 and -inf in
+        ``dtype``: built once for all the layers of a forward, which then keep one tensor for backward."""
+        ids = self.current()
+        if self._mask is None or self._mask[0] is not ids or self._mask[1].dtype != dtype:
+            self._mask = (ids, window_document_mask(ids, dtype))
+        return self._mask[1]
+
+    def mask_bytes(self) -> int:
+        """Bytes of the mask last built (0: none was)."""
+        return 0 if self._mask is None else self._mask[1].numel() * self._mask[1].element_size()
 
     def positions(self, split: SequenceSplit | None = None) -> torch.Tensor:
         """Positions ``[B, t]`` in their documents of this rank's tokens (all of them without a split)."""

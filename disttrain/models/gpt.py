@@ -125,9 +125,8 @@ class CausalSelfAttention(nn.Module):
         # The head count follows from the projection width, so column-sharded q/k/v carry a subset of heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         p = self.dropout if self.training else 0.0
-        ids = None if self.documents is None else self.documents.current()
         y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split,
-                             documents=ids)
+                             documents=self.documents)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 

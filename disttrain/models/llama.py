@@ -219,14 +219,14 @@ class Attention(nn.Module):
         # query heads and the matching subset of the key/value heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         if self.documents is None:
-            ids, positions = None, positions_of(t, x.device, self.sequence_split)
+            positions = positions_of(t, x.device, self.sequence_split)
         else:
-            ids, positions = self.documents.current(), self.documents.positions(self.sequence_split)
+            positions = self.documents.positions(self.sequence_split)
         q, k = apply_rotary(q, self.rope_theta, positions), apply_rotary(k, self.rope_theta, positions)
         p = self.dropout if self.training else 0.0
         # key/value heads fewer than query heads are shared inside (after gathering them, under a split)
         y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split,
-                             documents=ids)
+                             documents=self.documents)
         return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
 
 

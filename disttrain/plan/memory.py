@@ -150,11 +150,18 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         else:
             kept, again = tp_share(unit, saved, "saved"), 0.0
             copies_held += copies / layout.tp
+        if unit == first_block and policy != "none":  # a recomputation reuses the documents' mask (below)
+            again = max(again - stats.document_mask_bytes, 0.0)
         held += kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
         if unit == first_block:
             first_block_bytes = kept + again + stats.largest_saved.get(unit, 0) * split
+    if stats.document_mask_bytes and first_block is not None:
+        # packed documents' mask: one per forward, which the pass saw the first block save; the model keeps it
+        # whatever that block's policy, and under cp no whole mask exists (each chunk's is made where it attends)
+        counted = policies[first_block] == "none"
+        held += (0 if layout.cp > 1 else stats.document_mask_bytes) - (stats.document_mask_bytes if counted else 0)
     # stats measured without the loss's backward (built by hand) fall back to the logits' gradient alone
     output_grad = (stats.loss_grad_bytes or stats.output_bytes) if last_stage else 0
     # what expert parallelism's all-to-all receives in backward, beside the gradient it sends

@@ -20,11 +20,6 @@ from disttrain.models.attention import SequenceSplit
 from disttrain.models.documents import PackedDocuments
 
 
-def documents_of(model: nn.Module) -> PackedDocuments | None:
-    """The documents the modules of ``model`` share (None: its windows are not packed)."""
-    return next((m.documents for m in model.modules() if getattr(m, "documents", None) is not None), None)
-
-
 def split_of(model: nn.Module) -> SequenceSplit | None:
     """The sequence split the modules of ``model`` hold (None: the sequence is whole on this rank)."""
     return next((m.sequence_split for m in model.modules() if getattr(m, "sequence_split", None) is not None), None)

@@ -20,13 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from disttrain.loss import token_cross_entropy
+from disttrain.models.documents import documents_of
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
 from disttrain.parallel.fsdp import apply_fsdp
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
-from disttrain.parallel.pipeline.documents import DocumentStage, MicroBatchDocuments, documents_of, split_of
+from disttrain.parallel.pipeline.documents import DocumentStage, MicroBatchDocuments, split_of
 from disttrain.parallel.pipeline.split import (
     UnitStage,
     build_schedule,
