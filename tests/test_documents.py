@@ -278,3 +278,19 @@ def test_the_planner_counts_the_document_mask_whatever_the_checkpointing(policy)
     # measured: 0.998-1.000 for every policy; without the mask's term, 0.77 under full checkpointing (the 1 MB mask
     # of 4 x 256 x 256 fp32 scores beside 3.5 MB of block inputs)
     assert predicted.held == pytest.approx(held, rel=0.02), (predicted, held)
+
+
+def test_the_planners_table_by_length_grows_the_document_mask_with_the_square_of_the_length() -> None:
+    from disttrain.plan.layout import Layout
+    from disttrain.plan.memory import activations_by_length
+    from disttrain.plan.model_stats import measure_model
+
+    tables = {}
+    for end in (END, None):
+        spec = DataSpec("text", vocab_size=VOCAB, block_size=64, document_end=end)
+        stats = measure_model(build("gpt", end, block_size=256), spec, 4, shard_units=["blocks.0", "blocks.1"])
+        tables[end] = activations_by_length(stats, None, Layout(micro_size=4), 1.0)
+    extra = {length: tables[END][length][1] - tables[None][length][1] for length in (64, 128, 256)}
+    # the mask, 4 x T x T fp32 scores, beside the document ids' few bytes per token
+    assert extra[128] == pytest.approx(4 * extra[64], rel=0.02)
+    assert extra[256] == pytest.approx(16 * extra[64], rel=0.02)
