@@ -12,12 +12,13 @@ per forward; the others ask it for the ids and positions of the tokens they hold
 embedding is read its micro-batch's tokens by the pipeline runtime (``disttrain.parallel.pipeline.runtime``).
 
 Attention within documents is causal attention with a block-diagonal mask over the window's keys, given to
-torch's scaled dot-product attention as an additive mask in the inputs' dtype (``additive_mask``): exact, and on
-the CPU faster than one causal call per document for windows up to 1,024 tokens, slower for long windows of few
-documents (``benchmarks/document_attention.py``, its table in benchmarks/README.md). Built once per forward, it is
-the one tensor every layer keeps for backward (a boolean mask would be turned into a float copy per layer). Under
-context parallelism each chunk of queries is masked by the document ids of its own positions and of the whole
-sequence's keys (``disttrain.parallel.context``), recomputed in backward rather than kept.
+torch's scaled dot-product attention as an additive mask in the inputs' dtype (``PackedDocuments.additive_mask``):
+exact, and on the CPU faster than one causal call per document where windows hold many short documents, slower
+where a long window holds a few long ones (``benchmarks/document_attention.py``, its table in
+benchmarks/README.md). Built once per forward, it is the one tensor every layer keeps for backward (a boolean mask
+would be turned into a float copy per layer). Under context parallelism each chunk of queries is masked by the
+document ids of its own positions and of the whole sequence's keys (``disttrain.parallel.context``), recomputed in
+backward rather than kept.
 """
 
 from __future__ import annotations
