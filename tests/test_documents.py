@@ -18,6 +18,9 @@ END = 1
 """The end-of-document token of the test windows."""
 VOCAB, WINDOW = 64, 32
 EXACT = 1e-6
+# measured (fp32): each document's logits within 1.8e-7 of its logits alone (gpt, llama, moe, HF Llama and Qwen3,
+# whole and on 2 and 4 cp ranks), cp gradients within 2.8e-9 of one process; the same weights reading the window as
+# one sequence differ by 0.13 to 0.44
 
 
 def test_document_ids_and_positions_restart_after_each_end_token() -> None:
