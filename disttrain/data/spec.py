@@ -23,6 +23,10 @@ class DataSpec:
     """Number of distinct token ids (text data)."""
     block_size: int | None = None
     """Length of the token sequences the data yields (text data)."""
+    document_end: int | None = None
+    """The token id that closes every document of windows packed from several (text data): the model then attends
+    only within each document and restarts positions at each (``disttrain.models.documents``). None: each window
+    is one sequence."""
 
 
 def example_batch(spec: DataSpec, size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.models.attention import SequenceSplit, causal_attention, positions_of
 from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
 from disttrain.models.registry import MODELS
 
@@ -103,6 +104,8 @@ class CausalSelfAttention(nn.Module):
 
     sequence_split: SequenceSplit | None = None
     """Set by context parallelism: this rank holds a slice of each sequence, attention covers all of it."""
+    documents: PackedDocuments | None = None
+    """Set for packed windows: attention stays within each document (None: over the whole window)."""
 
     def __init__(
         self, n_embd: int, n_head: int, dropout: float, bias: bool, attention_fp32: bool | None = None
@@ -123,7 +126,8 @@ class CausalSelfAttention(nn.Module):
         # The head count follows from the projection width, so column-sharded q/k/v carry a subset of heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         p = self.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split)
+        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split,
+                             documents=self.documents)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -147,6 +151,8 @@ class Embeddings(nn.Module):
 
     sequence_split: SequenceSplit | None = None
     """Set by context parallelism: the tokens are this rank's slice of each sequence, at the positions it says."""
+    documents: PackedDocuments | None = None
+    """Set for packed windows: the embedding reads their documents, and positions restart at each."""
 
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
         super().__init__()
@@ -158,7 +164,12 @@ class Embeddings(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Embed token ids ``[B, T]`` (``T <= block_size``)."""
         t = sequence_length(idx, self.block_size)
-        return self.drop(self.wte(idx) + self.wpe(positions_of(t, idx.device, self.sequence_split)))
+        if self.documents is None:
+            positions = positions_of(t, idx.device, self.sequence_split)
+        else:
+            self.documents.read(idx, self.sequence_split)
+            positions = self.documents.positions(self.sequence_split)
+        return self.drop(self.wte(idx) + self.wpe(positions))
 
 
 class Block(nn.Module):
@@ -187,8 +198,10 @@ class GPT(nn.Module):
 
     def __init__(
         self, dims: GPTDims, dropout: float = 0.0, bias: bool = True, tie_weights: bool = True,
-        attention_fp32: bool | None = None,
+        attention_fp32: bool | None = None, document_end: int | None = None,
     ) -> None:
+        """``document_end``: the token that closes each document of packed windows, whose documents then attend
+        only within themselves (``disttrain.models.documents``); None: each window is one sequence."""
         super().__init__()
         self.dims = dims
         self.embed = Embeddings(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
@@ -199,6 +212,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.embed.wte.weight
+        if document_end is not None:
+            documents = PackedDocuments(document_end)
+            for module in (self.embed, *(block.attn for block in self.blocks)):
+                module.documents = documents
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -278,4 +295,4 @@ def build_gpt(cfg: GPTConfig, spec: DataSpec) -> GPT:
     """Build the GPT that ``cfg`` describes for the text of ``spec``."""
     dims = cfg.validate(spec)
     return GPT(dims, dropout=cfg.dropout, bias=cfg.bias, tie_weights=cfg.tie_weights,
-               attention_fp32=cfg.attention_fp32)
+               attention_fp32=cfg.attention_fp32, document_end=spec.document_end)

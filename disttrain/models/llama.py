@@ -33,6 +33,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.attention import SequenceSplit, causal_attention, positions_of
 from disttrain.models.dims import resolve_dims, sequence_length
+from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
 from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
 from disttrain.models.registry import MODELS
@@ -169,8 +170,8 @@ def _check_heads(dims: dict[str, int]) -> None:
 
 def apply_rotary(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate each pair of features ``(2i, 2i+1)`` of ``x`` ``[B, H, T, D]`` by the angle ``t * theta**(-2i/D)``
-    of its position ``t`` (rotary position embedding); ``positions`` (``[T]``, default ``0 .. T-1``) says where
-    the tokens sit in their sequence.
+    of its position ``t`` (rotary position embedding); ``positions`` (``[T]``, or ``[B, T]`` where each sequence
+    places its tokens on its own; default ``0 .. T-1``) says where the tokens sit in their sequence.
 
     The dot product of a rotated query at position ``s`` and a rotated key at position ``t`` then depends on
     the positions only through ``s - t``.
@@ -180,8 +181,10 @@ def apply_rotary(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tenso
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     if positions is None:
         positions = torch.arange(t, device=x.device)
-    angles = torch.outer(positions.to(torch.float32), inv_freq)  # [T, D/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [T, D/2] or [B, T, D/2]
     cos, sin = angles.cos(), angles.sin()
+    if angles.dim() == 3:  # one set of angles per sequence, shared by its heads
+        cos, sin = cos[:, None], sin[:, None]
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -194,6 +197,8 @@ class Attention(nn.Module):
     sequence_split: SequenceSplit | None = None
     """Set by context parallelism: this rank holds a slice of each sequence, at the positions it says, and
     attention covers all of it."""
+    documents: PackedDocuments | None = None
+    """Set for packed windows: attention stays within each document, whose positions start at 0."""
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int, dropout: float, rope_theta: float,
                  attention_fp32: bool | None = None) -> None:
@@ -214,11 +219,15 @@ class Attention(nn.Module):
         # Head counts follow from the projection widths, so column-sharded q, k and v carry a subset of the
         # query heads and the matching subset of the key/value heads.
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        positions = positions_of(t, x.device, self.sequence_split)
+        if self.documents is None:
+            positions = positions_of(t, x.device, self.sequence_split)
+        else:
+            positions = self.documents.positions(self.sequence_split)
         q, k = apply_rotary(q, self.rope_theta, positions), apply_rotary(k, self.rope_theta, positions)
         p = self.dropout if self.training else 0.0
         # key/value heads fewer than query heads are shared inside (after gathering them, under a split)
-        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split)
+        y = causal_attention(q, k, v, dropout_p=p, fp32=self.attention_fp32, split=self.sequence_split,
+                             documents=self.documents)
         return self.resid_drop(self.o(y.transpose(1, 2).reshape(b, t, -1)))
 
 
@@ -240,6 +249,11 @@ class FeedForward(nn.Module):
 class TokenEmbedding(nn.Module):
     """Token embedding then dropout: token ids ``[B, T]`` to ``[B, T, C]`` (positions enter in attention)."""
 
+    sequence_split: SequenceSplit | None = None
+    """Set by context parallelism: the tokens are this rank's slice of each sequence (read for their documents)."""
+    documents: PackedDocuments | None = None
+    """Set for packed windows: the embedding reads their documents for the attention modules."""
+
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
         super().__init__()
         self.block_size = block_size
@@ -249,6 +263,8 @@ class TokenEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Embed token ids ``[B, T]`` (``T <= block_size``)."""
         sequence_length(idx, self.block_size)
+        if self.documents is not None:
+            self.documents.read(idx, self.sequence_split)
         return self.drop(self.tok(idx))
 
 
@@ -277,8 +293,10 @@ class Llama(nn.Module):
 
     def __init__(self, dims: LlamaDims, dropout: float = 0.0, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, attention_fp32: bool | None = None,
-                 feed_forward: Callable[[], nn.Module] | None = None) -> None:
-        """``feed_forward``: builds each block's feed-forward network (None: the SwiGLU ``FeedForward``)."""
+                 feed_forward: Callable[[], nn.Module] | None = None, document_end: int | None = None) -> None:
+        """``feed_forward``: builds each block's feed-forward network (None: the SwiGLU ``FeedForward``).
+        ``document_end``: the token that closes each document of packed windows, whose documents then attend only
+        within themselves (``disttrain.models.documents``); None: each window is one sequence."""
         super().__init__()
         self.dims = dims
         self.embed = TokenEmbedding(dims.vocab_size, dims.block_size, dims.n_embd, dropout)
@@ -289,6 +307,10 @@ class Llama(nn.Module):
         )
         self.norm = nn.RMSNorm(dims.n_embd, eps=norm_eps)
         self.output = nn.Linear(dims.n_embd, dims.vocab_size, bias=False)
+        if document_end is not None:
+            documents = PackedDocuments(document_end)
+            for module in (self.embed, *(layer.attention for layer in self.layers)):
+                module.documents = documents
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -364,7 +386,7 @@ def build_llama(cfg: LlamaConfig, spec: DataSpec) -> Llama:
     """Build the Llama that ``cfg`` describes for the text of ``spec``."""
     dims = cfg.validate(spec)
     model = Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
-                  attention_fp32=cfg.attention_fp32)
+                  attention_fp32=cfg.attention_fp32, document_end=spec.document_end)
     if cfg.init_from is not None and not model.output.weight.is_meta:  # a model on the meta device has no values
         model.load_state_dict(import_hf_llama(cfg.init_from)[1], strict=True)
     return model

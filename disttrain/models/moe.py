@@ -89,14 +89,16 @@ class MoEDims(LlamaDims):
 class MoETransformer(Llama):
     """Llama with mixture-of-experts feed-forward layers; ``forward`` maps token ids to logits."""
 
-    def __init__(self, dims: MoEDims, cfg: MoEConfig) -> None:
+    def __init__(self, dims: MoEDims, cfg: MoEConfig, document_end: int | None = None) -> None:
+        """``document_end``: as Llama's (packed windows attend within each document); a capacity factor still
+        counts a window's tokens together."""
         def mixture() -> MoEFeedForward:
             shared = FeedForward(dims.n_embd, dims.expert_hidden, 0.0) if cfg.shared_expert else None
             return MoEFeedForward(dims.n_embd, dims.n_experts, dims.top_k, dims.expert_hidden, shared,
                                   cfg.aux_loss_coef, cfg.bias_update_rate, cfg.capacity_factor, cfg.dropout)
 
         super().__init__(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
-                         attention_fp32=cfg.attention_fp32, feed_forward=mixture)
+                         attention_fp32=cfg.attention_fp32, feed_forward=mixture, document_end=document_end)
 
     def active_params(self, non_embedding: bool = True) -> int:
         """Parameters one token's forward uses: everything but the experts it is not routed to."""
@@ -113,4 +115,4 @@ class MoETransformer(Llama):
 @MODELS.register("moe", MoEConfig)
 def build_moe(cfg: MoEConfig, spec: DataSpec) -> MoETransformer:
     """Build the mixture-of-experts decoder that ``cfg`` describes for the text of ``spec``."""
-    return MoETransformer(cfg.validate(spec), cfg)
+    return MoETransformer(cfg.validate(spec), cfg, spec.document_end)

@@ -47,7 +47,11 @@ class TargetModelConfig:
 
 def build_target_model(cfg: TargetModelConfig, spec: DataSpec) -> nn.Module:
     """Call ``cfg.target`` with its arguments (and the spec's, where it takes them); ConfigError naming
-    ``model._target_`` if it cannot be imported, fails, or returns no ``nn.Module``."""
+    ``model._target_`` if it cannot be imported, fails, or returns no ``nn.Module``; ConfigError naming
+    ``data.document_mask`` for packed windows, whose document boundaries such a model is not told."""
+    if spec.document_end is not None:
+        raise ConfigError("data.document_mask", True, f"false for model._target_={cfg.target}: a model of your own "
+                          "is not told where packed documents end (gpt, llama, moe and model=hf are)")
     target = locate(cfg.target, "model._target_")
     kwargs = {**_spec_arguments(target, spec, cfg.kwargs), **cfg.kwargs}
     model = call(cfg.target, kwargs, "model._target_", "a callable that builds the model")

@@ -15,7 +15,9 @@ values), gloo runs point-to-point messages one after another with no overlap to 
 the early/late chunk pairing in one step (torch's ``context_parallel`` rings over CUDA kernels only). Llama 3
 trained with the same all-gather form. The gathered keys and values are not kept for backward: the gather and
 the attention are recomputed there (one more all-gather per layer), so what a rank keeps for backward shrinks
-as ``1 / cp``, with the whole sequence's keys and values alive for one layer at a time.
+as ``1 / cp``, with the whole sequence's keys and values alive for one layer at a time. Packed windows
+(``disttrain.models.documents``) keep the same split: the token ids are gathered once per forward for the whole
+window's document ids, and each chunk's mask is causal and within the documents of its queries and keys.
 
 The loss. Each rank's loss is the mean over its ``T / cp`` tokens; gradients are averaged over the ranks of
 ``dp x cp`` (DDP's or FSDP's mean), and since every cp rank holds the same number of tokens the average of their
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from disttrain.models.attention import attends_in_fp32, repeat_kv_heads
+from disttrain.models.attention import attends_in_fp32, document_mask, repeat_kv_heads
 from disttrain.parallel import causal_blocks
 
 # torch 2.13 renamed the tensor collectives (the old names warn); earlier versions have only the old ones
@@ -109,15 +111,20 @@ class SequenceSplit:
         c = local_length // 2
         return [(slice(half * c, (half + 1) * c), chunk * c) for half, chunk in enumerate(self.chunk_indices())]
 
-    def chunk_masks(self, local_length: int, device: torch.device | str | None = None
-                    ) -> list[tuple[slice, int, torch.Tensor]]:
+    def chunk_masks(self, local_length: int, device: torch.device | str | None = None,
+                    documents: torch.Tensor | None = None) -> list[tuple[slice, int, torch.Tensor]]:
         """For each of this rank's two chunks: its rows among the local tokens, how many keys of the whole sequence
-        it sees (those up to its own end), and its causal mask over them (True: attended)."""
+        it sees (those up to its own end), and its causal mask over them (True: attended): ``[c, end]``, or with
+        ``documents`` (the whole sequence's document ids ``[B, T]``) ``[B, 1, c, end]``, within each document."""
         masks = []
         for rows, start in self.chunk_rows(local_length):
             end = start + rows.stop - rows.start
             positions = torch.arange(start, end, device=device)
-            masks.append((rows, end, torch.arange(end, device=device)[None, :] <= positions[:, None]))
+            if documents is None:
+                mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
+            else:
+                mask = document_mask(documents[:, start:end], documents[:, :end], positions)
+            masks.append((rows, end, mask))
         return masks
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,28 +138,33 @@ class SequenceSplit:
         late = [part[:, :, t // 2:] for part in reversed(parts)]
         return torch.cat(early + late, dim=2)
 
+    def gather_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole sequences ``[B, T]``, in order, of token ids ``[B, t]`` held as this rank's chunks."""
+        return self.gather(tokens[:, None, :, None])[:, 0, :, 0]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-               fp32: bool | None = None) -> torch.Tensor:
+               fp32: bool | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries ``[B, H, t, D]`` over the keys and values of the whole sequence
-        (``k`` and ``v`` are this rank's, possibly with fewer heads: grouped-query attention). Recomputed in
+        (``k`` and ``v`` are this rank's, possibly with fewer heads: grouped-query attention), within the documents
+        whose ids ``[B, T]`` the whole sequence's tokens have where ``documents`` gives them. Recomputed in
         backward rather than keeping the gathered keys and values."""
         if not torch.is_grad_enabled():
-            return self._attend(q, k, v, dropout_p, fp32)
-        return checkpoint(self._attend, q, k, v, dropout_p, fp32, use_reentrant=False)
+            return self._attend(q, k, v, dropout_p, fp32, documents)
+        return checkpoint(self._attend, q, k, v, dropout_p, fp32, documents, use_reentrant=False)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                fp32: bool | None) -> torch.Tensor:
+                fp32: bool | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         k, v = repeat_kv_heads(q, self.gather(k), self.gather(v))
         dtype = q.dtype
         if attends_in_fp32(q, fp32):  # see disttrain.models.attention: fp32 where torch's bf16 CPU kernel is slow
             q, k, v = q.float(), k.float(), v.float()
         with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype is the one decided above
-            if causal_blocks.supported(q, dropout_p):
+            if documents is None and causal_blocks.supported(q, dropout_p):
                 y = causal_blocks.CausalChunks.apply(q, k, v, self.chunk_rows(q.size(2)))
-            else:  # dropout, or a device without the CPU kernel: one masked call per chunk
+            else:  # documents, dropout, or a device without the CPU kernel: one masked call per chunk
                 y = torch.cat([F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end],
                                                               attn_mask=mask, dropout_p=dropout_p)
-                               for rows, end, mask in self.chunk_masks(q.size(2), q.device)], dim=2)
+                               for rows, end, mask in self.chunk_masks(q.size(2), q.device, documents)], dim=2)
         return y.to(dtype)
 
 

@@ -82,7 +82,7 @@ class ActivationBytes:
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
-                weight_copies: bool = True) -> ActivationBytes:
+                weight_copies: bool = True, length_factor: float = 1.0) -> ActivationBytes:
     """Activation bytes of the first pipeline rank (it keeps the most microbatches in flight) under the
     layout's checkpointing policy, tensor- and context-parallel split; ``scale``: bytes per measured byte
     (micro-batch over the pass's, and the activation dtype); ``weight_copies``: whether autocast's bf16 copies
@@ -90,6 +90,8 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     Those copies are one set per rank whatever its tokens (not scaled, not split by cp, by tp as the weights),
     kept where a unit keeps what it saved and freed with the head's once backward is past it; a checkpointed
     unit makes them again in its own backward, as short-lived as its recomputed activations but not counted.
+    ``length_factor``: the sequence length over the pass's (``scale`` includes it), which the mask of packed
+    documents, tokens x tokens, grows with once more.
 
     Backward starts with what the loss's backward adds to everything held (``ModelStats.loss_grad_bytes``: its
     gradients less what it frees): in fp32 the log-probabilities' gradient beside the logits'; under autocast,
@@ -150,11 +152,19 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         else:
             kept, again = tp_share(unit, saved, "saved"), 0.0
             copies_held += copies / layout.tp
+        if unit == first_block and policy != "none":  # a recomputation reuses the documents' mask (below)
+            again = max(again - stats.document_mask_bytes, 0.0)
         held += kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
         if unit == first_block:
             first_block_bytes = kept + again + stats.largest_saved.get(unit, 0) * split
+    if stats.document_mask_bytes and first_block is not None:
+        # packed documents' mask: one per forward, which the pass saw the first block save; the model keeps it
+        # whatever that block's policy, and under cp no whole mask exists (each chunk's is made where it attends)
+        counted = policies[first_block] == "none"
+        whole = 0 if layout.cp > 1 else stats.document_mask_bytes * length_factor
+        held += whole - (stats.document_mask_bytes if counted else 0)
     # stats measured without the loss's backward (built by hand) fall back to the logits' gradient alone
     output_grad = (stats.loss_grad_bytes or stats.output_bytes) if last_stage else 0
     # what expert parallelism's all-to-all receives in backward, beside the gradient it sends
@@ -196,9 +206,9 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
                           weight_copies: bool = True) -> dict[int, dict[int, float | None]]:
     """Peak activation bytes per rank of ``layout`` at other sequence lengths (``LENGTH_FACTORS`` of the
     pass's) and cp degrees (``CP_DEGREES``); None where cp does not divide the sequence into 2 cp chunks.
-    Every term is linear in the tokens (fused attention saves no tokens x tokens matrix), so the pass at one
-    length gives all of them (autocast's weight copies do not depend on it: ``activations``). Empty for a model
-    without sequences."""
+    Every term is linear in the tokens (fused attention saves no tokens x tokens matrix) but the mask of packed
+    documents, so the pass at one length gives all of them (autocast's weight copies do not depend on it:
+    ``activations``). Empty for a model without sequences."""
     tokens = stats.tokens_per_sample
     if tokens < 2:
         return {}
@@ -208,7 +218,7 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
         if length < 1:
             continue
         table[length] = {cp: activations(stats, units, replace(layout, cp=cp), scale * length / tokens,
-                                         weight_copies).peak
+                                         weight_copies, length / tokens).peak
                          if cp == 1 or length % (2 * cp) == 0 else None for cp in CP_DEGREES}
     return table
 

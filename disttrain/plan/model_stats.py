@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from disttrain.data.spec import DataSpec, example_batch
+from disttrain.models.documents import documents_of
 from disttrain.plan.autocast import MetaAutocast
 from disttrain.plan.data_checks import WholeSequences
 from disttrain.plan.experts import BalancedRouting, ExpertCall, expert_parameters
@@ -136,6 +137,10 @@ class ModelStats:
     loss_grad_bytes: int = 0
     """The most bytes the loss's backward added to what was saved, before the logits' gradient was complete: the
     gradients of the loss's own tensors and the logits' gradient, less what it saved and has freed by then."""
+    document_mask_bytes: int = 0
+    """Bytes of the attention mask within packed documents (``disttrain.models.documents``): one per forward,
+    which the first block to attend saved and the model keeps whatever the blocks' checkpointing (0: windows are
+    not packed)."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -268,7 +273,14 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops,
                       autocast, recorder.weight_copies, recorder.tp_forward_gather, recorder.tp_backward_gather,
                       recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
-                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0])
+                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0],
+                      _document_mask_bytes(net))
+
+
+def _document_mask_bytes(net: nn.Module) -> int:
+    """Bytes of the mask within packed documents the pass built (0: the model packs none)."""
+    documents = documents_of(net)
+    return 0 if documents is None else documents.mask_bytes()
 
 
 SHARDING_STYLES = {"colwise": "all", "colwise_gather": "all", "rowwise": "weight", "rowwise_whole_input": "weight",

@@ -12,6 +12,13 @@ implementation without one). Both paths want none: the network feeds whole, unpa
 attends with ``is_causal`` and no mask too, and a split builds its own mask per chunk (the mask ``transformers``
 would build from split positions would read them as packed sequences).
 
+Packed windows (``disttrain.models.documents``): the network passes each token's position in its document as
+``position_ids``, and ``transformers`` reads restarting positions as packed sequences, building a causal mask
+within each (``masking_utils.find_packed_sequence_indices``). So a model whose windows are packed attends with
+``ATTENTION_DOCUMENTS``, the same function registered with SDPA's mask function: while the sequence is whole it
+runs "sdpa" on that mask; under a split the mask ``transformers`` builds from the local positions is left aside and
+each chunk is masked by the whole window's document ids.
+
 The split is taken only where it leaves the computation as it was: a model built with "sdpa" (the split attends
 as it does; eager and flex attention keep their own kernels), keys attended with the default scale
 ``1 / sqrt(head_dim)``, causal, with no sliding window shorter than the data's sequences, and rotary frequencies
@@ -26,8 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from disttrain.models.documents import PackedDocuments
+
 ATTENTION = "sdpa_sequence_split"
 """The attention implementation name the supported models are switched to."""
+ATTENTION_DOCUMENTS = "sdpa_sequence_split_documents"
+"""The same function, with SDPA's mask (which ``transformers`` builds for packed windows), for packed windows."""
 SPLIT_TYPES = ("llama", "qwen3", "mistral")
 """Model types whose attention is Llama's: rotary positions from ``position_ids`` and causal scaled dot-product
 attention over every earlier token."""
@@ -59,21 +70,42 @@ def split_refusal(model: nn.Module, block_size: int | None) -> str | None:
     return None
 
 
+PACKED_TYPES = ("llama", "qwen3")
+"""Model types whose packed windows are checked to attend within each document, as each document alone
+(``tests/test_documents.py``)."""
+
+
+def documents_refusal(model: nn.Module) -> str | None:
+    """Why the ``transformers`` model ``model`` cannot attend within the documents of packed windows (None: it
+    can)."""
+    model_type = model.config.model_type
+    if model_type not in PACKED_TYPES:
+        return (f"model type {model_type} is not checked to attend within packed documents; model=hf packs them for "
+                f"model types {', '.join(PACKED_TYPES)}")
+    return None
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention module of each decoder layer of a Llama-family ``transformers`` model."""
     return [layer.self_attn for layer in model.get_submodule(model.base_model_prefix).layers]
 
 
-def take_sequence_splits(model: nn.Module) -> list[nn.Module]:
-    """Switch ``model`` to ``ATTENTION`` and give its attention modules a ``sequence_split`` attribute (None: the
-    sequence is whole); returns those modules."""
+def take_sequence_splits(model: nn.Module, documents: PackedDocuments | None = None) -> list[nn.Module]:
+    """Switch ``model`` to ``ATTENTION`` (``ATTENTION_DOCUMENTS`` with the ``documents`` of packed windows) and give
+    its attention modules a ``sequence_split`` attribute (None: the sequence is whole) and ``documents``; returns
+    those modules."""
     import transformers
+    from transformers.masking_utils import sdpa_mask
 
     transformers.AttentionInterface.register(ATTENTION, split_attention)
-    model.set_attn_implementation(ATTENTION)
+    if documents is not None:
+        transformers.AttentionInterface.register(ATTENTION_DOCUMENTS, split_attention)
+        transformers.AttentionMaskInterface.register(ATTENTION_DOCUMENTS, sdpa_mask)
+    model.set_attn_implementation(ATTENTION if documents is None else ATTENTION_DOCUMENTS)
     modules = attention_modules(model)
     for module in modules:
         module.sequence_split = None
+        module.documents = documents
     return modules
 
 
@@ -89,9 +121,13 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if split is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    documents = getattr(module, "documents", None)
+    if documents is not None:  # the mask of packed local positions is not the split's: the window's ids are
+        attention_mask = None
     window = kwargs.get("sliding_window")
     if attention_mask is not None or (window is not None and window < query.size(2) * split.size) or (
             scaling is not None and scaling != query.size(-1) ** -0.5):
         raise ValueError(f"{type(module).__name__} attends with a mask, window or scale a sequence split does not "
                          "apply")
-    return split.attend(query, key, value, dropout).transpose(1, 2).contiguous(), None
+    ids = None if documents is None else documents.current()
+    return split.attend(query, key, value, dropout, documents=ids).transpose(1, 2).contiguous(), None

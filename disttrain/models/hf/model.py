@@ -18,6 +18,7 @@ from torch import nn
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.attention import SequenceSplit
+from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import HeadBlocks
 from disttrain.models.hf import attention as hf_attention
 from disttrain.models.hf import balance as hf_balance
@@ -34,7 +35,10 @@ class HFCausalLM(nn.Module):
     """A ``transformers`` causal LM whose ``forward`` maps token ids to logits, holding the model's own
     submodules under their own names (so parameter names are the Hugging Face checkpoint's)."""
 
-    def __init__(self, model: nn.Module, pretrained: str | None = None, block_size: int | None = None) -> None:
+    def __init__(self, model: nn.Module, pretrained: str | None = None, block_size: int | None = None,
+                 document_end: int | None = None) -> None:
+        """``document_end``: the token that closes each document of packed windows, whose documents then attend
+        only within themselves, at positions restarting at each (``disttrain.models.documents``)."""
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -46,8 +50,14 @@ class HFCausalLM(nn.Module):
         object.__setattr__(self, "_model", model)
         self._split_refusal = hf_attention.split_refusal(model, block_size)
         """Why the attention takes no sequence split on ``block_size``-token sequences (None: it takes one)."""
+        refusal = None if document_end is None else hf_attention.documents_refusal(model)
+        if refusal is not None:
+            raise ConfigError("data.document_mask", True, f"false for this model: {refusal}")
+        self.documents = None if document_end is None else PackedDocuments(document_end)
+        """The documents of packed windows, read from the token ids by ``forward`` (None: a window is one
+        sequence)."""
         if self._split_refusal is None:  # context parallelism finds the modules that carry the attribute
-            hf_attention.take_sequence_splits(model)
+            hf_attention.take_sequence_splits(model, self.documents)
             self.sequence_split: SequenceSplit | None = None
             """Set by context parallelism: this rank holds a slice of each sequence, whose global positions
             ``forward`` passes to the model (the rotary angles); its attention modules carry the same split."""
@@ -58,7 +68,11 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the model's ``ModelOutput.logits``)."""
         split = getattr(self, "sequence_split", None)
-        positions = None if split is None else split.positions(idx.size(1), idx.device).unsqueeze(0)
+        if self.documents is not None:  # transformers masks the documents that restarting positions tell apart
+            self.documents.read(idx, split)
+            positions = self.documents.positions(split)
+        else:
+            positions = None if split is None else split.positions(idx.size(1), idx.device).unsqueeze(0)
         return hf_balance.logits_with_balance_loss(self, self._model(input_ids=idx, position_ids=positions,
                                                                      use_cache=False))
 
@@ -137,4 +151,5 @@ def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
             raise ConfigError("model.arch" if cfg.arch else "model.path", cfg.arch or cfg.path,
                               f"a config transformers builds a model of; {type(config).__name__} fails with "
                               f"{one_line(err)}") from None
-    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size)
+    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size,
+                      spec.document_end)

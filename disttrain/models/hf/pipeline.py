@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from disttrain.models.attention import positions_of
+from disttrain.models.documents import PackedDocuments
 
 PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
                   "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -92,7 +93,7 @@ def prepare_layers(net: nn.Module) -> None:
         return
     config = net.hf_config
     base = _base(net)
-    feed = StageFeed(base.rotary_emb, config)
+    feed = StageFeed(base.rotary_emb, config, getattr(net, "documents", None))
     layer_types = getattr(config, "layer_types", None)
     for index, layer in enumerate(base.layers):
         layer_type = layer_types[index] if layer_types else None
@@ -112,9 +113,12 @@ class StageFeed:
     layer's recomputation, share them as they share the model forward's (one mask, not one per layer, is then
     held for backward)."""
 
-    def __init__(self, rotary: nn.Module, config: Any) -> None:
+    def __init__(self, rotary: nn.Module, config: Any, documents: PackedDocuments | None = None) -> None:
+        """``documents``: those of packed windows, whose positions restart at each document (from which
+        ``transformers`` builds masks within each); None: a window is one sequence."""
         self.rotary = rotary
         self.config = config
+        self.documents = documents
         layer_types = getattr(config, "layer_types", None)
         takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
         self.rotary_types = sorted(set(layer_types)) if takes_type and layer_types else None
@@ -130,17 +134,21 @@ class StageFeed:
         # tensors made in inference mode (validation) cannot be saved for a training step's backward
         key = (tuple(hidden.shape[:2]), hidden.device, hidden.dtype, self.config._attn_implementation,
                torch.is_inference_mode_enabled())
+        ids = None if self.documents is None else self.documents.current()  # those of the micro-batch run
         kept = self._kept
-        if kept is not None and kept[0] == key and kept[1] is split:
+        if kept is not None and kept[0] == key and kept[1] is split and kept[5] is ids:
             return kept[2], kept[3], kept[4]
         if any(b.device != hidden.device for b in self.rotary.buffers()):  # it belongs to no stage that moves it
             self.rotary.to(hidden.device)
-        positions = positions_of(hidden.shape[1], hidden.device, split).unsqueeze(0)
+        if ids is None:
+            positions = positions_of(hidden.shape[1], hidden.device, split).unsqueeze(0)
+        else:
+            positions = self.documents.positions(split)
         embeddings = ({t: self.rotary(hidden, positions, t) for t in self.rotary_types} if self.rotary_types
                       else {None: self.rotary(hidden, positions)})
         masks = create_masks_for_generate(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                           position_ids=positions)
-        self._kept = (key, split, positions, embeddings, masks)
+        self._kept = (key, split, positions, embeddings, masks, ids)
         return positions, embeddings, masks
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,12 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from disttrain.loss import token_cross_entropy
+from disttrain.models.documents import documents_of
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
 from disttrain.parallel.fsdp import apply_fsdp
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
+from disttrain.parallel.pipeline.documents import DocumentStage, MicroBatchDocuments, split_of
 from disttrain.parallel.pipeline.split import (
     UnitStage,
     build_schedule,
@@ -53,6 +56,8 @@ class Pipeline:
     """The last stage's microbatch losses of the current batch."""
     recorder: ActionRecorder | None = None
     """Times the actions of a recorded step (``pipeline.timeline``, on the pipeline of global rank 0)."""
+    documents: MicroBatchDocuments | None = None
+    """The document ids of each micro-batch, for a model whose windows are packed documents (None: not packed)."""
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
             record: bool = False) -> tuple[torch.Tensor, Any] | None:
@@ -60,6 +65,8 @@ class Pipeline:
         microbatch losses and the merged outputs, None elsewhere. ``record``: time this training step's
         actions (where the pipeline has a recorder)."""
         self.losses.clear()
+        if self.documents is not None:  # every rank is handed the inputs: each stage masks its micro-batch's
+            self.documents.read(inputs)
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": self.losses} if self.has_last else {}
         if train and record and self.recorder is not None:
@@ -145,6 +152,9 @@ def build_pipeline(
     pp_rank = mesh.get_local_rank("pp")
     indices = stage_indices(pp_rank, layout.pp, options.stages_per_rank, placement(options.schedule))
     every_stage = [build_stage_module(model, units, i, points).to(device) for i in range(num_stages)]
+    documents = documents_of(model)
+    if documents is not None:  # the stages' example pass attends within the example's documents
+        documents.read(example_input.to(device), split_of(model))
     examples = stage_examples(every_stage, example_input.to(device))
     modules = [every_stage[i] for i in indices]
     if layout.tp_enabled:  # stages exchange whole activations: no sequence parallelism across a stage boundary
@@ -161,8 +171,10 @@ def build_pipeline(
             apply_fsdp(module, layout.shard_mesh(mesh), reshard_after_forward=layout.reshards_after_forward,
                        units=[], experts=held, expert_mesh=layout.expert_meshes(mesh)[1] if held else None)
     pp_group = mesh["pp"].get_group()
-    stages = [PipelineStage(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
-                            group=pp_group) for m, i in zip(modules, indices, strict=True)]
+    chunks = None if documents is None else MicroBatchDocuments(documents, split_of(model), options.microbatches)
+    stage_class = PipelineStage if chunks is None else partial(DocumentStage, micro_batch_documents=chunks)
+    stages = [stage_class(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
+                          group=pp_group) for m, i in zip(modules, indices, strict=True)]
     # Gradients are scaled by the loss function (1 / microbatches / accumulation), not by the schedule,
     # whose scaling would also divide gradients accumulated over earlier batches.
     schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
@@ -170,7 +182,8 @@ def build_pipeline(
     recorder = ActionRecorder(stages, schedule=options.schedule, microbatches=options.microbatches,
                               num_stages=num_stages, pp=layout.pp) \
         if options.timeline and records_on(pp_group) else None
-    return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group, recorder=recorder)
+    return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group, recorder=recorder,
+                           documents=chunks)
 
 
 def checkpoint_stage_blocks(model: nn.Module, stages: list[nn.Module], layout: Layout,
