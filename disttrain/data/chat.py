@@ -158,7 +158,8 @@ class ChatDataModule(DataModule):
         super().__init__(micro_batch_size, seed, cfg.num_workers)
         self.cfg = cfg
         self.cache, _ = cfg.chat_cache()  # validation has built it: this opens it
-        self._spec = DataSpec(kind="text", vocab_size=self.cache.vocab_size, block_size=cfg.block_size)
+        self._spec = DataSpec(kind="text", vocab_size=self.cache.vocab_size, block_size=cfg.block_size,
+                              masked_targets=True)
 
     @property
     def spec(self) -> DataSpec:

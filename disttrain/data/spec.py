@@ -23,6 +23,10 @@ class DataSpec:
     """Number of distinct token ids (text data)."""
     block_size: int | None = None
     """Length of the token sequences the data yields (text data)."""
+    masked_targets: bool = False
+    """Training targets may be ``IGNORE_INDEX`` (a prompt's tokens, padding), so micro-batches hold different
+    numbers of real targets: a step's loss is then the mean over the real targets of its whole batch, counted
+    over the ranks every step (``disttrain.rank.target_mean``)."""
 
 
 def example_batch(spec: DataSpec, size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
