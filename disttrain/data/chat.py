@@ -166,17 +166,6 @@ class ChatDataModule(DataModule):
         """Text, the tokenizer's vocabulary, the configured block size."""
         return self._spec
 
-    def check_layout(self, layout: Any) -> None:
-        """Refuse the layouts whose loss assumes every target counts: a pipeline stage divides each microbatch's
-        summed loss by its number of targets, and context parallelism averages the means of equal sequence shards,
-        so with the prompt's targets ignored neither is the mean over the assistant's tokens (and a shard holding
-        none of them would divide by zero)."""
-        for degree, what in (("pp", "pipeline stages"), ("cp", "context-parallel sequence shards")):
-            if getattr(layout, degree) > 1:
-                raise ConfigError(f"parallel.{degree}", getattr(layout, degree),
-                                  f"1 with data=chat: the {what} would weigh the loss by every target, not by the "
-                                  "assistant's tokens alone (not available yet)")
-
     def report(self) -> dict[str, Any]:
         """The ``data`` section of ``results.json``: rows read, kept, truncated and dropped, and the splits."""
         train = self.cfg.split(self.cache.counts.rows)
