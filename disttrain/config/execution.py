@@ -74,7 +74,7 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
     mean = loss_mean(kind, spec)
     if kind in ("federated", "torchft"):  # clients clip their own local steps; replica groups step by hand
         return ExecutionPlan(kind, batch.accumulation if kind == "federated" else 1, None, True, False,
-                             loss_divisor=batch.accumulation)
+                             loss_divisor=batch.accumulation, loss_mean=mean)
     if kind != "pipelined":
         return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False,
                              loss_divisor=batch.accumulation, loss_mean=mean)
@@ -88,8 +88,8 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
 def loss_mean(kind: str, spec: Any) -> str:
     """``ExecutionPlan.loss_mean`` of a run of ``kind`` on data of ``spec``: where targets may be masked, the mean
     over the step's real targets, over every rank that averages gradients each step, or over this rank's own where
-    replicas step apart (Local SGD, parameter servers). Federated clients' local steps take each batch's own mean
-    already; torchft's replica groups keep the mean of their micro-batches' means."""
-    if not getattr(spec, "masked_targets", False) or kind in ("federated", "torchft"):
+    replicas step apart (Local SGD, parameter servers; torchft's replica groups average gradients every step, so
+    theirs is the step's too). Federated clients' local steps take each batch's own mean already."""
+    if not getattr(spec, "masked_targets", False) or kind == "federated":
         return "batch"
     return "replica" if kind in ("local_sgd", "param_server") else "step"

@@ -56,13 +56,22 @@ class StepTargets:
                                                                                               torch.Tensor]:
         """The step's loss (the same on every rank) and the factor of its gradients; the totals start over.
         A collective on every rank: the totals' all-reduce (scope "step") or the logged mean's (scope "replica")."""
-        totals = self._totals if self._totals is not None else torch.zeros(3, dtype=torch.float64, device=device)
-        self._totals = None
-        if self.scope == "step":
-            totals = agreement.reduce_sums(totals)
-        loss_sum, count, positions = totals.unbind()
-        count = count.clamp(min=1.0)
-        loss, factor = (loss_sum / count).float(), (positions / count).float()
+        loss, factor = mean_and_factor(self.reduced(agreement, device))
         if self.scope == "replica":
             loss = agreement.reduce_loss(loss, world_size)
         return loss, factor
+
+    def reduced(self, agreement: StepAgreement, device: torch.device) -> torch.Tensor:
+        """The step's totals (``[loss sum, real targets, positions]``): summed over all ranks under scope "step",
+        this rank's own under "replica"; they start over."""
+        totals = self._totals if self._totals is not None else torch.zeros(3, dtype=torch.float64, device=device)
+        self._totals = None
+        return agreement.reduce_sums(totals) if self.scope == "step" else totals
+
+
+def mean_and_factor(totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss over the real targets of ``totals`` (``[loss sum, real targets, positions]``, any common multiple
+    of them), and the factor that turns gradients of the summed losses / positions into that mean's."""
+    loss_sum, count, positions = totals.unbind()
+    count = count.clamp(min=1.0)
+    return (loss_sum / count).float(), (positions / count).float()

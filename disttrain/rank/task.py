@@ -123,6 +123,10 @@ class TrainTask(pl.LightningModule):
         (``step_targets``)."""
         if self.replays_cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        return self._training_loss(batch)
+
+    def _training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A training micro-batch's loss to run backward on, kept or counted for its step's loss."""
         if self.step_targets is not None:
             inputs, targets = batch
             loss_sum = self.loss_fn(logits_of(self.net(inputs)), targets, "sum")
