@@ -71,7 +71,7 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
                    spec: Any, engine: str = "restart") -> ExecutionPlan:
     """The plan for a run of these degrees, batch and data (``engine``: ``fault_tolerance.engine``)."""
     kind = run_kind(parallel, dims, engine)
-    mean = loss_mean(kind, spec)
+    mean = loss_mean(kind, spec, parallel)
     if kind in ("federated", "torchft"):  # clients clip their own local steps; replica groups step by hand
         return ExecutionPlan(kind, batch.accumulation if kind == "federated" else 1, None, True, False,
                              loss_divisor=batch.accumulation, loss_mean=mean)
@@ -85,11 +85,12 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
                          parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.cp * dims.tp, mean)
 
 
-def loss_mean(kind: str, spec: Any) -> str:
+def loss_mean(kind: str, spec: Any, parallel: ParallelConfig) -> str:
     """``ExecutionPlan.loss_mean`` of a run of ``kind`` on data of ``spec``: where targets may be masked, the mean
-    over the step's real targets, over every rank that averages gradients each step, or over this rank's own where
-    replicas step apart (Local SGD, parameter servers; torchft's replica groups average gradients every step, so
-    theirs is the step's too). Federated clients' local steps take each batch's own mean already."""
+    over the step's real targets wherever every step applies the gradients averaged over all ranks (synchronous
+    parameter servers and torchft's replica groups too), over this rank's own where replicas step apart (Local
+    SGD, asynchronous parameter servers). Federated clients' local steps take each batch's own mean already."""
     if not getattr(spec, "masked_targets", False) or kind == "federated":
         return "batch"
-    return "replica" if kind in ("local_sgd", "param_server") else "step"
+    apart = kind == "local_sgd" or (kind == "param_server" and parallel.staleness > 0)
+    return "replica" if apart else "step"
