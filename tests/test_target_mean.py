@@ -49,6 +49,7 @@ LAYOUTS = {
     "zero3+accumulation2": ["parallel=zero3", "trainer.devices=2", "batch.accumulation=2"],
     "pp-1f1b": ["parallel=pipeline", "parallel.pipeline.schedule=1f1b", "trainer.devices=2"],
     "cp2": ["parallel.cp=2", "trainer.devices=2"],
+    "tp": ["parallel=tp", "trainer.devices=2"],
     "param_server": ["parallel=param_server", "trainer.devices=2"],
 }
 UNSEEN_NORMS = {"param_server"}

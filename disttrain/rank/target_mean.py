@@ -12,7 +12,7 @@ loss, real targets and positions (the preemption flag rides with them), and the 
 positions / real targets: the gradient of the summed loss over the step's real targets divided by their count. The
 same factor holds on ranks that computed no loss (a pipeline's first stages), since the reduce gives every rank
 the totals; ranks holding copies of the same targets (tensor-parallel peers) add to both totals alike, so the ratio
-is unchanged.
+is unchanged. torchft's replica groups average their totals with their gradients, in the same cross-group call.
 
 Why after backward rather than knowing the count before it: the count of a step's later micro-batches and of the
 other ranks' is known only once their batches are read, and reading them ahead would mean a second pass over the
