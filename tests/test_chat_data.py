@@ -338,14 +338,42 @@ def test_a_short_run_on_chat_rows_trains_and_reports_the_rows(tmp_path, chat_tok
     assert losses[0] == pytest.approx(math.log(302), rel=0.1)  # a fresh model over the tokenizer's 302 ids
 
 
-@pytest.mark.parametrize(("layout", "key"), [(["parallel=pipeline", "model.tie_weights=false"], "parallel.pp"),
-                                             (["parallel=zero3", "parallel.cp=2"], "parallel.cp")], ids=["pp", "cp"])
-def test_layouts_whose_loss_counts_every_target_are_refused_before_ranks_start(tmp_path, chat_tokenizer, make_config,
-                                                                              layout, key):
-    from disttrain.config import validate
+CHAT_SGD = ["model=gpt", "model.flavour=micro", "model.n_layer=2", "model.tie_weights=false", "data=chat",
+            "data.block_size=128", "batch.global_size=4", "trainer.max_steps=3", "trainer.val_check_interval=3",
+            "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+            "trainer.run_test=false", "logger=csv", "callbacks=none", "scheduler.warmup_fraction=0", "optim=sgd",
+            "optim.momentum=0", "optim.nesterov=false", "optim.lr=0.5", "trainer.gradient_clip_val=100"]
+"""Plain SGD, clipping far above the norms (each step's pre-clip norm is logged; no update is clipped)."""
 
-    path = write_jsonl(tmp_path / "data" / "chat.jsonl", conversations(16))
-    with pytest.raises(ConfigError) as err:
-        validate(make_config(["model=gpt", "data=chat", f"data.files=[{path}]", f"data.tokenizer={chat_tokenizer}",
-                              "batch.global_size=4", "trainer.devices=2", *layout]), world_size=None)
-    assert err.value.key == key and "with data=chat" in str(err.value), err.value
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, chat_tokenizer):
+    """``layout overrides -> run_summary`` on the same chat rows; the one-process run is made once."""
+    from tests.test_parity import run_summary
+
+    folder = tmp_path_factory.mktemp("chat-runs")
+    path = write_jsonl(folder / "data" / "chat.jsonl", conversations(32))
+    base = [*CHAT_SGD, f"data.files=[{path}]", f"data.tokenizer={chat_tokenizer}"]
+    runs: dict[str, dict] = {}
+
+    def run(name: str, layout: list[str]) -> dict:
+        if name not in runs:
+            runs[name] = run_summary(folder / name, [*base, *layout])
+        return runs[name]
+
+    return run
+
+
+@pytest.mark.parametrize(("name", "layout"), [
+    ("pp", ["parallel=pipeline", "parallel.pipeline.schedule=1f1b", "trainer.devices=2"]),
+    ("cp", ["parallel.cp=2", "trainer.devices=2"])])
+def test_chat_rows_train_under_pipeline_and_context_parallelism_as_in_one_process(chat_run, name, layout):
+    from tests.test_parity import relative_deviation
+
+    single, got = chat_run("single", []), chat_run(name, layout)
+    assert len(got["losses"]) == len(got["norms"]) == 3 and got["last_step"] == 3
+    assert relative_deviation(single["losses"], got["losses"]) <= 1e-6
+    assert relative_deviation(single["norms"], got["norms"]) <= 1e-6
+    assert got["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
+    for name, weight in got["weights"].items():
+        torch.testing.assert_close(weight, single["weights"][name], rtol=0, atol=1e-6, msg=name)

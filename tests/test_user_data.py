@@ -209,7 +209,7 @@ def test_mid_epoch_resume_continues_after_the_batches_seen():
 
 def test_text_is_inferred_as_text():
     datamodule = build("tokens")
-    assert datamodule.spec == DataSpec(kind="text", vocab_size=57, block_size=8)
+    assert datamodule.spec == DataSpec(kind="text", vocab_size=57, block_size=8, masked_targets=True)
     inputs, targets = next(iter(datamodule.train_dataloader()))
     assert inputs.shape == targets.shape == (4, 8) and inputs.dtype == targets.dtype == torch.int64
     assert build("tokens", vocab_size=100).spec.vocab_size == 100

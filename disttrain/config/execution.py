@@ -36,7 +36,16 @@ class ExecutionPlan:
     Lightning divides for accumulation, a model's auxiliary losses are scaled by it)."""
     loss_ranks: int = 1
     """Ranks that hold the last stage's losses (data-parallel x context-parallel x tensor-parallel)."""
+    loss_mean: str = "batch"
+    """What a training step's loss is the mean over (one of ``LOSS_MEANS``): "batch", each
+    micro-batch's own targets (every target is real, so the mean of equal micro-batches' means is the step's);
+    "step", every real target of the step's whole batch (the data masks targets and the ranks' gradients are
+    averaged every step); "replica", every real target of this rank's batches of the step (replicas that step on
+    their own gradients)."""
 
+
+LOSS_MEANS = ("batch", "step", "replica")
+"""What a training step's loss may be the mean over (``ExecutionPlan.loss_mean``; ``disttrain.rank.target_mean``)."""
 
 RUN_KINDS = ("synchronous", "pipelined", "local_sgd", "param_server", "federated", "torchft")
 """Every kind of run, by the name ``disttrain.rank.kinds`` builds it by."""
@@ -62,14 +71,26 @@ def execution_plan(dims: ParallelDims, batch: ResolvedBatch, trainer: TrainerCon
                    spec: Any, engine: str = "restart") -> ExecutionPlan:
     """The plan for a run of these degrees, batch and data (``engine``: ``fault_tolerance.engine``)."""
     kind = run_kind(parallel, dims, engine)
+    mean = loss_mean(kind, spec, parallel)
     if kind in ("federated", "torchft"):  # clients clip their own local steps; replica groups step by hand
         return ExecutionPlan(kind, batch.accumulation if kind == "federated" else 1, None, True, False,
-                             loss_divisor=batch.accumulation)
+                             loss_divisor=batch.accumulation, loss_mean=mean)
     if kind != "pipelined":
         return ExecutionPlan(kind, batch.accumulation, trainer.gradient_clip_val, True, False,
-                             loss_divisor=batch.accumulation)
+                             loss_divisor=batch.accumulation, loss_mean=mean)
     size = batch.micro_size // parallel.pipeline.microbatches
     text = spec.kind == "text"
     shape = (size, spec.block_size // dims.cp) if text else (size, spec.in_channels, spec.image_size, spec.image_size)
     return ExecutionPlan(kind, 1, None, False, True, shape, "int64" if text else "float32",
-                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.cp * dims.tp)
+                         parallel.pipeline.microbatches * batch.accumulation, dims.dp * dims.cp * dims.tp, mean)
+
+
+def loss_mean(kind: str, spec: Any, parallel: ParallelConfig) -> str:
+    """``ExecutionPlan.loss_mean`` of a run of ``kind`` on data of ``spec``: where targets may be masked, the mean
+    over the step's real targets wherever every step applies the gradients averaged over all ranks (synchronous
+    parameter servers and torchft's replica groups too), over this rank's own where replicas step apart (Local
+    SGD, asynchronous parameter servers). Federated clients' local steps take each batch's own mean already."""
+    if not getattr(spec, "masked_targets", False) or kind == "federated":
+        return "batch"
+    apart = kind == "local_sgd" or (kind == "param_server" and parallel.staleness > 0)
+    return "replica" if apart else "step"

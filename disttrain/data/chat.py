@@ -158,23 +158,13 @@ class ChatDataModule(DataModule):
         super().__init__(micro_batch_size, seed, cfg.num_workers)
         self.cfg = cfg
         self.cache, _ = cfg.chat_cache()  # validation has built it: this opens it
-        self._spec = DataSpec(kind="text", vocab_size=self.cache.vocab_size, block_size=cfg.block_size)
+        self._spec = DataSpec(kind="text", vocab_size=self.cache.vocab_size, block_size=cfg.block_size,
+                              masked_targets=True)
 
     @property
     def spec(self) -> DataSpec:
         """Text, the tokenizer's vocabulary, the configured block size."""
         return self._spec
-
-    def check_layout(self, layout: Any) -> None:
-        """Refuse the layouts whose loss assumes every target counts: a pipeline stage divides each microbatch's
-        summed loss by its number of targets, and context parallelism averages the means of equal sequence shards,
-        so with the prompt's targets ignored neither is the mean over the assistant's tokens (and a shard holding
-        none of them would divide by zero)."""
-        for degree, what in (("pp", "pipeline stages"), ("cp", "context-parallel sequence shards")):
-            if getattr(layout, degree) > 1:
-                raise ConfigError(f"parallel.{degree}", getattr(layout, degree),
-                                  f"1 with data=chat: the {what} would weigh the loss by every target, not by the "
-                                  "assistant's tokens alone (not available yet)")
 
     def report(self) -> dict[str, Any]:
         """The ``data`` section of ``results.json``: rows read, kept, truncated and dropped, and the splits."""

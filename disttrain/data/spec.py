@@ -27,6 +27,10 @@ class DataSpec:
     """The token id that closes every document of windows packed from several (text data): the model then attends
     only within each document and restarts positions at each (``disttrain.models.documents``). None: each window
     is one sequence."""
+    masked_targets: bool = False
+    """Training targets may be ``IGNORE_INDEX`` (a prompt's tokens, padding), so micro-batches hold different
+    numbers of real targets: a step's loss is then the mean over the real targets of its whole batch, counted
+    over the ranks every step (``disttrain.rank.target_mean``)."""
 
 
 def example_batch(spec: DataSpec, size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

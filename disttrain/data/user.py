@@ -234,7 +234,8 @@ class UserDataModule(DataModule):
                                    f"{name!r} sample 0 holds {largest} and {size_key} is {size} ({source})")
         if kind == "image":
             return DataSpec(kind="image", num_classes=size, in_channels=int(shape[0]), image_size=int(shape[1]))
-        return DataSpec(kind="text", vocab_size=size, block_size=int(shape[0]))
+        # any text sample may mark targets IGNORE_INDEX, and finding out would read every one
+        return DataSpec(kind="text", vocab_size=size, block_size=int(shape[0]), masked_targets=True)
 
     def _check(self, kind: str, name: str, index: int, inputs: torch.Tensor, targets: torch.Tensor) -> int:
         try:

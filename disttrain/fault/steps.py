@@ -62,13 +62,17 @@ class StepAgreement:
 
     def reduce_loss(self, local: torch.Tensor, divisor: float) -> torch.Tensor:
         """Sum ``local`` over all ranks and divide by ``divisor``; the preemption flag travels in the same call."""
-        packed = torch.stack([local.detach().float().reshape(()),
-                              torch.tensor(float(self.signalled is not None), device=local.device)])
+        return self.reduce_sums(local.detach().float().reshape(1))[0] / divisor
+
+    def reduce_sums(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum the vector ``local`` over all ranks, the preemption flag in the same call."""
+        flag = torch.tensor([float(self.signalled is not None)], dtype=local.dtype, device=local.device)
+        packed = torch.cat([local.detach(), flag])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed)
-        if packed[1].item() > 0:
+        if packed[-1].item() > 0:
             self.stop_requested = True
-        return packed[0] / divisor
+        return packed[:-1]
 
     def check_finite(self, name: str, value: torch.Tensor, step: int) -> None:
         """Act on a global value (identical on every rank) that is not finite: stop or skip, per the policy (a

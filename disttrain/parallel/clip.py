@@ -66,10 +66,14 @@ def clip_grad_norm(
 def scale_to_norm(parameters: Iterable[Tensor], max_norm: float, total: Tensor) -> None:
     """Scale the gradients of ``parameters``, whose global L2 norm is ``total``, to a norm of at most
     ``max_norm``."""
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    scale_grads(parameters, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+def scale_grads(parameters: Iterable[Tensor], factor: Tensor) -> None:
+    """Multiply the gradients of ``parameters`` (local shards of sharded ones) by the scalar tensor ``factor``."""
     grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for p in parameters if p.grad is not None]
     if grads:  # a rank may hold none of the parameters (a parameter server's worker)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(grads, factor.to(device=grads[0].device, dtype=grads[0].dtype))
 
 
 @runtime_checkable

@@ -21,7 +21,9 @@ window's document ids, and each chunk's mask is causal and within the documents 
 
 The loss. Each rank's loss is the mean over its ``T / cp`` tokens; gradients are averaged over the ranks of
 ``dp x cp`` (DDP's or FSDP's mean), and since every cp rank holds the same number of tokens the average of their
-means is the mean over the whole sequence: the same loss and gradient as one rank holding every token.
+means is the mean over the whole sequence: the same loss and gradient as one rank holding every token. Where the
+data ignores some targets, shards hold different numbers of real ones (or none): the task then counts them over all
+ranks and scales the gradients to their mean (``disttrain.rank.target_mean``).
 
 A model opts in by giving the modules that attend or read positions a ``sequence_split`` attribute (None while
 the sequence is whole); ``apply_context_parallel`` sets it on each of them.

@@ -23,10 +23,11 @@ from disttrain.models.protocol import logits_of
 from disttrain.optim import build_optimizer, build_scheduler
 from disttrain.optim.groups import drops_steps_on_device
 from disttrain.optim.scheduler import apply_rate_of_current_step
-from disttrain.parallel.clip import clip_grad_norm, grad_norm
+from disttrain.parallel.clip import clip_grad_norm, grad_norm, scale_grads
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.loss import loss_function
+from disttrain.rank.target_mean import StepTargets
 
 FOLD_EVERY = 256
 """Applied batch losses kept before they are added to the epoch's sums (bounds what an epoch holds)."""
@@ -49,9 +50,9 @@ class TrainTask(pl.LightningModule):
 
     def __init__(self, net: nn.Module, spec: DataSpec, optim_cfg: Any, scheduler_cfg: Any, total_steps: int,
                  agreement: StepAgreement | None = None, gradients_agree: bool = False,
-                 compile_mode: str | None = None):
+                 compile_mode: str | None = None, loss_mean: str = "batch"):
         """``compile_mode``: torch.compile's mode for the cross-entropy, as the model's (``disttrain.rank.loss``);
-        None: eager."""
+        None: eager. ``loss_mean``: what a step's loss is the mean over (``ExecutionPlan.loss_mean``)."""
         super().__init__()
         self.agreement = agreement or StepAgreement()
         """Agreement of all ranks on preemption requests and non-finite numbers."""
@@ -63,6 +64,9 @@ class TrainTask(pl.LightningModule):
         self.spec = spec
         self.loss_fn = loss_function(compile_mode)
         """The cross-entropy of logits against targets, compiled with the model or eager."""
+        self.step_targets = StepTargets(loss_mean) if loss_mean != "batch" else None
+        """Where the data masks targets: the step's summed losses and target counts, which make its loss and scale
+        its gradients once (``disttrain.rank.target_mean``); None: each micro-batch's mean is its share."""
         self.replays_cuda_graphs = compile_mode in CUDA_GRAPH_MODES
         """Compiled regions replay CUDA graphs: a step's losses are copied out of the graph's memory before the
         next step's replay writes over it, and each training step tells the graphs a new step begins."""
@@ -114,9 +118,20 @@ class TrainTask(pl.LightningModule):
         return self.loss_fn(logits, targets, "mean"), logits
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Mean cross-entropy of this rank's micro-batch (Lightning scales it for accumulation)."""
+        """Mean cross-entropy of this rank's micro-batch (Lightning scales it for accumulation); where the data
+        masks targets, its sum over the real targets / the micro-batch's target positions, counted for the step
+        (``step_targets``)."""
         if self.replays_cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        return self._training_loss(batch)
+
+    def _training_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A training micro-batch's loss to run backward on, kept or counted for its step's loss."""
+        if self.step_targets is not None:
+            inputs, targets = batch
+            loss_sum = self.loss_fn(logits_of(self.net(inputs)), targets, "sum")
+            self.step_targets.add(loss_sum, targets)
+            return loss_sum / targets.numel()
         loss, _ = self._loss(batch)
         self._record_train_loss(loss.detach().clone() if self.replays_cuda_graphs else loss.detach())
         return loss
@@ -175,13 +190,31 @@ class TrainTask(pl.LightningModule):
         When gradients agree across ranks the reduce happens on logged steps only: a collective per step is a
         synchronisation point that costs most where ranks share cores, and the gradient norm checked in
         ``configure_gradient_clipping`` already catches a non-finite step on every rank alike.
+
+        Where the data masks targets the step's loss and target counts are reduced every step, and the gradients
+        scaled to the mean over the step's real targets here, before Lightning clips them (``step_targets``).
         """
+        if self.step_targets is not None:
+            loss = self._take_target_mean(optimizer.param_groups)
+            self._log_step_row(loss, optimizer)
+            self._check_finite("the training loss", loss)
+            return
         if self.gradients_agree and not self.logs_this_step():
             self._step_loss.clear()
             return
         loss = self.agreement.reduce_loss(self._step_mean(), self.trainer.world_size)
         self._log_step_row(loss, optimizer)
         self._check_finite("the training loss", loss)
+
+    def _take_target_mean(self, param_groups: list[dict[str, Any]]) -> torch.Tensor:
+        """The loss of the step being taken over its real targets, once its gradients (of ``param_groups``) are
+        scaled to that mean; kept for the epoch's mean, which is then the mean of its steps' losses."""
+        if self.step_targets is None:
+            raise RuntimeError("the step's loss is the mean of its batches' means: no targets were counted")
+        loss, factor = self.step_targets.take(self.agreement, self.trainer.world_size, self.device)
+        scale_grads([p for group in param_groups for p in group["params"]], factor)
+        self._unapplied_losses.append(loss)
+        return loss
 
     def _step_mean(self) -> torch.Tensor:
         """This rank's mean of the batch losses of the step being taken (the list starts over for the next step)."""

@@ -54,7 +54,7 @@ class RunKind:
         run = self.run
         task = self.task_class(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
                                agreement=self.agreement, gradients_agree=self.gradients_agree,
-                               compile_mode=run.train.trainer.compiled_mode)
+                               compile_mode=run.train.trainer.compiled_mode, loss_mean=run.plan.loss_mean)
         return task, datamodule
 
     def strategy_hooks(self) -> StrategyHooks:

@@ -23,7 +23,9 @@ class PipelineTask(ManualStepTask):
     gradients clipped by their norm over the pipeline's stages.
 
     Losses exist on the last stage only; they are summed over the world and divided by the number of
-    last-stage ranks (data-parallel x tensor-parallel size) to log the global mean.
+    last-stage ranks (data-parallel x tensor-parallel size) to log the global mean. Where the data masks targets,
+    the last stages count the step's summed losses and targets instead, and one reduce per step makes its loss
+    and scales every stage's gradients to the mean over its real targets (``disttrain.rank.target_mean``).
 
     With ``parallel.pipeline.timeline`` the first batch of the second optimiser step (the first has paid
     for warm-up) is timed, and the timeline is gathered and written after training (``on_train_end``).
@@ -49,11 +51,25 @@ class PipelineTask(ManualStepTask):
             self._timed_step = self.global_step + 1
         self._train_batches += 1
         result = self.pipeline.run(batch[0], batch[1], train=True, record=record)
+        if self.step_targets is not None:
+            self._count_targets(batch[1], result[0] if result else None, batch_idx)
+            return
         # the scaled sum over microbatches x accumulation is this batch's share of the step's mean loss
         batch_loss = self._global_mean(result[0] if result else None) * self.accumulation
         self._record_train_loss(batch_loss)
         if (batch_idx + 1) % self.accumulation == 0:  # the batch losses were global already
             self.take_step(self._step_mean(), across=self.pipeline.pipeline.pp_group)
+
+    def _count_targets(self, targets: torch.Tensor, scaled: torch.Tensor | None, batch_idx: int) -> None:
+        """Count a batch's summed loss (last stages: ``scaled`` undone, see ``scaled_cross_entropy``) and targets;
+        after the step's last batch, scale the gradients to the step's mean over its real targets and take it."""
+        if self.step_targets is None:
+            raise RuntimeError("the step's loss is the mean of its batches' means: no targets are counted")
+        if scaled is not None:
+            self.step_targets.add(scaled.detach() * targets.numel() * self.accumulation, targets)
+        if (batch_idx + 1) % self.accumulation == 0:
+            loss = self._take_target_mean(self.optimizers().param_groups)
+            self.take_step(loss, across=self.pipeline.pipeline.pp_group)
 
     def on_train_end(self) -> None:
         """With ``parallel.pipeline.timeline``: rank 0 gathers the timed step from its pipeline's ranks and
@@ -104,5 +120,6 @@ class Pipelined(RunKind):
         run, cfg = self.run, self.run.train
         task = PipelineTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
                             agreement=self.agreement, pipeline=self.slot, accumulation=run.batch.accumulation,
-                            clip=cfg.trainer.gradient_clip_val, loss_ranks=run.plan.loss_ranks, plots=cfg.plots)
+                            clip=cfg.trainer.gradient_clip_val, loss_ranks=run.plan.loss_ranks, plots=cfg.plots,
+                            loss_mean=run.plan.loss_mean)
         return task, datamodule

@@ -26,9 +26,11 @@ from disttrain.fault.replica_state import PEER_CHECKPOINT, load_peer_state, peer
 from disttrain.fault.replica_steps import ReplicaSteps
 from disttrain.fault.steps import StepAgreement
 from disttrain.lightning_internals import count_stepped_batches, forget_step_values
+from disttrain.parallel.clip import scale_grads
 from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
 from disttrain.rank.kinds.base import RunKind
 from disttrain.rank.manual_step import ManualStepTask
+from disttrain.rank.target_mean import mean_and_factor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -53,8 +55,7 @@ class ReplicaTask(ManualStepTask):
         """One micro-batch: forward and backward (the group's own exchange on the step's last one only)."""
         if batch_idx % self.accumulation == 0:
             self.steps.begin_step()
-        loss, _ = self._loss(batch)
-        self._record_train_loss(loss.detach())
+        loss = self._training_loss(batch)
         last = (batch_idx + 1) % self.accumulation == 0
         if last:
             self.manual_backward(loss / self.accumulation)
@@ -64,10 +65,20 @@ class ReplicaTask(ManualStepTask):
                 self.manual_backward(loss / self.accumulation)
 
     def _finish_step(self) -> None:
-        """Average gradients and loss over the groups, then take the step if the groups commit it."""
-        loss = self.agreement.reduce_loss(self._step_mean(), self.trainer.world_size).reshape(1).clone()
+        """Average gradients and loss over the groups, then take the step if the groups commit it. Where the data
+        masks targets, the group's loss sum and target counts are averaged with the gradients, which are then
+        scaled to the mean over the real targets of the groups' batches (``disttrain.rank.target_mean``)."""
         params = [p for group in self.optimizers().param_groups for p in group["params"]]
-        self.steps.average([_local(p.grad) for p in params if p.grad is not None] + [loss])
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if self.step_targets is None:
+            loss = self.agreement.reduce_loss(self._step_mean(), self.trainer.world_size).reshape(1).clone()
+            self.steps.average([*grads, loss])
+        else:
+            totals = self.step_targets.reduced(self.agreement, self.device)
+            self.steps.average([*grads, totals])
+            mean, factor = mean_and_factor(totals)
+            scale_grads(params, factor)
+            loss, self._unapplied_losses = mean.reshape(1), [mean]
         # the epoch's mean is of the steps' losses over the groups (the logged ones), not of this group's batches:
         # rank r of every group then holds the same sums, which a restarted group copies from its source
         self._unapplied_losses = [loss[0]] * len(self._unapplied_losses)
@@ -150,7 +161,8 @@ class TorchFT(RunKind):
         run = self.run
         task = ReplicaTask(net, datamodule.spec, run.optim, run.scheduler, total_steps=self.total_steps(datamodule),
                            agreement=self.agreement, gradients_agree=True, steps=self.steps,
-                           accumulation=run.batch.accumulation, clip=run.train.trainer.gradient_clip_val)
+                           accumulation=run.batch.accumulation, clip=run.train.trainer.gradient_clip_val,
+                           loss_mean=run.plan.loss_mean)
         return task, datamodule
 
     def strategy_hooks(self) -> StrategyHooks:
