@@ -12,6 +12,7 @@ per expert, as ``save_pretrained`` writes them) are read through ``transformers`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from disttrain.models.hf.conversion import Conversion, Source, saved_sources
 from disttrain.models.hf.weights import saved_headers, weight_files
+from disttrain.models.lora import initial_adapter_sources
 
 
 def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None) -> None:
@@ -28,11 +30,11 @@ def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None
     ``conversion`` (the model's ``pretrained_conversion``, taken before it was laid out) converts into them.
 
     A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
-    embedding is saved once).
+    embedding is saved once) and a LoRA adapter, which takes the initial values drawn when the model was built.
     """
     state = get_model_state_dict(model)  # the parameters' own tensors (sharded, sliced), written in place below
     saved = saved_headers(weight_files(Path(folder)), "model.path", folder)
-    sources = saved_sources(state, saved, conversion)
+    sources: dict[str, Any] = {**saved_sources(state, saved, conversion), **initial_adapter_sources(model)}
     storages = {_storage(tensor): name for name, tensor in state.items() if name in sources}
     tied = {name for name, tensor in state.items() if name not in sources and _storage(tensor) in storages}
     missing = sorted(set(state) - set(sources) - tied)
