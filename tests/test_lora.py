@@ -159,3 +159,78 @@ def test_zero3_optimiser_state_is_the_adapters_shard(tmp_path):
             per_rank[info.relative_path] = per_rank.get(info.relative_path, 0) + \
                 chunk.sizes.numel() * meta.properties.dtype.itemsize
     assert sorted(per_rank.values()) == [adapters * 2 * 4 // 2] * 2, (per_rank, adapters)
+
+
+def test_exported_adapters_and_merged_model_give_the_runs_logits(tmp_path):
+    """A run's adapters exported in PEFT's format, loaded by ``PeftModel.from_pretrained`` on the folder the run
+    started from, and the merged Hugging Face export (``--format hf``) give the run's own model's logits; greedy
+    generation from the run (``disttrain.generate``) is the merged model's own greedy ``generate``."""
+    import transformers
+    from peft import PeftModel
+
+    from disttrain.checkpoint.export import export_hf, export_peft
+    from disttrain.generate.loading import load_run
+    from disttrain.generate.sampling import sample
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+
+    folder = saved_folder(tmp_path / "hf")
+    run_dir = tmp_path / "run"
+    train(compose_config([*HF_LLAMA, f"model.path={folder}", "model.pretrained=true", *ADAPTERS,
+                          "trainer.max_steps=3"], run_dir))
+    loaded = load_run(run_dir, "last")
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = loaded.model(tokens)
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+        adapted = PeftModel.from_pretrained(base, export_peft(run_dir, tmp_path / "adapters")).eval()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export_hf(run_dir, tmp_path / "merged"),
+                                                                   local_files_only=True).eval()
+        base_logits = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)(tokens).logits
+        assert (base_logits - ours).abs().max() > 1e-2  # the adapters have moved the model
+        for exported in (adapted, merged):
+            torch.testing.assert_close(exported(tokens).logits, ours, rtol=0, atol=1e-5)
+        prompt = tokens[0, :8].tolist()
+        ours_greedy = sample(loaded.model, prompt, 8, loaded.spec.block_size, 0.0, 0, loaded.spec.vocab_size, None)
+        theirs = merged.generate(tokens[:1, :8], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert ours_greedy == theirs[0].tolist()
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_layout_goes_on_with_the_adapters_and_their_moments(tmp_path):
+    """Five AdamW steps under ZeRO-3 on 2 ranks, resumed under DDP for five more, follow one process's ten steps
+    (a constant rate, so the schedule does not depend on ``max_steps``): the adapters and their moments were
+    saved and read back, sharded one way and laid out another."""
+    from disttrain.checkpoint.export import consolidated_weights
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+    from tests.test_run import step_losses
+
+    run = [*(o for o in BASE if not o.startswith(("optim", "trainer.max_steps", "trainer.val_check"))), "optim=adamw",
+           "trainer.val_check_interval=5",
+           "optim.lr=0.01", *ADAPTERS, "scheduler=constant", "scheduler.warmup_fraction=null",
+           "scheduler.warmup_steps=0"]
+    train(compose_config([*run, "trainer.max_steps=10"], tmp_path / "straight"))
+    train(compose_config([*run, "trainer.max_steps=5", "parallel=zero3", "trainer.devices=2"], tmp_path / "first"))
+    train(compose_config([*run, "trainer.max_steps=10", "parallel=ddp", "trainer.devices=2",
+                          f"resume={tmp_path / 'first'}"], tmp_path / "more"))
+    straight = step_losses(tmp_path / "straight")
+    more = step_losses(tmp_path / "more")
+    assert max(abs(a - b) / abs(a) for a, b in zip(straight[5:], more, strict=True)) <= LOSS_RTOL
+    final = consolidated_weights(tmp_path / "more" / "checkpoints" / "last.ckpt")
+    reference = consolidated_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, reference[name], rtol=0, atol=ADAPTER_ATOL if is_adapter(name) else 0)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (BASE, r"^model\.name='gpt' is invalid: hf to export adapters in PEFT's format"),
+    (hf_overrides("llama", {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2}),
+     r"^model\.lora\.rank=null is invalid: set in the run to export its adapters"),
+])
+def test_adapters_export_from_an_hf_run_with_adapters_only(tmp_path, overrides, says):
+    from disttrain.checkpoint.adapters import write_peft_folder
+    from tests.conftest import compose_config
+
+    with pytest.raises(ConfigError, match=says):
+        write_peft_folder(compose_config(overrides, tmp_path / "run"), {}, tmp_path / "out")

@@ -107,9 +107,8 @@ def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
     if lora.dora and on_meta:
         raise ConfigError("model.lora.dora", True, "false with model.pretrained=true (DoRA's magnitudes are "
                           "computed from the base weights when the adapters are made, before the folder is read)")
+    # PEFT keeps its config on the model (``peft_config``), which an export writes as ``adapter_config.json``
     inject_adapter_in_model(lora.peft_config(targets), net, adapter_name=ADAPTER_NAME)
-    net.lora_config = lora.peft_config(targets)
-    """PEFT's config of the adapters (written beside them on export: ``adapter_config.json``)."""
     dtype = BASE_DTYPES[lora.base_dtype]
     for name, param in net.named_parameters():
         if dtype is not None and not is_adapter(name):  # PEFT has frozen them
@@ -164,9 +163,14 @@ def lora_layers(net: nn.Module) -> list[tuple[str, Any]]:
     return [(name, module) for name, module in net.named_modules() if isinstance(module, LoraLayer)]
 
 
+def adapter_config(net: nn.Module) -> Any:
+    """PEFT's ``LoraConfig`` of ``net``'s adapters (None: it has none)."""
+    return (getattr(net, "peft_config", None) or {}).get(ADAPTER_NAME)
+
+
 def has_adapters(net: nn.Module) -> bool:
     """Whether ``net`` holds LoRA adapters."""
-    return getattr(net, "lora_config", None) is not None
+    return adapter_config(net) is not None
 
 
 def is_adapter(name: str) -> bool:
@@ -209,7 +213,7 @@ def adapter_counts(net: nn.Module) -> tuple[int, int]:
 def adapter_summary(net: nn.Module) -> str | None:
     """The start-up line of a model with adapters: their parameter count, share of the model and targets (None
     without adapters)."""
-    config = getattr(net, "lora_config", None)
+    config = adapter_config(net)
     if config is None:
         return None
     adapters, total = adapter_counts(net)
@@ -236,3 +240,26 @@ def initial_adapter_sources(model: nn.Module) -> dict[str, InitialValue]:
     other model); ``model`` may be wrapped (DDP's ``module``)."""
     net = getattr(model, "module", model)
     return {name: InitialValue(value) for name, value in getattr(net, INITIAL_ADAPTERS, {}).items()}
+
+
+def merged_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` of ``net`` (a model with adapters, maybe on the meta device) with each adapter merged into the
+    weight it wraps by PEFT's own ``merge``, under the names of the model without adapters. ``net`` takes the
+    tensors of ``weights`` as its own and is left without adapters."""
+    net.load_state_dict(weights, strict=True, assign=True)
+    with torch.no_grad():
+        for name, layer in lora_layers(net):
+            layer.merge(adapter_names=[ADAPTER_NAME])
+            parent, _, child = name.rpartition(".")
+            setattr(net.get_submodule(parent) if parent else net, child, layer.get_base_layer())
+    return {name: tensor.detach() for name, tensor in net.state_dict().items()}
+
+
+def adapter_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of ``weights`` (a model's consolidated tensors) as PEFT saves them for a model it wraps
+    (``base_model.model.<name>``, the adapter's name left out: ``get_peft_model_state_dict``)."""
+    from peft.utils import get_peft_model_state_dict
+
+    own = get_peft_model_state_dict(net, state_dict=weights, adapter_name=ADAPTER_NAME,
+                                    save_embedding_layers=False)
+    return {f"base_model.model.{name}": tensor.contiguous() for name, tensor in own.items()}
