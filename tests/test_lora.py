@@ -81,7 +81,17 @@ def test_a_model_without_a_plan_needs_its_targets_named(make_config):
         validate(make_config([*hf_overrides("gpt2", gpt2), *ADAPTERS]))
 
 
-GPT_LAYOUTS = {"ddp": [], "zero3": [], "zero1": [pytest.mark.slow], "zero2": [pytest.mark.slow]}
+SLOW = [pytest.mark.slow]
+PIPELINE = ["parallel=pipeline", "parallel.pipeline.schedule=1f1b"]
+GPT_LAYOUTS = {
+    "ddp": (["parallel=ddp"], []), "zero3": (["parallel=zero3"], []),
+    "tp+sp": (["parallel=tp", "parallel.sequence_parallel=true"], []), "cp2": (["parallel.cp=2"], []),
+    "pp": (PIPELINE, []), "zero1": (["parallel=zero1"], SLOW), "zero2": (["parallel=zero2"], SLOW),
+    "tp": (["parallel=tp"], SLOW),
+}
+"""Layouts on 2 ranks: the overrides, and the marks of the GPT's run."""
+HF_LAYOUTS = {"zero3": [], "tp": [], "ddp": SLOW, "pp": SLOW, "cp2": SLOW}
+"""The layouts a Llama started from a folder runs under, and their marks."""
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +110,11 @@ def check_adapter_parity(reference: dict, got: dict) -> None:
         torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=marks) for name, marks in GPT_LAYOUTS.items()])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=marks) for name, (_, marks) in GPT_LAYOUTS.items()])
 def test_gpt_adapters_match_one_process(tmp_path, gpt_reference, layout):
-    got = run_summary(tmp_path / "run", [*BASE, *FAMILIES["sgd"], *ADAPTERS, f"parallel={layout}",
+    """Tensor parallelism splits each adapter as the layer it wraps (a frozen norm under sequence parallelism
+    stays frozen); ZeRO shards the adapters with the blocks; pipeline stages and sequence slices hold them."""
+    got = run_summary(tmp_path / "run", [*BASE, *FAMILIES["sgd"], *ADAPTERS, *GPT_LAYOUTS[layout][0],
                                          "trainer.devices=2"])
     check_adapter_parity(gpt_reference, got)
 
@@ -123,15 +135,16 @@ def summary_of_folder_run(run_dir: Path, folder: Path, overrides: list[str]) -> 
         parity.exported_val_loss = original
 
 
-@pytest.mark.parametrize("layout", ["zero3", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=marks) for name, marks in HF_LAYOUTS.items()])
 def test_hf_adapters_on_a_folder_match_one_process_and_keep_its_weights(tmp_path, layout):
-    """A Llama started from a saved folder (read shard by shard under ZeRO-3, its adapters drawn when it was built
-    on the meta device): one process's curve and adapters, and the folder's base weights bit for bit."""
+    """A Llama started from a saved folder (read shard by shard, slice by slice or stage by stage, its adapters
+    drawn when it was built on the meta device and read in the same parts): one process's curve and adapters, and
+    the folder's base weights bit for bit."""
     from safetensors.torch import load_file
 
     folder = saved_folder(tmp_path / "hf")
     reference = summary_of_folder_run(tmp_path / "one", folder, [])
-    got = summary_of_folder_run(tmp_path / "run", folder, [f"parallel={layout}", "trainer.devices=2"])
+    got = summary_of_folder_run(tmp_path / "run", folder, [*GPT_LAYOUTS[layout][0], "trainer.devices=2"])
     check_adapter_parity(reference, got)
     saved = load_file(folder / "model.safetensors")
     for name, weight in got["weights"].items():

@@ -235,10 +235,9 @@ class InitialValue:
         return self.tensor[tuple(slice(start, stop) for start, stop in box)]
 
 
-def initial_adapter_sources(model: nn.Module) -> dict[str, InitialValue]:
-    """The initial values of the adapters of a model built on the meta device, by parameter name (empty for any
-    other model); ``model`` may be wrapped (DDP's ``module``)."""
-    net = getattr(model, "module", model)
+def initial_adapter_sources(net: nn.Module) -> dict[str, InitialValue]:
+    """The initial values of the adapters of a network built on the meta device (before it is laid out), by
+    parameter name; empty for any other network."""
     return {name: InitialValue(value) for name, value in getattr(net, INITIAL_ADAPTERS, {}).items()}
 
 
@@ -263,3 +262,16 @@ def adapter_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[st
     own = get_peft_model_state_dict(net, state_dict=weights, adapter_name=ADAPTER_NAME,
                                     save_embedding_layers=False)
     return {f"base_model.model.{name}": tensor.contiguous() for name, tensor in own.items()}
+
+
+def adapter_parts(module: nn.Module) -> tuple[str, str, str] | None:
+    """The names, inside a LoRA layer, of the layer it wraps, of its down projection (``lora_A``, input features
+    -> rank) and of its up projection (``lora_B``, rank -> output features); None for any other module."""
+    if not (hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")):
+        return None
+    return "base_layer", f"lora_A.{ADAPTER_NAME}", f"lora_B.{ADAPTER_NAME}"
+
+
+def uses_dora(module: nn.Module) -> bool:
+    """Whether a LoRA layer's adapter is DoRA (its magnitudes are norms of whole weight rows)."""
+    return bool(getattr(module, "use_dora", {}).get(ADAPTER_NAME, False))

@@ -22,19 +22,21 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from disttrain.models.hf.conversion import Conversion, Source, saved_sources
 from disttrain.models.hf.weights import saved_headers, weight_files
-from disttrain.models.lora import initial_adapter_sources
 
 
-def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None) -> None:
+def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None,
+                    adapters: dict[str, Any] | None = None) -> None:
     """Replace ``model``'s parameters and persistent buffers with the folder's tensors of the same names, or those
     ``conversion`` (the model's ``pretrained_conversion``, taken before it was laid out) converts into them.
+    ``adapters``: the initial values of LoRA adapters, which the folder does not hold
+    (``disttrain.models.lora.initial_adapter_sources``, taken before the model was laid out).
 
     A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
-    embedding is saved once) and a LoRA adapter, which takes the initial values drawn when the model was built.
+    embedding is saved once) and an adapter of ``adapters``.
     """
     state = get_model_state_dict(model)  # the parameters' own tensors (sharded, sliced), written in place below
     saved = saved_headers(weight_files(Path(folder)), "model.path", folder)
-    sources: dict[str, Any] = {**saved_sources(state, saved, conversion), **initial_adapter_sources(model)}
+    sources: dict[str, Any] = {**saved_sources(state, saved, conversion), **(adapters or {})}
     storages = {_storage(tensor): name for name, tensor in state.items() if name in sources}
     tied = {name for name, tensor in state.items() if name not in sources and _storage(tensor) in storages}
     missing = sorted(set(state) - set(sources) - tied)
