@@ -247,3 +247,38 @@ def test_adapters_export_from_an_hf_run_with_adapters_only(tmp_path, overrides, 
 
     with pytest.raises(ConfigError, match=says):
         write_peft_folder(compose_config(overrides, tmp_path / "run"), {}, tmp_path / "out")
+
+
+@pytest.mark.parametrize("base_dtype", ["keep", "bfloat16"])
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_the_plan_counts_the_adapters_state_and_the_frozen_base_at_its_dtype(base_dtype, zero_stage):
+    """The planner's model state per rank: gradients and AdamW's moments for the adapters alone (the figure
+    ``test_zero3_optimiser_state_is_the_adapters_shard`` measures), the frozen base at ``model.lora.base_dtype``."""
+    from omegaconf import OmegaConf
+
+    from disttrain.config.typed import model_typed
+    from disttrain.data.spec import DataSpec
+    from disttrain.models import MODELS
+    from disttrain.parallel.config import ParallelConfig
+    from disttrain.plan.hardware import PROFILES
+    from disttrain.plan.layout import Layout
+    from disttrain.plan.planner import plan_inputs
+    from disttrain.plan.report import render
+
+    spec = DataSpec("text", vocab_size=96, block_size=32)
+    node = OmegaConf.create({"name": "gpt", "flavour": "micro", "lora": {"rank": 4, "base_dtype": base_dtype}})
+    net = build_model(model_typed(node, MODELS), spec)
+    inputs = plan_inputs(net, spec, 2, ParallelConfig(), OmegaConf.create({"name": "adamw"}), "32-true",
+                         PROFILES["h100_sxm"])
+    counted = inputs.stats.param_numel  # as the plan counts them (its meta copy holds the tied head apart)
+    adapters = sum(n for name, n in counted.items() if is_adapter(name))
+    base = sum(n for name, n in counted.items() if not is_adapter(name))
+    assert adapters == sum(p.numel() for p in net.parameters() if p.requires_grad)
+    estimate = inputs.estimate(Layout(dp_shard=2, zero_stage=zero_stage, micro_size=2))
+    memory = estimate.memory
+    report = render(estimate, PROFILES["h100_sxm"], inputs.stats.params, "gpt", inputs.stats)
+    assert f"{adapters / 1e6:.4g}M trainable, {base / 1e6:.4g}M frozen" in report
+    base_bytes = 2 if base_dtype == "bfloat16" else 4
+    assert memory["optimizer"] == pytest.approx(adapters * 8 / 2)
+    assert memory["grads"] == pytest.approx(adapters * 4 / (2 if zero_stage == 3 else 1))
+    assert memory["params"] == pytest.approx((adapters * 4 + base * base_bytes) / (2 if zero_stage == 3 else 1))

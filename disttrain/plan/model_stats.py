@@ -136,6 +136,9 @@ class ModelStats:
     loss_grad_bytes: int = 0
     """The most bytes the loss's backward added to what was saved, before the logits' gradient was complete: the
     gradients of the loss's own tensors and the logits' gradient, less what it saved and has freed by then."""
+    frozen: dict[str, int] = field(default_factory=dict)
+    """Frozen parameter name -> bytes per element it is held in (a LoRA run's base weights, at
+    ``model.lora.base_dtype``): no gradient, no optimiser state."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -268,7 +271,9 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops,
                       autocast, recorder.weight_copies, recorder.tp_forward_gather, recorder.tp_backward_gather,
                       recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
-                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0])
+                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0],
+                      {name: p.element_size() for name, p in net.named_parameters()
+                       if name in param_numel and not p.requires_grad})
 
 
 SHARDING_STYLES = {"colwise": "all", "colwise_gather": "all", "rowwise": "weight", "rowwise_whole_input": "weight",
