@@ -67,6 +67,10 @@ def test_base_dtype_bfloat16_holds_the_frozen_weights_in_bf16(make_config):
     (["model.lora.rank=0"], "model.lora.rank", "a positive integer"),
     (["model.lora.target_modules=[q,qkv]"], "model.lora.target_modules", "'qkv' is none of them .*fc, k, lm_head"),
     (["model.lora.init=pissa"], "model.lora.init", "one of kaiming, gaussian, random"),
+    (["model.lora.base_dtype=bfloat16", "trainer.precision=32-true"], "model.lora.base_dtype",
+     "keep with trainer.precision=32-true, or trainer.precision=bf16-mixed"),
+    (["model.lora.dora=true", "parallel=tp", "trainer.devices=2"], "model.lora.dora",
+     "false with parallel.tp=2: DoRA's magnitudes are norms of whole weight rows"),
 ])
 def test_a_lora_setting_the_model_cannot_take_is_one_line(make_config, change, key, says):
     with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid: .*{says}"):
@@ -282,3 +286,13 @@ def test_the_plan_counts_the_adapters_state_and_the_frozen_base_at_its_dtype(bas
     assert memory["optimizer"] == pytest.approx(adapters * 8 / 2)
     assert memory["grads"] == pytest.approx(adapters * 4 / (2 if zero_stage == 3 else 1))
     assert memory["params"] == pytest.approx((adapters * 4 + base * base_bytes) / (2 if zero_stage == 3 else 1))
+
+
+@pytest.mark.slow
+def test_dora_adapters_match_one_process_under_zero3(tmp_path):
+    """DoRA (``model.lora.dora=true``): each row's magnitude trains beside the low-rank direction; ZeRO-3 shards
+    all three with the blocks."""
+    dora = [*BASE, *FAMILIES["sgd"], *ADAPTERS, "model.lora.dora=true"]
+    reference = run_summary(tmp_path / "one", dora)
+    assert any("lora_magnitude_vector" in name for name in reference["weights"])
+    check_adapter_parity(reference, run_summary(tmp_path / "run", [*dora, "parallel=zero3", "trainer.devices=2"]))

@@ -104,7 +104,8 @@ def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
     targets = lora.target_modules or default_targets(net)
     _check_targets(net, targets)
     on_meta = any(p.is_meta for p in net.parameters())
-    if lora.dora and on_meta:
+    starting_weights = getattr(net, "pretrained", None)
+    if lora.dora and callable(starting_weights) and starting_weights() is not None:
         raise ConfigError("model.lora.dora", True, "false with model.pretrained=true (DoRA's magnitudes are "
                           "computed from the base weights when the adapters are made, before the folder is read)")
     # PEFT keeps its config on the model (``peft_config``), which an export writes as ``adapter_config.json``
@@ -275,3 +276,11 @@ def adapter_parts(module: nn.Module) -> tuple[str, str, str] | None:
 def uses_dora(module: nn.Module) -> bool:
     """Whether a LoRA layer's adapter is DoRA (its magnitudes are norms of whole weight rows)."""
     return bool(getattr(module, "use_dora", {}).get(ADAPTER_NAME, False))
+
+
+def check_base_precision(lora: LoRAConfig | None, precision: str) -> None:
+    """ConfigError for base weights held in bf16 under a precision that computes in fp32 (a bf16 weight meets an
+    fp32 input there)."""
+    if lora is not None and lora.enabled and lora.base_dtype == "bfloat16" and not precision.startswith("bf16"):
+        raise ConfigError("model.lora.base_dtype", lora.base_dtype, f"keep with trainer.precision={precision}, or "
+                          "trainer.precision=bf16-mixed (bf16 base weights need bf16 compute)")
