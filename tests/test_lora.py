@@ -94,8 +94,10 @@ GPT_LAYOUTS = {
     "tp": (["parallel=tp"], SLOW),
 }
 """Layouts on 2 ranks: the overrides, and the marks of the GPT's run."""
-HF_LAYOUTS = {"zero3": [], "tp": [], "ddp": SLOW, "pp": SLOW, "cp2": SLOW}
-"""The layouts a Llama started from a folder runs under, and their marks."""
+GPT_LAYOUTS["dp_shard2xtp2"] = (["parallel=hybrid", "parallel.tp=2", "trainer.devices=4"], SLOW)
+HF_LAYOUTS = {("llama", "zero3"): [], ("llama", "tp"): [], ("llama", "ddp"): SLOW, ("llama", "pp"): SLOW,
+              ("llama", "cp2"): SLOW, ("qwen3", "tp"): SLOW, ("qwen3", "dp_shard2xtp2"): SLOW}
+"""The models started from a folder, the layouts they run under, and their marks."""
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +120,8 @@ def check_adapter_parity(reference: dict, got: dict) -> None:
 def test_gpt_adapters_match_one_process(tmp_path, gpt_reference, layout):
     """Tensor parallelism splits each adapter as the layer it wraps (a frozen norm under sequence parallelism
     stays frozen); ZeRO shards the adapters with the blocks; pipeline stages and sequence slices hold them."""
-    got = run_summary(tmp_path / "run", [*BASE, *FAMILIES["sgd"], *ADAPTERS, *GPT_LAYOUTS[layout][0],
-                                         "trainer.devices=2"])
+    got = run_summary(tmp_path / "run", [*BASE, *FAMILIES["sgd"], *ADAPTERS, "trainer.devices=2",
+                                         *GPT_LAYOUTS[layout][0]])
     check_adapter_parity(gpt_reference, got)
 
 
@@ -139,16 +141,16 @@ def summary_of_folder_run(run_dir: Path, folder: Path, overrides: list[str]) -> 
         parity.exported_val_loss = original
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=marks) for name, marks in HF_LAYOUTS.items()])
-def test_hf_adapters_on_a_folder_match_one_process_and_keep_its_weights(tmp_path, layout):
+@pytest.mark.parametrize(("arch", "layout"), [pytest.param(*case, marks=marks) for case, marks in HF_LAYOUTS.items()])
+def test_hf_adapters_on_a_folder_match_one_process_and_keep_its_weights(tmp_path, arch, layout):
     """A Llama started from a saved folder (read shard by shard, slice by slice or stage by stage, its adapters
     drawn when it was built on the meta device and read in the same parts): one process's curve and adapters, and
     the folder's base weights bit for bit."""
     from safetensors.torch import load_file
 
-    folder = saved_folder(tmp_path / "hf")
+    folder = saved_folder(tmp_path / "hf", arch)
     reference = summary_of_folder_run(tmp_path / "one", folder, [])
-    got = summary_of_folder_run(tmp_path / "run", folder, [*GPT_LAYOUTS[layout][0], "trainer.devices=2"])
+    got = summary_of_folder_run(tmp_path / "run", folder, ["trainer.devices=2", *GPT_LAYOUTS[layout][0]])
     check_adapter_parity(reference, got)
     saved = load_file(folder / "model.safetensors")
     for name, weight in got["weights"].items():
