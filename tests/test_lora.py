@@ -58,7 +58,7 @@ def test_adapters_wrap_the_projections_of_the_models_plan_and_alone_train(make_c
 
 
 def test_base_dtype_bfloat16_holds_the_frozen_weights_in_bf16(make_config):
-    net, _ = built(make_config, [*BASE, *ADAPTERS, "model.lora.base_dtype=bfloat16"])
+    net, _ = built(make_config, [*BASE, *ADAPTERS, "model.lora.base_dtype=bfloat16", "trainer.precision=bf16-mixed"])
     dtypes = {is_adapter(name): {p.dtype} for name, p in net.named_parameters()}
     assert dtypes == {True: {torch.float32}, False: {torch.bfloat16}}
 
