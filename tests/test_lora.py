@@ -298,3 +298,24 @@ def test_dora_adapters_match_one_process_under_zero3(tmp_path):
     reference = run_summary(tmp_path / "one", dora)
     assert any("lora_magnitude_vector" in name for name in reference["weights"])
     check_adapter_parity(reference, run_summary(tmp_path / "run", [*dora, "parallel=zero3", "trainer.devices=2"]))
+
+
+def test_a_builtin_llama_with_adapters_exports_merged_in_hf_format(tmp_path):
+    """``--format hf`` of the built-in Llama merges the adapters before its weights are mapped to HF Llama's
+    (query and key rows permuted per head): ``from_pretrained`` gives the run's logits."""
+    import transformers
+
+    from disttrain.checkpoint.export import export_hf
+    from disttrain.generate.loading import load_run
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+
+    overrides = [*(o for o in BASE if not o.startswith("model")), "model=llama", "model.flavour=micro", *ADAPTERS,
+                 "trainer.max_steps=3"]
+    train(compose_config(overrides, tmp_path / "run"))
+    loaded = load_run(tmp_path / "run", "last")
+    tokens = torch.randint(0, loaded.spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "run", tmp_path / "merged"),
+                                                               local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, loaded.model(tokens), rtol=0, atol=1e-5)
