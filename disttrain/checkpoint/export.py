@@ -2,13 +2,16 @@
 
     python -m disttrain.checkpoint.export RUN_DIR/checkpoints/last.ckpt model.pt
     python -m disttrain.checkpoint.export RUN_DIR --format hf OUT_DIR
+    python -m disttrain.checkpoint.export RUN_DIR --format peft OUT_DIR
 
 A run directory stands for its ``checkpoints/last.ckpt``. The default format writes only the model's tensors
 (names as in the bare model, e.g. ``embed.wte.weight``), which load with ``torch.load(path, weights_only=True)``
 into a model built from the run's ``config.yaml``. ``--format hf`` (models ``llama`` and ``hf``) writes
 ``config.json``, ``generation_config.json``, safetensors weights and the run's tokenizer files, a folder that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads and generates from; it reads the run's
-``config.yaml`` from the run directory (two levels above a checkpoint folder).
+``config.yaml`` from the run directory (two levels above a checkpoint folder); a model trained with LoRA adapters
+is written with them merged. ``--format peft`` (``hf`` models with ``model.lora``) writes the adapters alone, a
+folder ``peft.PeftModel.from_pretrained`` loads on the base model (``disttrain.checkpoint.adapters``).
 """
 
 from __future__ import annotations
@@ -78,20 +81,35 @@ def export_hf(source: Path, output: Path, max_shard_size: int | str = "5GB") -> 
     return write_hf_folder(config, weights, output, max_shard_size, tokenizer_data)
 
 
+def export_peft(source: Path, output: Path) -> Path:
+    """Write the LoRA adapters of the checkpoint that ``source`` names (a run directory or a checkpoint folder) as
+    a PEFT adapter folder ``output`` (``disttrain.checkpoint.adapters``)."""
+    from omegaconf import OmegaConf
+
+    from disttrain.checkpoint.adapters import write_peft_folder
+
+    checkpoint, run_dir = checkpoint_and_run_dir(source)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"no config.yaml in {run_dir}, the run directory of {checkpoint}")
+    return write_peft_folder(OmegaConf.load(run_dir / "config.yaml"), consolidated_weights(checkpoint), output)
+
+
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="a run directory, or a checkpoint folder such as "
                                                   "RUN/checkpoints/last.ckpt")
     parser.add_argument("output", type=Path, help="the weights file (pt) or the model folder (hf) to write")
-    parser.add_argument("--format", choices=("pt", "hf"), default="pt",
-                        help="pt: one torch weights file (default); hf: a Hugging Face model folder")
+    parser.add_argument("--format", choices=("pt", "hf", "peft"), default="pt",
+                        help="pt: one torch weights file (default); hf: a Hugging Face model folder (adapters "
+                             "merged); peft: a LoRA run's adapters alone, as PEFT saves them")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="hf: weights above this size are split into shards with an index (default 5GB)")
     args = parser.parse_args()
     try:
-        if args.format == "hf":
-            path = export_hf(args.source, args.output, args.max_shard_size)
+        if args.format in ("hf", "peft"):
+            path = export_hf(args.source, args.output, args.max_shard_size) if args.format == "hf" else \
+                export_peft(args.source, args.output)
             size = sum(f.stat().st_size for f in path.iterdir())
         else:
             path = export(checkpoint_and_run_dir(args.source)[0], args.output)

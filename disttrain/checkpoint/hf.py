@@ -62,9 +62,12 @@ def hf_folder(weights: dict[str, torch.Tensor], cfg: DictConfig) -> tuple[Any, d
     """The HF config and the HF-named weights of a run's consolidated ``weights``; ConfigError for a model
     without a Hugging Face format."""
     from disttrain.models.llama_hf import SIZES, hf_config, to_hf_state_dict
+    from disttrain.models.lora import has_adapters, merged_weights
 
     name = check_hf_model(cfg)
     model, net = model_on_meta(cfg)
+    if has_adapters(net):  # one model: each adapter merged into the weight it wraps, under the base model's names
+        weights = merged_weights(net, weights)
     if name == "hf":
         config = copy.deepcopy(net.hf_config)
         # training runs without a KV cache; the exported model generates with one, as the original does

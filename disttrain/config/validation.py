@@ -28,6 +28,7 @@ from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
+from disttrain.models.lora import adapter_summary, check_base_precision
 from disttrain.models.target import TargetModelConfig
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.layout import Layout
@@ -132,7 +133,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         model.validate(datamodule.spec)
         notices += model.notices(datamodule.spec) if hasattr(model, "notices") else []
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
+    check_base_precision(getattr(model, "lora", None), top.trainer.precision)
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
+    notices += [line for line in (adapter_summary(net),) if line]
     notices += check_federated(top, layout, datamodule)
     plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     check_eval(top.eval, model.name, getattr(data, "tokenizer", None), layout, plan.kind, top.checkpoint.monitor)

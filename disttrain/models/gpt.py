@@ -14,7 +14,7 @@ sharded) projections.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
+from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
 
 FLAVOURS: dict[str, dict[str, int]] = {
@@ -66,6 +67,9 @@ class GPTConfig:
     attention_fp32: bool | None = None
     """Under bf16, attend in fp32 (true) or bf16 (false). None: fp32 on a CPU at short sequences and narrow
     heads, where torch's bf16 kernel is the slower one (``disttrain.models.attention``)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
+    (``disttrain.models.lora``)."""
 
     def validate(self, spec: DataSpec) -> GPTDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""

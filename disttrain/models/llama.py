@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
 from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
+from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
 
 FLAVOURS: dict[str, dict[str, int]] = {
@@ -89,6 +90,9 @@ class LlamaConfig:
     loaded on the CPU when the model is built, before any parallelism. Sizes left null come from its
     config.json (not the flavour); sizes set, rope_theta and norm_eps must equal its own. An HF model with tied
     embeddings starts with the output layer a copy of the embedding. None: random initialisation."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
+    (``disttrain.models.lora``)."""
 
     def validate(self, spec: DataSpec) -> LlamaDims:
         """Raise ConfigError if this config cannot build a model for ``spec``; return the resolved sizes."""

@@ -21,10 +21,17 @@ MODELS: Registry[nn.Module] = Registry("model")
 
 def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
     """Validate ``cfg`` against the data's ``spec`` and build the model it names (a registry name, or a
-    ``_target_`` for a user's model), on the current device."""
+    ``_target_`` for a user's model), on the current device, with the LoRA adapters its ``lora`` asks for
+    (``disttrain.models.lora``)."""
     if isinstance(cfg, TargetModelConfig):
         return build_target_model(cfg, spec)
-    return MODELS.build(cfg, spec)
+    net = MODELS.build(cfg, spec)
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.enabled:  # here, so every reader of a run's model builds the same network
+        from disttrain.models.lora import add_adapters
+
+        net = add_adapters(net, lora)
+    return net
 
 
 def with_open_fields(node: Any, schema: type) -> Any:

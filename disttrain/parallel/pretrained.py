@@ -12,6 +12,7 @@ per expert, as ``save_pretrained`` writes them) are read through ``transformers`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,16 +24,19 @@ from disttrain.models.hf.conversion import Conversion, Source, saved_sources
 from disttrain.models.hf.weights import saved_headers, weight_files
 
 
-def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None) -> None:
+def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None,
+                    adapters: dict[str, Any] | None = None) -> None:
     """Replace ``model``'s parameters and persistent buffers with the folder's tensors of the same names, or those
     ``conversion`` (the model's ``pretrained_conversion``, taken before it was laid out) converts into them.
+    ``adapters``: the initial values of LoRA adapters, which the folder does not hold
+    (``disttrain.models.lora.initial_adapter_sources``, taken before the model was laid out).
 
     A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
-    embedding is saved once).
+    embedding is saved once) and an adapter of ``adapters``.
     """
     state = get_model_state_dict(model)  # the parameters' own tensors (sharded, sliced), written in place below
     saved = saved_headers(weight_files(Path(folder)), "model.path", folder)
-    sources = saved_sources(state, saved, conversion)
+    sources: dict[str, Any] = {**saved_sources(state, saved, conversion), **(adapters or {})}
     storages = {_storage(tensor): name for name, tensor in state.items() if name in sources}
     tied = {name for name, tensor in state.items() if name not in sources and _storage(tensor) in storages}
     missing = sorted(set(state) - set(sources) - tied)

@@ -27,6 +27,7 @@ from disttrain.comm.config import CommConfig
 from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.lightning_internals import join_process_group, optimizers_to_device, set_device_mesh
+from disttrain.models.lora import initial_adapter_sources
 from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
@@ -144,6 +145,7 @@ class DistTrainStrategy(ModelParallelStrategy):
             # taken from the whole model: a pipeline stage keeps only its own modules
             converting = getattr(task.net, "pretrained_conversion", None)
             conversion = converting() if folder is not None and callable(converting) else None
+            adapters = initial_adapter_sources(task.net) if folder is not None else None
             materialize = getattr(task.net, "materialize", None) if _on_meta(task.net) else None
             # FSDP2 shards a model still on the meta device, so each rank allocates only its shards; every other
             # layout is allocated whole first (DDP broadcasts, stages are cut from the whole model)
@@ -164,7 +166,7 @@ class DistTrainStrategy(ModelParallelStrategy):
             if materialize is not None and shards_on_meta:
                 materialize(self.root_device)
             if folder is not None:
-                load_pretrained(task.net, folder, conversion)
+                load_pretrained(task.net, folder, conversion, adapters)
             self._parallelised = True
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

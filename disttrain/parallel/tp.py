@@ -37,12 +37,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from disttrain.errors import ConfigError
+from disttrain.models.lora import adapter_parts, uses_dora
 from disttrain.models.protocol import TP_STYLES
 from disttrain.parallel.model_plan import matching_modules
 from disttrain.parallel.tp_styles import ExpertsParallel, MlaKvAParallel
 
 SEQUENCE_STYLES = ("sequence_norm", "sequence_gather", "sequence_split")
 """Styles that apply only with sequence parallelism."""
+SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_whole_input")
+"""Styles that split a linear layer's weight (a LoRA layer wrapping one gets ``adapter_styles``)."""
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool = False
@@ -52,11 +55,40 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequen
     Patterns that match no module are skipped, so the plan of a whole model also applies to a pipeline
     stage that holds part of it (under the same names).
     """
-    styles = {name: style_of(style, type(module), sequence_parallel, _rope_width(model, name))
-              for pattern, style in plan.items() for name in matching_modules(model, pattern)
-              for module in (model.get_submodule(name),)}
+    styles: dict[str, ParallelStyle | None] = {}
+    for pattern, style in plan.items():
+        for name in matching_modules(model, pattern):
+            module = model.get_submodule(name)
+            parts = adapter_parts(module)
+            if parts is not None and style in SPLIT_STYLES:
+                styles.update(adapter_styles(name, parts, style, sequence_parallel))
+            else:
+                styles[name] = style_of(style, type(module), sequence_parallel, _rope_width(model, name))
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, {name: style for name, style in styles.items() if style is not None})
+    # torch's SequenceParallel registers its replicated parameters as new trainable ones: frozen ones stay frozen
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     return model
+
+
+def adapter_styles(name: str, parts: tuple[str, str, str], style: str, sequence_parallel: bool
+                   ) -> dict[str, ParallelStyle | None]:
+    """The styles of a LoRA layer whose wrapped layer the plan splits by ``style``, as Megatron and torchtitan
+    split adapters: the adapter's output is added to the wrapped layer's, so it must be laid out alike.
+
+    A column-wise layer's adapter keeps its down projection whole (its input is the layer's whole input) and
+    splits its up projection's output features as the layer's. A row-wise layer's input arrives split by
+    features: the down projection is split by its input features as the layer is, its partial outputs summed
+    (reduce-scattered along the sequence with sequence parallelism), and the up projection is whole; on a
+    sequence slice its weight is a replicated DTensor, so its gradient is summed over the tp ranks."""
+    base, down, up = parts
+    split = style_of(style, nn.Linear, sequence_parallel)
+    if style.startswith("colwise"):
+        return {f"{name}.{base}": split, f"{name}.{up}": style_of(style, nn.Linear, sequence_parallel)}
+    return {f"{name}.{base}": split, f"{name}.{down}": style_of(style, nn.Linear, sequence_parallel),
+            f"{name}.{up}": SequenceParallel(use_local_output=True) if sequence_parallel else None}
 
 
 def style_of(style: str, module_type: type, sequence_parallel: bool, rope_width: int | None = None
@@ -110,7 +142,12 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, sequence_para
                               f"{type(model).__name__} (it matches none)")
         for name in names:
             module = model.get_submodule(name)
-            if style in ("colwise", "rowwise", "colwise_gather", "rowwise_whole_input"):
+            if adapter_parts(module) is not None and style in SPLIT_STYLES:
+                if uses_dora(module):
+                    raise ConfigError("model.lora.dora", True, f"false with parallel.tp={tp}: DoRA's magnitudes are "
+                                      f"norms of whole weight rows, which {name} ({style}) splits")
+                module = module.get_submodule(adapter_parts(module)[0])
+            if style in SPLIT_STYLES:
                 _check_split(module, name, style.split("_")[0], tp)
             elif style == "experts":
                 _check_experts(module, name, tp)

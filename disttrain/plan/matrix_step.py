@@ -99,20 +99,30 @@ def _local(stats: ModelStats, layout: Layout, name: str) -> float:
 
 
 def rank_state(stats: ModelStats, layout: Layout, units: list[str] | None, state: StateBytes) -> StateBytes:
-    """``state`` with ``optim`` the mean optimiser state bytes per element of the parameters of the rank holding
-    ``units`` (each sharded as the parameter is); ``state`` itself for an optimiser with one figure for all."""
+    """``state`` with its bytes per element the means over the parameters of the rank holding ``units`` (each
+    sharded as the parameter is): ``optim`` where a matrix optimiser keeps other state for its matrices, and, with
+    frozen parameters (a LoRA run's base), ``param`` at each one's own dtype and ``grad`` and ``optim`` for the
+    trainable ones alone; ``state`` itself for an optimiser with one figure for all and nothing frozen."""
     step = state.matrices
-    if step is None:
+    if step is None and not stats.frozen:
         return state
-    if step.kind == "soap":
-        return replace(state, optim=_soap_mean(stats, layout, units, step))
-    total = weighted = 0.0
+    total = params = grads = optim = 0.0
     for name in stats.param_numel:
         if param_on_rank(stats, name, units):
             n = _local(stats, layout, name)
             total += n
-            weighted += n * (step.state if name in step.shapes else step.other_state)
-    return replace(state, optim=weighted / total if total else step.other_state)
+            if name in stats.frozen:
+                params += n * stats.frozen[name]
+                continue
+            params += n * state.param
+            grads += n * state.grad
+            optim += n * (state.optim if step is None else step.state if name in step.shapes else step.other_state)
+    if not total:
+        return state if step is None else replace(state, optim=step.other_state)
+    mean = replace(state, param=params / total, grad=grads / total, optim=optim / total)
+    if step is not None and step.kind == "soap":
+        return replace(mean, optim=_soap_mean(stats, layout, units, step))
+    return mean
 
 
 def _soap_mean(stats: ModelStats, layout: Layout, units: list[str] | None, step: MatrixStep) -> float:
@@ -124,7 +134,7 @@ def _soap_mean(stats: ModelStats, layout: Layout, units: list[str] | None, step:
     owners = layout.dp_shard if layout.shards_only_optimizer_state else 1
     held = 0.0
     for name in stats.param_numel:
-        if not param_on_rank(stats, name, units):
+        if not param_on_rank(stats, name, units) or name in stats.frozen:
             continue
         if name in step.shapes:
             count, rows, cols = stepped_matrices(step, name)

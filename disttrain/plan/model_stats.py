@@ -141,6 +141,9 @@ class ModelStats:
     """Bytes of the attention mask within packed documents (``disttrain.models.documents``): one per forward,
     which the first block to attend saved and the model keeps whatever the blocks' checkpointing (0: windows are
     not packed)."""
+    frozen: dict[str, int] = field(default_factory=dict)
+    """Frozen parameter name -> bytes per element it is held in (a LoRA run's base weights, at
+    ``model.lora.base_dtype``): no gradient, no optimiser state."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -274,7 +277,9 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       autocast, recorder.weight_copies, recorder.tp_forward_gather, recorder.tp_backward_gather,
                       recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
                       {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0],
-                      _document_mask_bytes(net))
+                      _document_mask_bytes(net),
+                      {name: p.element_size() for name, p in net.named_parameters()
+                       if name in param_numel and not p.requires_grad})
 
 
 def _document_mask_bytes(net: nn.Module) -> int:

@@ -22,6 +22,9 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats
     lay = e.layout
     experts = stats is not None and stats.has_experts
     active = f", {stats.active_params / 1e6:.4g}M active per token" if experts else ""
+    if stats is not None and stats.frozen:  # LoRA: the optimiser and the gradients cover the adapters alone
+        frozen = sum(stats.param_numel[name] for name in stats.frozen)
+        active += f", {(stats.params - frozen) / 1e6:.4g}M trainable, {frozen / 1e6:.4g}M frozen"
     lines = [f"plan: {model} ({params / 1e6:.4g}M parameters{active}) on {lay.world_size} rank(s): {lay.describe()}",
              f"profile: {profile.name} ({profile.source})", "",
              "memory per rank (the most loaded rank)", "| term | bytes |", "|---|---|"]

@@ -21,6 +21,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.hf import balance as hf_balance
 from disttrain.models.hf.weights import INDEX_FILE, WEIGHTS_FILE, weight_files
+from disttrain.models.lora import LoRAConfig
 
 CONFIG_FILE = "config.json"
 """The architecture file of a Hugging Face model folder."""
@@ -47,6 +48,9 @@ class HFConfig:
     fields: dict[str, Any] = field(default_factory=dict)
     """Fields of the architecture's config set here (``+model.hidden_size=256``), over the folder's or the type's
     defaults; ``vocab_size`` defaults to the data's vocabulary when a type is built from scratch."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
+    (``disttrain.models.lora``)."""
 
     OPEN_FIELDS = "fields"
     """Keys of the model node that are not fields of this schema are gathered into this one."""

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from disttrain.models.lora import base_name
+
 Box = tuple[tuple[int, int], ...]
 """A region of a tensor: ``(start, stop)`` on each of its dims."""
 
@@ -158,8 +160,17 @@ Source = Saved | Stacked | Joined | Converted
 def saved_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, ...], str]],
                   conversion: Conversion | None) -> dict[str, Source]:
     """The source of each of ``names`` (the model's tensors) that the folder's tensors ``saved`` (name -> file,
-    shape, dtype) give, through ``conversion``'s renamings and converters (None: each by its own name). A name
+    shape, dtype) give, through ``conversion``'s renamings and converters (None: each by its own name). A base
+    weight that LoRA wraps is found under its name without adapters (``disttrain.models.lora.base_name``). A name
     none gives is left out. ValueError naming the tensor where ``transformers`` fails to convert the folder's."""
+    by_base = {base_name(name): name for name in names}
+    found = _base_sources(by_base, saved, conversion)
+    return {by_base[name]: source for name, source in found.items()}
+
+
+def _base_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, ...], str]],
+                  conversion: Conversion | None) -> dict[str, Source]:
+    """``saved_sources`` of names without adapters."""
     wanted = dict.fromkeys(names, True)
     if conversion is None:
         return {name: Saved(saved[name][0], name, *saved[name][1:]) for name in wanted if name in saved}

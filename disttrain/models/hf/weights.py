@@ -16,6 +16,7 @@ import torch
 
 from disttrain.errors import ConfigError
 from disttrain.models.hf.conversion import conversion_of, saved_sources
+from disttrain.models.lora import has_adapters, is_adapter
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights of a Hugging Face folder saved in one file."""
@@ -114,6 +115,8 @@ def check_weights(net: Any, folder: str, key: str = "model.path") -> None:
     saved = saved_headers(files, key, folder)
     groups: dict[int, list[str]] = {}  # a tied weight is one tensor under several names
     state = net.state_dict(keep_vars=True)
+    if has_adapters(net):  # adapters start from their own initialisation, not from the folder
+        state = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
     for name, tensor in state.items():
         groups.setdefault(id(tensor), []).append(name)
     try:

@@ -1,0 +1,286 @@
+"""LoRA adapters through Hugging Face PEFT: ``model.lora`` on every language model, applied where it is built.
+
+``build_model`` hands the built network to ``add_adapters``, which injects PEFT's LoRA layers in place
+(``peft.inject_adapter_in_model``: the network keeps its class, its protocol methods and its parallel plan) and
+freezes every other parameter, so the optimiser holds state for the adapters only. A wrapped projection's weight is
+then named ``<module>.base_layer.weight`` and its adapters ``<module>.lora_A.default.weight`` and
+``<module>.lora_B.default.weight``; ``base_name`` maps the first back to the name a folder of base weights holds.
+The default targets are the projections the model's own tensor-parallel plan splits (``colwise`` and ``rowwise``
+entries), so no list of names lives here.
+
+A network built on the meta device (it starts from a folder's weights) gets its adapters on the meta device too;
+their initial values are drawn on the CPU when it is built (PEFT's own initialisation) and kept, so every rank
+reads the part of them it holds once the network is laid out, as it reads the folder's weights
+(``disttrain.parallel.pretrained``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain import checks
+from disttrain.errors import ConfigError
+
+ADAPTER_NAME = "default"
+"""The name PEFT gives the one adapter (it appears in parameter names: ``lora_A.default.weight``)."""
+SPLIT_STYLES = ("colwise", "rowwise")
+"""The tensor-parallel styles whose modules are the attention and MLP projections: the default targets."""
+INITS = {"kaiming": True, "gaussian": "gaussian", "random": False}
+"""``model.lora.init`` -> PEFT's ``init_lora_weights``: ``lora_B`` zero (the adapted model starts as the base), or
+both matrices random (``random``: the adapters change the output from the first step)."""
+BASE_DTYPES = {"keep": None, "bfloat16": torch.bfloat16}
+"""``model.lora.base_dtype`` -> the dtype the frozen base weights are held in (None: as built)."""
+INITIAL_ADAPTERS = "initial_adapters"
+"""Attribute of a network built on the meta device: its adapters' initial values, by parameter name."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA, or DoRA) on the model's projections; the rest of the model is frozen."""
+
+    rank: int | None = None
+    """Rank of each adapter (the inner width of ``lora_B @ lora_A``). None: no adapters, the whole model trains."""
+    alpha: float | None = None
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``. None: equal to ``rank`` (scale 1)."""
+    dropout: float = 0.0
+    """Dropout probability on the adapters' input (the base layer sees the input whole)."""
+    target_modules: list[str] | None = None
+    """Modules to adapt, as PEFT matches them: a module's name or its last dotted parts (``q_proj``,
+    ``attn.q``). None: the attention and MLP projections that the model's tensor-parallel plan splits."""
+    dora: bool = False
+    """Weight-decomposed adapters (DoRA: a trained magnitude per output row besides the low-rank direction)."""
+    init: str = "kaiming"
+    """How the adapters start: ``kaiming`` (``lora_A`` as a Linear layer's init, ``lora_B`` zero: the model starts
+    as the base), ``gaussian`` (``lora_A`` normal with std 1/rank, ``lora_B`` zero) or ``random`` (both as a
+    Linear layer's init, so the adapters change the output from the first step)."""
+    base_dtype: str = "keep"
+    """The dtype of the frozen base weights: ``keep`` (as built, fp32) or ``bfloat16`` (half the memory; needs
+    ``trainer.precision=bf16-mixed``, which computes in bf16). The adapters stay fp32."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are added (``rank`` is set)."""
+        return self.rank is not None
+
+    def validate(self) -> None:
+        """ConfigError for a value the adapters cannot take; nothing when off or fine."""
+        if not self.enabled:
+            return
+        if isinstance(self.rank, bool) or self.rank <= 0:
+            raise ConfigError("model.lora.rank", self.rank, "a positive integer (the adapters' rank), or null for "
+                              "no adapters")
+        checks.positive("model.lora.alpha", self.alpha, optional=True)
+        checks.probability("model.lora.dropout", self.dropout)
+        checks.one_of("model.lora.init", self.init, tuple(INITS))
+        checks.one_of("model.lora.base_dtype", self.base_dtype, tuple(BASE_DTYPES))
+        if self.target_modules is not None and not self.target_modules:
+            raise ConfigError("model.lora.target_modules", [], "a list of module names, or null for the "
+                              "projections of the model's plan")
+
+    def peft_config(self, targets: list[str]) -> Any:
+        """PEFT's ``LoraConfig`` of these settings on ``targets``."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,
+                          lora_dropout=self.dropout, target_modules=targets, use_dora=self.dora,
+                          init_lora_weights=INITS[self.init], bias="none")
+
+
+def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
+    """``net`` with PEFT's LoRA layers injected in place on ``lora``'s targets, every other parameter frozen and
+    held in ``lora.base_dtype``. ConfigError when a target names no module of ``net``, or when ``net`` declares no
+    plan to take the default targets from."""
+    lora.validate()
+    try:
+        from peft import inject_adapter_in_model
+    except ImportError:
+        raise ConfigError("model.lora.rank", lora.rank, "null unless peft is installed (pip install "
+                          "'disttrain[finetune]')") from None
+    targets = lora.target_modules or default_targets(net)
+    _check_targets(net, targets)
+    on_meta = any(p.is_meta for p in net.parameters())
+    starting_weights = getattr(net, "pretrained", None)
+    if lora.dora and callable(starting_weights) and starting_weights() is not None:
+        raise ConfigError("model.lora.dora", True, "false with model.pretrained=true (DoRA's magnitudes are "
+                          "computed from the base weights when the adapters are made, before the folder is read)")
+    # PEFT keeps its config on the model (``peft_config``), which an export writes as ``adapter_config.json``
+    inject_adapter_in_model(lora.peft_config(targets), net, adapter_name=ADAPTER_NAME)
+    dtype = BASE_DTYPES[lora.base_dtype]
+    for name, param in net.named_parameters():
+        if dtype is not None and not is_adapter(name):  # PEFT has frozen them
+            param.data = param.data.to(dtype)
+    if on_meta:
+        setattr(net, INITIAL_ADAPTERS, _initial_adapters(net, lora))
+    return net
+
+
+def default_targets(net: nn.Module) -> list[str]:
+    """The last names of the modules the model's tensor-parallel plan splits column- or row-wise (its attention
+    and MLP projections). ConfigError when the model declares no such plan."""
+    method = getattr(net, "tp_plan", None)
+    plan: dict[str, str] = {}
+    if callable(method):
+        try:
+            plan = method()
+        except ConfigError:  # a plan whose styles tensor parallelism refuses still names the projections
+            plan = {}
+    patterns = [pattern.split(".") for pattern, style in plan.items() if style in SPLIT_STYLES]
+    names = sorted({name.rpartition(".")[2] for name, module in net.named_modules()
+                    if isinstance(module, nn.Linear) and any(_matches(name.split("."), parts) for parts in patterns)})
+    if not names:
+        raise ConfigError("model.lora.target_modules", None, f"a list of modules to adapt: "
+                          f"{type(net).__name__} declares no tensor-parallel plan to take its projections from "
+                          f"(linear layers: {', '.join(linear_names(net)) or 'none'})")
+    return names
+
+
+def linear_names(net: nn.Module) -> list[str]:
+    """The last names of ``net``'s linear layers, which LoRA can adapt."""
+    return sorted({name.rpartition(".")[2] for name, module in net.named_modules() if isinstance(module, nn.Linear)})
+
+
+def _check_targets(net: nn.Module, targets: list[str]) -> None:
+    """Every target names a linear layer of ``net`` (its name or its last dotted parts, as PEFT matches them)."""
+    names = [name for name, module in net.named_modules() if isinstance(module, nn.Linear)]
+    for target in targets:
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            raise ConfigError("model.lora.target_modules", list(targets), f"names of the model's linear layers; "
+                              f"{target!r} is none of them (they are {', '.join(linear_names(net))})")
+
+
+def _matches(name: list[str], pattern: list[str]) -> bool:
+    return len(name) == len(pattern) and all(fnmatchcase(n, p) for n, p in zip(name, pattern, strict=True))
+
+
+def lora_layers(net: nn.Module) -> list[tuple[str, Any]]:
+    """PEFT's LoRA layers of ``net`` with their names."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, module) for name, module in net.named_modules() if isinstance(module, LoraLayer)]
+
+
+def adapter_config(net: nn.Module) -> Any:
+    """PEFT's ``LoraConfig`` of ``net``'s adapters (None: it has none)."""
+    return (getattr(net, "peft_config", None) or {}).get(ADAPTER_NAME)
+
+
+def has_adapters(net: nn.Module) -> bool:
+    """Whether ``net`` holds LoRA adapters."""
+    return adapter_config(net) is not None
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (under one of PEFT's adapter layers, ``lora_A``, ...)."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(part in LoraLayer.adapter_layer_names for part in name.split("."))
+
+
+def base_name(name: str) -> str:
+    """The name a wrapped base weight has in the model without adapters (``q_proj.base_layer.weight`` ->
+    ``q_proj.weight``), as a folder of base weights holds it."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+def _initial_adapters(net: nn.Module, lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """Initial values of the adapters of a network on the meta device, drawn on the CPU as PEFT draws them when it
+    makes them (each matrix as a Linear layer, then PEFT's reset), by parameter name."""
+    initial = {}
+    for name, layer in lora_layers(net):
+        parts = [getattr(layer, part) for part in ("lora_A", "lora_B")]
+        for adapters in parts:
+            meta = adapters[ADAPTER_NAME]
+            adapters[ADAPTER_NAME] = nn.Linear(meta.in_features, meta.out_features, bias=meta.bias is not None,
+                                               device="cpu")
+        layer.reset_lora_parameters(ADAPTER_NAME, INITS[lora.init])
+        for part, adapters in zip(("lora_A", "lora_B"), parts, strict=True):
+            for pname, value in adapters[ADAPTER_NAME].named_parameters():
+                initial[f"{name}.{part}.{ADAPTER_NAME}.{pname}"] = value.detach().clone()
+            adapters[ADAPTER_NAME] = adapters[ADAPTER_NAME].to("meta")
+    return initial
+
+
+def adapter_counts(net: nn.Module) -> tuple[int, int]:
+    """The adapters' parameter count and the model's."""
+    adapters = sum(p.numel() for name, p in net.named_parameters() if is_adapter(name))
+    return adapters, sum(p.numel() for p in net.parameters())
+
+
+def adapter_summary(net: nn.Module) -> str | None:
+    """The start-up line of a model with adapters: their parameter count, share of the model and targets (None
+    without adapters)."""
+    config = adapter_config(net)
+    if config is None:
+        return None
+    adapters, total = adapter_counts(net)
+    kind = "DoRA" if config.use_dora else "LoRA"
+    return (f"model.lora: {kind} rank {config.r} on {', '.join(sorted(config.target_modules))}: {adapters:,} "
+            f"trainable parameters, {adapters / total:.2%} of {total:,}; the rest frozen")
+
+
+class InitialValue:
+    """An adapter's initial value held in memory, read by boxes as a folder's tensor is
+    (``disttrain.models.hf.conversion.Saved``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def read(self, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The ``box`` (``(start, stop)`` per dim) of the value."""
+        return self.tensor[tuple(slice(start, stop) for start, stop in box)]
+
+
+def initial_adapter_sources(net: nn.Module) -> dict[str, InitialValue]:
+    """The initial values of the adapters of a network built on the meta device (before it is laid out), by
+    parameter name; empty for any other network."""
+    return {name: InitialValue(value) for name, value in getattr(net, INITIAL_ADAPTERS, {}).items()}
+
+
+def merged_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` of ``net`` (a model with adapters, maybe on the meta device) with each adapter merged into the
+    weight it wraps by PEFT's own ``merge``, under the names of the model without adapters. ``net`` takes the
+    tensors of ``weights`` as its own and is left without adapters."""
+    net.load_state_dict(weights, strict=True, assign=True)
+    with torch.no_grad():
+        for name, layer in lora_layers(net):
+            layer.merge(adapter_names=[ADAPTER_NAME])
+            parent, _, child = name.rpartition(".")
+            setattr(net.get_submodule(parent) if parent else net, child, layer.get_base_layer())
+    return {name: tensor.detach() for name, tensor in net.state_dict().items()}
+
+
+def adapter_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of ``weights`` (a model's consolidated tensors) as PEFT saves them for a model it wraps
+    (``base_model.model.<name>``, the adapter's name left out: ``get_peft_model_state_dict``)."""
+    from peft.utils import get_peft_model_state_dict
+
+    own = get_peft_model_state_dict(net, state_dict=weights, adapter_name=ADAPTER_NAME,
+                                    save_embedding_layers=False)
+    return {f"base_model.model.{name}": tensor.contiguous() for name, tensor in own.items()}
+
+
+def adapter_parts(module: nn.Module) -> tuple[str, str, str] | None:
+    """The names, inside a LoRA layer, of the layer it wraps, of its down projection (``lora_A``, input features
+    -> rank) and of its up projection (``lora_B``, rank -> output features); None for any other module."""
+    if not (hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")):
+        return None
+    return "base_layer", f"lora_A.{ADAPTER_NAME}", f"lora_B.{ADAPTER_NAME}"
+
+
+def uses_dora(module: nn.Module) -> bool:
+    """Whether a LoRA layer's adapter is DoRA (its magnitudes are norms of whole weight rows)."""
+    return bool(getattr(module, "use_dora", {}).get(ADAPTER_NAME, False))
+
+
+def check_base_precision(lora: LoRAConfig | None, precision: str) -> None:
+    """ConfigError for base weights held in bf16 under a precision that computes in fp32 (a bf16 weight meets an
+    fp32 input there)."""
+    if lora is not None and lora.enabled and lora.base_dtype == "bfloat16" and not precision.startswith("bf16"):
+        raise ConfigError("model.lora.base_dtype", lora.base_dtype, f"keep with trainer.precision={precision}, or "
+                          "trainer.precision=bf16-mixed (bf16 base weights need bf16 compute)")
