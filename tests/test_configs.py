@@ -20,7 +20,7 @@ PARALLEL_NEEDS = {  # presets that need more ranks than 2, or a model with a ten
     "tp": ["trainer.devices=2", *GPT_ON_TEXT],
     "pipeline": ["trainer.devices=2", *GPT_ON_TEXT, "model.tie_weights=false"],
 }
-TEXT_DATA = ("pydocs", "tokens", "synthetic_tokens", "text")
+TEXT_DATA = ("pydocs", "tokens", "synthetic_tokens", "text", "mixture")
 CASES = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 
 
@@ -42,6 +42,10 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
 
         files, _ = write_corpus(tmp_path / "corpus")
         overrides += [f"data.files=[{','.join(map(str, files))}]", f"data.tokenizer={make_tokenizer(tmp_path / 'tok')}"]
+    if group == "data" and option == "mixture":
+        from tests.mixture_corpus import mixture_overrides
+
+        overrides += mixture_overrides(tmp_path)[1:]
     if group == "data" and option == "custom":
         overrides.append("data._target_=tests.user_models.digit_splits")
     if group == "data" and option == "image_folder":

@@ -13,6 +13,7 @@ from disttrain.counter_random import counter_random
 from disttrain.data.base import DataModule, EpochDistributedSampler
 from disttrain.data.digits import DigitsConfig, DigitsDataModule
 from disttrain.data.folder import ImageFolderConfig, ImageFolderDataModule
+from disttrain.data.mixture import MixtureConfig, MixtureDataModule, MixtureSource
 from disttrain.data.registry import DATA, build_datamodule
 from disttrain.data.spec import DataSpec
 from disttrain.data.synthetic import (
@@ -36,6 +37,9 @@ __all__ = [
     "ImageFolderConfig",
     "ImageFolderDataModule",
     "MemmapTokens",
+    "MixtureConfig",
+    "MixtureDataModule",
+    "MixtureSource",
     "PyDocsConfig",
     "PyDocsDataModule",
     "SyntheticImagesConfig",

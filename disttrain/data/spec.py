@@ -23,6 +23,10 @@ class DataSpec:
     """Number of distinct token ids (text data)."""
     block_size: int | None = None
     """Length of the token sequences the data yields (text data)."""
+    eos_id: int | None = None
+    """End-of-document id of packed windows (text data): the documents of a window end at its occurrences, and
+    models keep each document to itself (``disttrain.data.mixture`` states the contract). None: a window is one
+    sequence."""
 
 
 def example_batch(spec: DataSpec, size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

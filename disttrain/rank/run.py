@@ -94,6 +94,8 @@ def run_rank(run: RunConfig) -> float | None:
             results["energy"] = energy.result(fitted.steps, run.batch.global_size)
         if balance:
             results["experts"] = balance.result
+        if getattr(datamodule, "read", None):
+            results["data_read"] = datamodule.read
         sections = kind.results(trainer)
         results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
