@@ -181,10 +181,18 @@ class OwnFiles:
         """A folder of images, one folder per class (``test_image_folder``'s)."""
         return str(write_classes(self.folder / "images", per_class=32))  # a training split of one default batch
 
+    @cached_property
+    def mixture(self) -> str:
+        """A folder of mixture sources and their tokenizer (``python -m disttrain.data.pydocs_sources``'s)."""
+        from disttrain.data.pydocs_sources import write_pydocs_sources
+
+        write_pydocs_sources(self.folder / "mixture")
+        return str(self.folder / "mixture")
+
     def fill(self, arg: str) -> str:
         """``arg`` with every placeholder replaced by the file made for it."""
         for placeholder, made in (("outputs/runs/<time>", "run"), ("RUN_DIR", "run"), ("TOKENS_DIR", "tokens"),
-                                  ("IMAGES_DIR", "images")):
+                                  ("IMAGES_DIR", "images"), ("MIXTURE_DIR", "mixture")):
             if placeholder in arg:
                 arg = arg.replace(placeholder, getattr(self, made))
         if re.search(r"\bDIR\b", arg) or "notes.txt" in arg:
