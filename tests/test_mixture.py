@@ -290,3 +290,48 @@ def test_a_mixture_config_composes_and_validates(tmp_path, corpus):
                                   tmp_path / "run2"))
     assert run.datamodule.spec.eos_id is None
     assert torch.is_tensor(run.datamodule.datasets["val"][0][0])
+
+
+def test_the_mixture_recipe_states_what_it_reproduces(tmp_path, monkeypatch, make_config):
+    """``recipe=gpt_pydocs_mixture`` reads the sources ``python -m disttrain.data.pydocs_sources`` writes where it
+    runs: three sources of Python's documentation, composed and validated as the job does."""
+    from disttrain.data.pydocs_sources import DEFAULT_FOLDER, write_pydocs_sources
+
+    monkeypatch.chdir(tmp_path)
+    write_pydocs_sources(DEFAULT_FOLDER)
+    run = validate(make_config(["recipe=gpt_pydocs_mixture"]))
+    assert run.train.recipe_name == "gpt_pydocs_mixture"
+    assert run.train.expect.command.endswith("recipe=gpt_pydocs_mixture") and run.train.expect.hardware
+    assert [source.weight for source in run.data.sources] == [2, 1, 1]
+    assert [count > 4 for count in run.datamodule.plan.train_documents] == [True, True, True]
+
+
+def epoch_pieces(data, epoch: int, log: Path) -> list[list]:
+    """The pieces of every window the data module's training loader gives in ``epoch`` (one rank, no trainer:
+    every batch counts as trained), from its read log."""
+    loader = data.train_dataloader()
+    loader.set_epoch(epoch)
+    assert all(inputs.shape == (data.micro_batch_size, BLOCK) for inputs, _ in loader)
+    data.teardown("fit")  # no trainer: nothing is written here
+    data._flush(None)
+    entries = [json.loads(line) for line in (log / "rank0.jsonl").read_text().splitlines()]
+    return [window for entry in entries if entry["epoch"] == epoch for window in entry["windows"]]
+
+
+@pytest.mark.parametrize("on_exhausted", ["wrap", "end_epoch"])
+def test_the_next_epoch_goes_on_with_the_stream_or_starts_it_again(tmp_path, corpus, on_exhausted):
+    """Wrapping sources: epoch 1 reads on where epoch 0 stopped (one stream across epochs). An epoch that ends with a
+    source: epoch 1 starts every source again, with draws of its own."""
+    config = mixture_config(corpus, on_exhausted=on_exhausted, samples_per_epoch=64, read_log=str(tmp_path / "log"))
+    data = build_datamodule(config, micro_batch_size=4, seed=2)
+    first, second = epoch_pieces(data, 0, tmp_path / "log"), epoch_pieces(data, 1, tmp_path / "log")
+    assert len(first) == len(second) == 64
+    stream = MixtureStream(data.plan, StreamState.start(3))
+    whole = [[list(piece) for piece in pieces] for _, pieces in read_windows(stream, 128)]
+    if on_exhausted == "wrap":
+        assert first + second == whole
+    else:
+        again = MixtureStream(data.plan, StreamState.start(3, epoch=1))
+        restarted = [[list(piece) for piece in pieces] for _, pieces in read_windows(again, 64)]
+        assert first == whole[:64] and second == restarted and second != whole[64:]
+        assert second[0][0][1] == 0 and second[0][0][3] == 0  # a source's first document, from its first token
