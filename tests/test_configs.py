@@ -46,6 +46,13 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
         from tests.mixture_corpus import mixture_overrides
 
         overrides += mixture_overrides(tmp_path)[1:]
+    if group == "recipe" and option == "gpt_pydocs_mixture":  # its sources, written where this test runs
+        from disttrain.data.pydocs_sources import write_pydocs_sources
+
+        paths = write_pydocs_sources(tmp_path / "pydocs_mixture")
+        overrides += [f"data.tokenizer={paths['tokenizer']}",
+                      f"data.sources=[{{path: {paths['reference']}, weight: 2}}, {{path: {paths['library']}, "
+                      f"weight: 1}}, {{path: \"{paths['other']}/*.txt\", weight: 1}}]"]
     if group == "data" and option == "custom":
         overrides.append("data._target_=tests.user_models.digit_splits")
     if group == "data" and option == "image_folder":
