@@ -20,7 +20,7 @@ PARALLEL_NEEDS = {  # presets that need more ranks than 2, or a model with a ten
     "tp": ["trainer.devices=2", *GPT_ON_TEXT],
     "pipeline": ["trainer.devices=2", *GPT_ON_TEXT, "model.tie_weights=false"],
 }
-TEXT_DATA = ("pydocs", "tokens", "synthetic_tokens", "text", "chat")
+TEXT_DATA = ("pydocs", "tokens", "synthetic_tokens", "text", "chat", "mixture")
 CASES = [(group, path.stem) for group in GROUPS for path in sorted((CONF / group).glob("*.yaml"))]
 
 
@@ -48,6 +48,17 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
         rows = write_jsonl(tmp_path / "chat.jsonl", conversations(12))
         overrides += [f"data.files=[{rows}]", f"data.tokenizer={make_chat_tokenizer(tmp_path / 'tok')}",
                       "batch.global_size=8"]
+    if group == "data" and option == "mixture":
+        from tests.mixture_corpus import mixture_overrides
+
+        overrides += mixture_overrides(tmp_path)[1:]
+    if group == "recipe" and option == "gpt_pydocs_mixture":  # its sources, written where this test runs
+        from disttrain.data.pydocs_sources import write_pydocs_sources
+
+        paths = write_pydocs_sources(tmp_path / "pydocs_mixture")
+        overrides += [f"data.tokenizer={paths['tokenizer']}",
+                      f"data.sources=[{{path: {paths['reference']}, weight: 2}}, {{path: {paths['library']}, "
+                      f"weight: 1}}, {{path: \"{paths['other']}/*.txt\", weight: 1}}]"]
     if group == "data" and option == "custom":
         overrides.append("data._target_=tests.user_models.digit_splits")
     if group == "data" and option == "image_folder":

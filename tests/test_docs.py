@@ -230,11 +230,19 @@ class OwnFiles:
         pq.write_table(pa.Table.from_pylist(rows), self.folder / "qa" / "qa.parquet")
         return str(self.folder / "qa" / "qa.parquet")
 
+    @cached_property
+    def mixture(self) -> str:
+        """A folder of mixture sources and their tokenizer (``python -m disttrain.data.pydocs_sources``'s)."""
+        from disttrain.data.pydocs_sources import write_pydocs_sources
+
+        write_pydocs_sources(self.folder / "mixture")
+        return str(self.folder / "mixture")
+
     def fill(self, arg: str) -> str:
         """``arg`` with every placeholder replaced by the file made for it."""
         for placeholder, made in (("outputs/runs/<time>", "run"), ("RUN_DIR", "run"), ("TOKENS_DIR", "tokens"),
                                   ("IMAGES_DIR", "images"), ("chat.jsonl", "chat"), ("qa.parquet", "qa"),
-                                  ("TASKS_DIR", "tasks"), ("TUNED_RUN", "tuned")):
+                                  ("TASKS_DIR", "tasks"), ("TUNED_RUN", "tuned"), ("MIXTURE_DIR", "mixture")):
             if placeholder in arg:
                 arg = arg.replace(placeholder, getattr(self, made))
         if re.search(r"\bDIR\b", arg) or "notes.txt" in arg:

@@ -14,6 +14,7 @@ from disttrain.data.base import DataModule, EpochDistributedSampler
 from disttrain.data.chat import ChatConfig, ChatDataModule
 from disttrain.data.digits import DigitsConfig, DigitsDataModule
 from disttrain.data.folder import ImageFolderConfig, ImageFolderDataModule
+from disttrain.data.mixture import MixtureConfig, MixtureDataModule, MixtureSource
 from disttrain.data.registry import DATA, build_datamodule
 from disttrain.data.spec import DataSpec
 from disttrain.data.synthetic import (
@@ -39,6 +40,9 @@ __all__ = [
     "ImageFolderConfig",
     "ImageFolderDataModule",
     "MemmapTokens",
+    "MixtureConfig",
+    "MixtureDataModule",
+    "MixtureSource",
     "PyDocsConfig",
     "PyDocsDataModule",
     "SyntheticImagesConfig",

@@ -56,6 +56,12 @@ class LightningData(pl.LightningDataModule):
         """``data``'s test loader."""
         return self.data.test_dataloader()
 
+    def teardown(self, stage: str) -> None:
+        """``data``'s own teardown, where it has one (a mixture logs what its last batches read)."""
+        hook = getattr(self.data, "teardown", None)
+        if hook is not None:
+            hook(stage)
+
     def state_dict(self) -> dict[str, Any]:
         """``data``'s training position."""
         return self.data.state_dict()

@@ -126,6 +126,14 @@ def _experts_line(experts: dict[str, Any]) -> str:
     return "  experts: " + "; ".join(parts)
 
 
+def data_read_line(read: dict[str, Any]) -> str:
+    """One line: the tokens and documents a mixture's training read, and each source's share against its weight."""
+    shares = "; ".join(f"{Path(source['path']).name} {source['document_share']:.1%} of documents "
+                       f"(weight {source['weight_share']:.1%}), {source['token_share']:.1%} of tokens"
+                       for source in read["sources"])
+    return f"  read {read['tokens']:,} tokens of {read['documents']:,} documents: {shares}"
+
+
 def run_summary(results: dict[str, Any], results_path: Path) -> str:
     """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
     where everything is. Every figure is the one in ``results.json``, rounded for reading."""
@@ -165,6 +173,8 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
         lines.append(exchange)
     if results.get("experts"):
         lines.append(_experts_line(results["experts"]))
+    if results.get("data", {}).get("sources"):
+        lines.append(data_read_line(results["data"]))
     expect = results.get("expect")
     if expect:
         value = "not measured" if expect["value"] is None else f"{expect['value']:.4f}"

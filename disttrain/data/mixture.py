@@ -1,0 +1,344 @@
+"""Several text sources mixed by weight and read as they stream (``data=mixture``).
+
+Contract with the models: a training or validation window is ``block_size`` tokens packed from whole documents, each
+document's tokens followed by the end-of-document id (``DataSpec.document_end``). The boundaries are implied by that
+id alone: token ``i`` of a window belongs to the document that the first end-of-document token at or after ``i``
+closes, so the number of end-of-document tokens before ``i`` is its document's index within the window (the end
+token itself belongs to the document it closes; a window's first tokens may continue a document begun in the window
+before). ``DataSpec.document_end`` is None when ``data.document_mask`` is false: then windows attend across
+documents.
+
+The order of documents is one global stream (``disttrain.data.mixture_stream``), the same for every number of
+ranks, loader workers and micro-batch size; a checkpoint saves the stream's position (the draw, every source's
+cursor and the tokens of the current document read) beside the position in global samples, so a resumed run on
+any data-parallel size or worker count reads exactly what it had not read. What was read (tokens and documents per
+source, against the weights) goes to ``results.json``; ``data.read_log`` writes every trained window's documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from omegaconf import MISSING
+from torch.utils.data import ConcatDataset, DataLoader, Dataset
+
+from disttrain import checks
+from disttrain.data.base import DataModule
+from disttrain.data.mixture_stream import (
+    MixturePlan,
+    MixtureWindows,
+    RankShare,
+    StreamState,
+    continue_after,
+    held_out_tokens,
+)
+from disttrain.data.position import epoch_position
+from disttrain.data.registry import DATA
+from disttrain.data.sources import resolve_source
+from disttrain.data.spec import DataSpec
+from disttrain.data.windows import TokenWindows
+from disttrain.errors import ConfigError
+
+ON_EXHAUSTED = ("wrap", "end_epoch")
+"""What a source that runs out of training documents does."""
+
+
+@dataclass
+class MixtureSource:
+    """One source of the mixture."""
+
+    path: str = MISSING
+    """A file, a glob of .parquet, .arrow, .jsonl and .txt files (a .txt file is one document), or a folder
+    written by ``datasets.Dataset.save_to_disk`` (a saved ``DatasetDict``: its train split)."""
+    weight: float = 1.0
+    """Share of the documents drawn from this source, relative to the others' weights (0: never drawn)."""
+    field: str = "text"
+    """The column or JSON key holding each document's text."""
+
+
+@dataclass
+class MixtureConfig:
+    """Text sources mixed by weight, tokenised in the loader workers as they stream, packed into windows.
+
+    Each source's last ``val_documents`` documents are held out for validation (and test); training draws from the
+    others: each document comes from a source picked by weight with a counter-based generator seeded by the run.
+    """
+
+    name: str = "mixture"
+    """Registry name."""
+    sources: list[MixtureSource] = MISSING
+    """The sources, e.g. ``[{path: web/*.parquet, weight: 3}, {path: code.jsonl, weight: 1, field: content}]``."""
+    tokenizer: str = MISSING
+    """Folder holding a Hugging Face ``tokenizer.json`` (and optionally ``tokenizer_config.json``)."""
+    eos_token: str | None = None
+    """End-of-document token placed after every document. None: ``tokenizer_config.json``'s eos_token, else the
+    first of <|endoftext|>, </s>, <eos>, <|end_of_text|> that is a special token of the tokenizer."""
+    block_size: int = 64
+    """Tokens per window (the model's context length)."""
+    samples_per_epoch: int = 1024
+    """Windows per epoch over all ranks (cut to whole global batches): the stream goes on across epochs, so an
+    epoch only paces validation, checkpoints and the schedule."""
+    on_exhausted: str = "wrap"
+    """A source out of training documents: ``wrap`` starts it again (its passes are counted in the results) or
+    ``end_epoch`` ends the epoch, after which every source starts again with fresh draws."""
+    document_mask: bool = True
+    """Models keep each packed document to itself (``DataSpec.document_end`` set); false: windows attend across them."""
+    val_documents: int = 8
+    """Documents held out at the end of each source for validation and test."""
+    val_windows: int | None = None
+    """Cap on each source's consecutive validation windows. None: all its held-out documents fill."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank; they read and tokenise the stream."""
+    read_log: str | None = None
+    """Folder where each rank appends, per trained micro-batch, the documents of every window
+    (``rank<N>.jsonl``: source, document, pass, first and last token); None: no log."""
+
+    def validate(self) -> list[str]:
+        """Check the sizes, every source's files, fields and weights, and the tokenizer; ConfigError naming the
+        source's key and file otherwise."""
+        checks.positive("data.block_size", self.block_size)
+        checks.positive("data.samples_per_epoch", self.samples_per_epoch)
+        checks.one_of("data.on_exhausted", self.on_exhausted, ON_EXHAUSTED)
+        checks.positive("data.val_documents", self.val_documents)
+        checks.positive("data.val_windows", self.val_windows, optional=True)
+        checks.non_negative("data.num_workers", self.num_workers)
+        self.plan(seed=0)
+        return []
+
+    def plan(self, seed: int) -> MixturePlan:
+        """The sources resolved and counted, the tokenizer's end-of-document id and the sizes, as workers need
+        them."""
+        from disttrain.data.token_cache import end_of_text_id, load_tokenizer
+
+        if not self.sources:
+            raise ConfigError("data.sources", [], "a list of one or more {path, weight, field} sources")
+        weights = [float(source.weight) for source in self.sources]
+        for index, weight in enumerate(weights):
+            if not weight >= 0:
+                raise ConfigError(f"data.sources[{index}].weight", weight, "a number >= 0")
+        if sum(weights) <= 0:
+            raise ConfigError("data.sources", weights, "weights of which at least one is above 0")
+        resolved, train_documents = [], []
+        for index, source in enumerate(self.sources):
+            key = f"data.sources[{index}].path"
+            files = resolve_source(key, source.path, source.field)
+            if files.num_documents <= self.val_documents:
+                raise ConfigError(key, source.path, f"a source of more than data.val_documents={self.val_documents} "
+                                                    f"documents (held out at its end); it holds {files.num_documents}")
+            resolved.append(files)
+            train_documents.append(files.num_documents - self.val_documents)
+        folder = os.path.abspath(os.path.expanduser(self.tokenizer))
+        eos_id = end_of_text_id(load_tokenizer(folder), folder, self.eos_token)
+        if eos_id is None:
+            raise ConfigError("data.eos_token", self.eos_token, "a token of the tokenizer to end each document; this "
+                                                                "tokenizer names none of its own")
+        return MixturePlan(tuple(resolved), tuple(train_documents), tuple(weights), folder, eos_id, self.block_size,
+                           seed, self.on_exhausted == "wrap")
+
+
+@DATA.register("mixture", MixtureConfig)
+class MixtureDataModule(DataModule):
+    """Next-token prediction on a weighted mixture of streamed text sources, packed into windows."""
+
+    def __init__(self, cfg: MixtureConfig, micro_batch_size: int, seed: int) -> None:
+        super().__init__(micro_batch_size, seed, cfg.num_workers)
+        from disttrain.data.token_cache import load_tokenizer
+
+        self.cfg = cfg
+        self.plan = cfg.plan(seed)
+        vocab_size = load_tokenizer(self.plan.tokenizer).get_vocab_size(with_added_tokens=True)
+        self._spec = DataSpec(kind="text", vocab_size=vocab_size, block_size=cfg.block_size,
+                              document_end=self.plan.eos_id if cfg.document_mask else None)
+        self._epoch = 0
+        self._after: dict[int, StreamState] = {}
+        """The stream's state after each micro-batch this rank has read in the current epoch."""
+        self._epoch_start: StreamState | None = None
+        self._unlogged: list[dict[str, Any]] = []
+        self.read: dict[str, Any] | None = None
+        """What the fit read (``read_summary``), set when it ends."""
+
+    @property
+    def spec(self) -> DataSpec:
+        """Text, the tokenizer's vocabulary, the block size and the end-of-document id of the packed windows."""
+        return self._spec
+
+    @property
+    def num_train_samples(self) -> int:
+        """``data.samples_per_epoch``: the stream has no end of its own."""
+        return self.cfg.samples_per_epoch
+
+    def _datasets(self) -> dict[str, Dataset]:
+        val = self.val_windows()
+        return {"train": _NoMapAccess(self.num_train_samples), "val": val, "test": val}
+
+    def val_windows(self) -> Dataset:
+        """Each source's held-out documents as consecutive windows, source after source."""
+        windows = []
+        for source in range(len(self.plan.sources)):
+            tokens = held_out_tokens(self.plan, source)
+            if len(tokens) < self.cfg.block_size + 1:
+                raise ConfigError("data.val_documents", self.cfg.val_documents,
+                                  f"enough held-out documents for one window in every source; "
+                                  f"{self.cfg.sources[source].path} gives {len(tokens)} tokens")
+            windows.append(TokenWindows(tokens, self.cfg.block_size, self.cfg.val_windows))
+        return ConcatDataset(windows)
+
+    @cached_property
+    def batches_per_epoch(self) -> int:
+        """This rank's micro-batches in a whole epoch (whole global steps of ``data.samples_per_epoch``)."""
+        replicas, _ = self.replicas(train=True)
+        global_batch = self.micro_batch_size * self.accumulation * replicas
+        return self.num_train_samples // global_batch * self.accumulation
+
+    def train_dataloader(self) -> _MixtureLoader:
+        """This rank's share of the stream, a micro-batch at a time, from where the run stands."""
+        return _MixtureLoader(self)
+
+    def epoch_start(self, epoch: int) -> tuple[StreamState, int]:
+        """The stream state at this rank's first micro-batch of ``epoch`` and that micro-batch's index (past 0 in
+        a resumed epoch)."""
+        replicas, _ = self.replicas(train=True)
+        sources = len(self.plan.sources)
+        resume = self._resume
+        if resume and "stream" in resume:
+            saved = StreamState.from_dict(resume["stream"])
+            if resume["epoch"] == epoch:
+                return saved, int(resume["samples"]) // (self.micro_batch_size * replicas)
+            if resume["epoch"] < epoch:
+                return continue_after(saved, self.plan, epoch), 0
+        if self._after and self._epoch == epoch - 1:
+            return continue_after(self._after[max(self._after)], self.plan, epoch), 0
+        return StreamState.start(sources, 0 if self.plan.wrap else epoch), 0
+
+    def begin_epoch(self, epoch: int) -> MixtureWindows:
+        """This rank's dataset for ``epoch``; what the previous epoch read is logged, as every batch of it trained."""
+        start, first = self.epoch_start(epoch)
+        self._flush(None)
+        self._resume = {}
+        self._epoch, self._epoch_start, self._after = epoch, start, {}
+        replicas, rank = self.replicas(train=True)
+        share = RankShare(self.micro_batch_size, self.accumulation, replicas, rank, first, self.batches_per_epoch)
+        return MixtureWindows(self.plan, start, share)
+
+    def note(self, read: dict[str, Any]) -> None:
+        """Keep a loader's record of one micro-batch (the state after it, its documents for the log)."""
+        self._after[int(read["batch"])] = StreamState.from_dict(read["state"])
+        if self.cfg.read_log is not None:
+            self._unlogged.append({"epoch": self._epoch, "batch": int(read["batch"]), "windows": read["pieces"]})
+
+    def _state_after(self, processed: int) -> StreamState | None:
+        """The stream's state once ``processed`` micro-batches of the current epoch are trained."""
+        if processed - 1 in self._after:
+            return self._after[processed - 1]
+        if processed == 0 or not self._after:
+            return self._epoch_start
+        return self._after[max(self._after)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in global samples and the stream's state there (``StreamState``)."""
+        trainer: Any = self.trainer
+        if trainer is None:
+            return {}
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        position: dict[str, Any] = epoch_position(trainer.current_epoch, processed, self.micro_batch_size,
+                                                  self.accumulation, self.replicas(train=True)[0])
+        state = self._state_after(processed)
+        if state is None and self._resume:
+            return dict(self._resume)  # saved before this run read a batch: the position it resumed from
+        if state is not None:
+            position["stream"] = state.to_dict()
+        self._flush(processed)
+        return position
+
+    def teardown(self, stage: str) -> None:
+        """At the end of a fit: log the last trained micro-batches and keep what the fit read (``read``)."""
+        if stage != "fit" or self.trainer is None:
+            return
+        processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        self._flush(processed)
+        state = self._state_after(processed)
+        if state is None and self._resume.get("stream"):
+            state = StreamState.from_dict(self._resume["stream"])
+        self.read = read_summary(self.plan, self.cfg, state) if state is not None else None
+
+    def report(self) -> dict[str, Any]:
+        """The ``data`` section of ``results.json``: what the training read from each source (empty before any)."""
+        return self.read or {}
+
+    def _flush(self, processed: int | None) -> None:
+        """Append the logged micro-batches below ``processed`` (all when None) to this rank's read log."""
+        if self.cfg.read_log is None or not self._unlogged:
+            return
+        done = [entry for entry in self._unlogged if processed is None or entry["batch"] < processed]
+        self._unlogged = [entry for entry in self._unlogged if entry not in done]
+        os.makedirs(self.cfg.read_log, exist_ok=True)
+        rank = int(getattr(self.trainer, "global_rank", 0) or 0)
+        with open(os.path.join(self.cfg.read_log, f"rank{rank}.jsonl"), "a", encoding="utf-8") as handle:
+            for entry in done:
+                handle.write(json.dumps(entry) + "\n")
+
+
+def read_summary(plan: MixturePlan, cfg: MixtureConfig, state: StreamState) -> dict[str, Any]:
+    """Tokens and documents read from each source, their shares, the weights' shares and each source's passes."""
+    tokens, documents = sum(state.tokens) or 1, sum(state.documents) or 1
+    weights = sum(plan.weights)
+    sources = []
+    for index, source in enumerate(cfg.sources):
+        passes = state.cursors[index] / plan.train_documents[index] if plan.wrap else None
+        sources.append({"path": source.path, "weight": source.weight,
+                        "weight_share": round(plan.weights[index] / weights, 6),
+                        "tokens": state.tokens[index], "token_share": round(state.tokens[index] / tokens, 6),
+                        "documents": state.documents[index],
+                        "document_share": round(state.documents[index] / documents, 6),
+                        "passes": round(passes, 4) if passes is not None else None})
+    return {"windows": state.window, "tokens": sum(state.tokens), "documents": sum(state.documents),
+            "sources": sources}
+
+
+class _NoMapAccess(Dataset):
+    """The training split's length for the base class's bookkeeping; its windows come from the stream."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        raise TypeError("the mixture's training windows are read in order from its stream (train_dataloader)")
+
+
+class _MixtureLoader:
+    """The training loader Lightning iterates: each epoch a fresh stream reader (a DataLoader over the rank's
+    ``MixtureWindows`` when there are workers to run or memory to pin), handing the data module each micro-batch's
+    record and Lightning its ``(inputs, targets)``."""
+
+    def __init__(self, data: MixtureDataModule) -> None:
+        self.data = data
+        self.sampler = self
+        """Lightning sets the epoch on a loader's ``sampler``."""
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.data.batches_per_epoch
+
+    def __iter__(self):  # noqa: ANN204 (a generator, so the epoch is read when the first batch is)
+        import torch
+
+        windows = self.data.begin_epoch(self.epoch)
+        workers = self.data.num_workers
+        batches: Any = windows
+        if workers or torch.cuda.is_available():
+            batches = DataLoader(windows, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available())
+        for inputs, targets, read in batches:
+            self.data.note(read)
+            yield inputs, targets
+
