@@ -76,9 +76,10 @@ def with_own_files(args: list[str], folder: Path) -> list[str]:
     import torch
     import transformers
 
-    from tests.test_text_data import make_tokenizer, topic_texts
+    from tests.test_text_data import EOS, make_tokenizer, topic_texts
 
     model_dir = make_tokenizer(folder / "hf", vocab_size=300)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))  # as a released model names it
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)

@@ -87,3 +87,34 @@ def test_moe_pydocs_balances_its_experts_by_bias_and_not_without(make_config, tm
     assert results["metrics"]["val/bpb"] < 3.0, results["metrics"]  # on track: 8 for uniform bytes
     unbalanced, _ = moe_load_balance(make_config, tmp_path / "no-bias", ["model.bias_update_rate=0"])
     assert min(unbalanced) > max(max(balanced) + 0.25, 1.75), (unbalanced, balanced)
+
+
+def test_hf_lora_chat_reports_a_task_score_before_and_after(tmp_path):
+    """``recipe=hf_lora_chat`` on a Llama folder with a chat template, conversations and a local task, as the README
+    types it (shortened by steps): LoRA adapters train, the base stays frozen, and the task is scored at step 0 and
+    after the last step, both in ``results.json`` and the summary's line."""
+    import torch
+    import transformers
+
+    from tests.test_chat_data import conversations, make_chat_tokenizer, write_jsonl
+    from tests.test_eval_tasks import write_tasks
+
+    folder = make_chat_tokenizer(tmp_path / "model")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    rows = write_jsonl(tmp_path / "chat.jsonl", conversations(40))
+    tasks = write_tasks(tmp_path)
+    proc = train_cli_in_process(["recipe=hf_lora_chat", f"model.path={folder}", f"data.files=[{rows}]",
+                                 f"eval.include_path={tasks}", "eval.tasks=[sums_mc]", "data.block_size=64",
+                                 "batch.global_size=4", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                                 "trainer.limit_val_batches=2", "hydra.run.dir=run"], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    steps = [scoring["step"] for scoring in results["eval"]["scored"]]
+    assert steps[0] == 0 and steps[-1] == 3, steps
+    assert all("eval/sums_mc/acc" in scoring["scores"] for scoring in results["eval"]["scored"]), results["eval"]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("  task scores:"))
+    assert "sums_mc/acc" in line and "at step 0 ->" in line and "at step 3" in line, line
+    assert "LoRA" in proc.stdout or "lora" in proc.stdout, proc.stdout[-2000:]

@@ -134,6 +134,15 @@ def data_read_line(read: dict[str, Any]) -> str:
     return f"  read {read['tokens']:,} tokens of {read['documents']:,} documents: {shares}"
 
 
+def task_scores_line(evaluation: dict[str, Any]) -> str:
+    """One line: each task score at the first scoring and at the last (the starting weights and the trained ones
+    where ``trainer.validate_before_training`` is on)."""
+    first, last = evaluation["scored"][0], evaluation["scored"][-1]
+    scores = "; ".join(f"{name} {value:.4f} at step {first['step']} -> {last['scores'][name]:.4f} at step "
+                       f"{last['step']}" for name, value in sorted(first["scores"].items()) if name in last["scores"])
+    return f"  task scores: {scores}"
+
+
 def run_summary(results: dict[str, Any], results_path: Path) -> str:
     """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
     where everything is. Every figure is the one in ``results.json``, rounded for reading."""
@@ -175,6 +184,8 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
         lines.append(_experts_line(results["experts"]))
     if results.get("data", {}).get("sources"):
         lines.append(data_read_line(results["data"]))
+    if (results.get("eval") or {}).get("scored"):
+        lines.append(task_scores_line(results["eval"]))
     expect = results.get("expect")
     if expect:
         value = "not measured" if expect["value"] is None else f"{expect['value']:.4f}"
