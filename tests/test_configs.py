@@ -59,6 +59,10 @@ def needs(group: str, option: str, tmp_path: Path) -> list[str]:
         overrides += [f"data.tokenizer={paths['tokenizer']}",
                       f"data.sources=[{{path: {paths['reference']}, weight: 2}}, {{path: {paths['library']}, "
                       f"weight: 1}}, {{path: \"{paths['other']}/*.txt\", weight: 1}}]"]
+    if group == "recipe" and option == "hf_lora_chat":  # its model folder, conversations and task, written here
+        from tests.test_recipes import lora_chat_overrides
+
+        overrides += lora_chat_overrides(tmp_path)
     if group == "data" and option == "custom":
         overrides.append("data._target_=tests.user_models.digit_splits")
     if group == "data" and option == "image_folder":

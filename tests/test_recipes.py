@@ -89,10 +89,9 @@ def test_moe_pydocs_balances_its_experts_by_bias_and_not_without(make_config, tm
     assert min(unbalanced) > max(max(balanced) + 0.25, 1.75), (unbalanced, balanced)
 
 
-def test_hf_lora_chat_reports_a_task_score_before_and_after(tmp_path):
-    """``recipe=hf_lora_chat`` on a Llama folder with a chat template, conversations and a local task, as the README
-    types it (shortened by steps): LoRA adapters train, the base stays frozen, and the task is scored at step 0 and
-    after the last step, both in ``results.json`` and the summary's line."""
+def lora_chat_overrides(tmp_path) -> list[str]:
+    """``recipe=hf_lora_chat``'s inputs, written in ``tmp_path``: a Llama folder with a chat template,
+    conversations and a local multiple-choice task, shortened to small windows and batches."""
     import torch
     import transformers
 
@@ -105,11 +104,17 @@ def test_hf_lora_chat_reports_a_task_score_before_and_after(tmp_path):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     rows = write_jsonl(tmp_path / "chat.jsonl", conversations(40))
-    tasks = write_tasks(tmp_path)
-    proc = train_cli_in_process(["recipe=hf_lora_chat", f"model.path={folder}", f"data.files=[{rows}]",
-                                 f"eval.include_path={tasks}", "eval.tasks=[sums_mc]", "data.block_size=64",
-                                 "batch.global_size=4", "trainer.max_steps=3", "trainer.val_check_interval=3",
-                                 "trainer.limit_val_batches=2", "hydra.run.dir=run"], tmp_path)
+    return [f"model.path={folder}", f"data.files=[{rows}]", f"eval.include_path={write_tasks(tmp_path)}",
+            "eval.tasks=[sums_mc]", "data.block_size=64", "batch.global_size=4"]
+
+
+def test_hf_lora_chat_reports_a_task_score_before_and_after(tmp_path):
+    """``recipe=hf_lora_chat`` on a Llama folder with a chat template, conversations and a local task, as the README
+    types it (shortened by steps): the adapters' start-up line, and the task scored at step 0 and after the last step,
+    in ``results.json`` and the summary's line (``test_lora.py`` checks the adapters and the frozen base)."""
+    proc = train_cli_in_process(["recipe=hf_lora_chat", *lora_chat_overrides(tmp_path), "trainer.max_steps=3",
+                                 "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "hydra.run.dir=run"],
+                                tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     steps = [scoring["step"] for scoring in results["eval"]["scored"]]
