@@ -127,8 +127,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     check_compile_mode(top.trainer, layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
-    if hasattr(datamodule, "check_layout"):  # data whose samples some layouts cannot yet compute exactly
-        datamodule.check_layout(layout)
     if not isinstance(model, TargetModelConfig):
         model.validate(datamodule.spec)
         notices += model.notices(datamodule.spec) if hasattr(model, "notices") else []
