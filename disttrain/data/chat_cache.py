@@ -23,6 +23,7 @@ import numpy as np
 
 from disttrain.data.chat_format import PLAIN_CHAT_TEMPLATE, load_chat_tokenizer, tokenize_conversation
 from disttrain.data.chat_rows import RowFields, read_conversations
+from disttrain.data.token_cache import publish
 from disttrain.data.windows import MemmapTokens
 from disttrain.errors import ConfigError
 
@@ -186,12 +187,6 @@ def _build(sources: ChatSources, tokenizer: object, folder: str) -> None:
         meta = {"format": FORMAT, "dtype": dtype.name, "num_tokens": starts[-1], "vocab_size": vocab_size,
                 "pad_id": int(pad_id), "counts": counts, "files": list(sources.files),
                 "tokenizer": sources.tokenizer}
-        with open(os.path.join(staging, META_FILE), "w", encoding="utf-8") as handle:
-            json.dump(meta, handle, indent=1)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not os.path.isfile(os.path.join(folder, META_FILE)):
-                raise  # not another process's finished cache in the way: a real failure
+        publish(staging, folder, meta, META_FILE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

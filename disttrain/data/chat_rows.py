@@ -5,11 +5,11 @@ never a whole file at once)."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from disttrain.data.documents import check_files
 from disttrain.errors import ConfigError
 
 EXTENSIONS = (".jsonl", ".parquet")
@@ -42,17 +42,7 @@ class RowFields:
 def check_chat_files(files: Sequence[str]) -> list[str]:
     """The absolute paths of ``files``; ConfigError naming ``data.files`` if the list is empty, a file is missing
     or its extension is neither ``.jsonl`` nor ``.parquet``."""
-    if not files:
-        raise ConfigError("data.files", list(files), FILES_ALLOWED)
-    paths = []
-    for name in files:
-        path = os.path.abspath(os.path.expanduser(name))
-        if not path.endswith(EXTENSIONS):
-            raise ConfigError("data.files", list(files), f"{FILES_ALLOWED}; {name} is neither")
-        if not os.path.isfile(path):
-            raise ConfigError("data.files", list(files), f"{FILES_ALLOWED}; {name} does not exist")
-        paths.append(path)
-    return paths
+    return check_files(files, EXTENSIONS, FILES_ALLOWED)
 
 
 def read_conversations(path: str, fields: RowFields) -> Iterator[Conversation]:

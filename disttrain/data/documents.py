@@ -14,18 +14,19 @@ EXTENSIONS = (".txt", ".jsonl")
 FILES_ALLOWED = "a list of existing .txt files (one document each) and .jsonl files (one JSON object per line)"
 
 
-def check_files(files: Sequence[str]) -> list[str]:
-    """The absolute paths of ``files``; ConfigError naming ``data.files`` if the list is empty, a file is
-    missing or its extension is neither ``.txt`` nor ``.jsonl``."""
+def check_files(files: Sequence[str], extensions: tuple[str, ...] = EXTENSIONS,
+                allowed: str = FILES_ALLOWED) -> list[str]:
+    """The absolute paths of ``files``; ConfigError naming ``data.files`` (with ``allowed``) if the list is empty,
+    a file is missing or its extension is none of ``extensions`` (by default ``.txt`` and ``.jsonl``)."""
     if not files:
-        raise ConfigError("data.files", list(files), FILES_ALLOWED)
+        raise ConfigError("data.files", list(files), allowed)
     paths = []
     for name in files:
         path = os.path.abspath(os.path.expanduser(name))
-        if not path.endswith(EXTENSIONS):
-            raise ConfigError("data.files", list(files), f"{FILES_ALLOWED}; {name} is neither")
+        if not path.endswith(extensions):
+            raise ConfigError("data.files", list(files), f"{allowed}; {name} is neither")
         if not os.path.isfile(path):
-            raise ConfigError("data.files", list(files), f"{FILES_ALLOWED}; {name} does not exist")
+            raise ConfigError("data.files", list(files), f"{allowed}; {name} does not exist")
         paths.append(path)
     return paths
 

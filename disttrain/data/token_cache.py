@@ -169,6 +169,18 @@ def open_token_cache(folder: str) -> TokenCache:
     return cache
 
 
+def publish(staging: str, folder: str, meta: dict[str, Any], meta_file: str = META_FILE) -> None:
+    """Write ``meta`` as the ``staging`` folder's ``meta_file`` and rename the folder to ``folder`` in one step;
+    another process's finished cache already there is kept (the two hold the same tokens)."""
+    with open(os.path.join(staging, meta_file), "w", encoding="utf-8") as handle:
+        json.dump(meta, handle, indent=1)
+    try:
+        os.rename(staging, folder)
+    except OSError:
+        if not os.path.isfile(os.path.join(folder, meta_file)):
+            raise  # not another process's finished cache in the way: a real failure
+
+
 def _build(sources: TextSources, tokenizer: Any, eos_id: int | None, folder: str) -> None:
     """Tokenise every document into a temporary folder, then rename it to ``folder`` in one step."""
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -186,13 +198,7 @@ def _build(sources: TextSources, tokenizer: Any, eos_id: int | None, folder: str
         meta = {**asdict(TokenCache(folder, dtype.name, num_tokens, num_documents, vocab_size, eos_id)),
                 "files": list(sources.files), "text_key": sources.text_key}
         del meta["folder"]
-        with open(os.path.join(staging, META_FILE), "w", encoding="utf-8") as handle:
-            json.dump(meta, handle, indent=1)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not os.path.isfile(os.path.join(folder, META_FILE)):
-                raise  # not another process's finished cache in the way: a real failure
+        publish(staging, folder, meta)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
