@@ -16,8 +16,8 @@ pytest.importorskip("lm_eval")
 
 from disttrain.errors import ConfigError  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
-from tests.test_hf_models import ARCHS  # noqa: E402
-from tests.test_text_data import EOS, make_tokenizer, write_corpus  # noqa: E402
+from tests.test_hf_export_folder import llama_folder  # noqa: E402
+from tests.test_text_data import write_corpus  # noqa: E402
 
 SUMS = [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (8, 3), (9, 9), (5, 2)]
 """The documents: questions about sums, three choices each (10 documents: two ranks score unequal shares of the
@@ -88,21 +88,9 @@ def eval_overrides(tasks: Path, *more: str) -> list[str]:
 @pytest.fixture(scope="module")
 def setting(tmp_path_factory) -> dict:
     """A Llama folder (seeded weights, its tokenizer), a text corpus of its tokenizer and the two tasks."""
-    import transformers
-    from tokenizers import Tokenizer
 
     root = tmp_path_factory.mktemp("eval")
-    folder = make_tokenizer(root / "llama")
-    eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(EOS)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "model_max_length": 64}))
-    torch.manual_seed(7)
-    config = transformers.AutoConfig.for_model("llama", vocab_size=300, eos_token_id=eos, bos_token_id=None,
-                                               **ARCHS["llama"])
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger than transformers' init, so that each next token depends on the whole context
-        for param in model.parameters():
-            param.normal_(mean=1.0 if param.ndim == 1 else 0.0, std=0.1)
-    model.save_pretrained(folder)
+    folder = llama_folder(root / "llama", max_length=64)
     files, _ = write_corpus(root / "corpus")
     return {"root": root, "folder": folder, "files": files, "tasks": write_tasks(root)}
 

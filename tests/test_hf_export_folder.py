@@ -23,28 +23,36 @@ PROMPT = "The with statement is used to"
 NEW_TOKENS = 12
 
 
+def llama_folder(folder: Path, max_length: int) -> Path:
+    """A Llama folder of seeded weights (larger than transformers' init, so that each next token depends on the whole
+    context) with its own ``tokenizer.json`` and a ``tokenizer_config.json`` naming its end-of-text token."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    make_tokenizer(folder)
+    eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(EOS)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "model_max_length": max_length}))
+    torch.manual_seed(7)
+    config = transformers.AutoConfig.for_model("llama", vocab_size=300, eos_token_id=eos, bos_token_id=None,
+                                               **ARCHS["llama"])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(mean=1.0 if param.ndim == 1 else 0.0, std=0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def fine_tuned(tmp_path_factory) -> tuple[Path, Path]:
     """A Llama folder (seeded weights, its own ``tokenizer.json`` and ``tokenizer_config.json``) fine-tuned for
     three steps under ZeRO-3 on two ranks on text of its tokenizer: the folder and the run directory."""
-    import transformers
-    from tokenizers import Tokenizer
 
     from disttrain.launch.job import train
     from tests.conftest import compose_config
 
     root = tmp_path_factory.mktemp("fine-tune")
-    folder = make_tokenizer(root / "llama")
-    eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(EOS)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "model_max_length": 32}))
-    torch.manual_seed(7)
-    config = transformers.AutoConfig.for_model("llama", vocab_size=300, eos_token_id=eos, bos_token_id=None,
-                                               **ARCHS["llama"])
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # larger than transformers' init, so that each next token depends on the whole context
-        for param in model.parameters():
-            param.normal_(mean=1.0 if param.ndim == 1 else 0.0, std=0.1)
-    model.save_pretrained(folder)
+    folder = llama_folder(root / "llama", max_length=32)
     files, _ = write_corpus(root / "corpus")
     run_dir = root / "run"
     train(compose_config(["model=hf", f"model.path={folder}", "model.pretrained=true", "data=text",
