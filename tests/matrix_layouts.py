@@ -14,31 +14,24 @@ import torch
 from disttrain.launch.job import train
 from tests.conftest import compose_config
 from tests.test_expert_parallel import MOE_MODEL
-from tests.test_parity import CLIP, STEPS, check_against, relative_deviation, run_summary
+from tests.test_parity import CLIP, PIPE, STEPS, check_against, relative_deviation, run_summary
+from tests.test_parity import LAYOUTS as PARITY_LAYOUTS
 from tests.test_resume_layouts import BASE as RESUME_BASE
 from tests.test_resume_layouts import SAVED
 from tests.test_resume_layouts import STEPS as RESUME_STEPS
 from tests.test_run import GPT_FAST, step_losses
 
-PIPE = ["parallel=pipeline"]
 LAYOUTS = {
-    "ddp": (["parallel=ddp"], 2),
-    "zero1": (["parallel=zero1"], 2),
-    "zero2": (["parallel=zero2"], 2),
-    "zero3": (["parallel=zero3"], 2),
+    **{name: PARITY_LAYOUTS[name] for name in ("ddp", "zero1", "zero2", "zero3")},
     "zero3+accumulate4": (["parallel=zero3", "batch.accumulation=4"], 2),
-    "hsdp": (["parallel=hsdp"], 4),
-    "tp": (["parallel=tp"], 2),
-    "tp+sp": (["parallel=tp", "parallel.sequence_parallel=true"], 2),
+    **{name: PARITY_LAYOUTS[name] for name in ("hsdp", "tp", "tp+sp")},
     "tp+accumulate4": (["parallel=tp", "batch.accumulation=4"], 2),
-    "pp-1f1b": ([*PIPE, "parallel.pipeline.schedule=1f1b"], 2),
-    "cp2": (["parallel.cp=2"], 2),
-    "dp_shard2xtp2": (["parallel=hybrid", "parallel.tp=2"], 4),
-    "pp2xdp_shard2": ([*PIPE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], 4),
+    **{name: PARITY_LAYOUTS[name] for name in ("pp-1f1b", "cp2", "dp_shard2xtp2", "pp2xdp_shard2")},
     "pp2xtp2xdp_shard2": ([*PIPE, "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"],
                           8),
 }
-"""Layout name -> (overrides, ranks) of the GPT runs."""
+"""Layout name -> (overrides, ranks) of the GPT runs: the parity suite's that split matrices, accumulation 4, and
+a 3-D hybrid."""
 MOE_LAYOUTS = {
     "ep2": (["parallel=zero3", "parallel.ep=2"], 2),
     "ep2xtp2": (["parallel=hybrid", "parallel.tp=2", "parallel.ep=2"], 4),
