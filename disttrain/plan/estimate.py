@@ -226,7 +226,8 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
     memory["activations"] = acts.peak
     memory["transient"] = transient(stats, layout, state)
     phases = state_peak(params, layout, state, experts)
-    phases["after_forward"] += memory["activations"] + memory["transient"]
+    # the transient buffers come with a block's backward, not with the loss's at backward's start
+    phases["after_forward"] += max(acts.at_start, acts.in_backward + memory["transient"])
     if acts.first_block is not None:
         first = sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
                     if within(stats.param_unit[name], acts.first_block))

@@ -137,6 +137,10 @@ class ModelStats:
     """The most bytes the loss's backward added to what was saved, before the logits' gradient was complete: the
     gradients of the loss's own tensors and the logits' gradient, less what it saved and has freed by then."""
 
+    param_rows: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> its first dimension, along which FSDP2 shards it (padded to a multiple of the shard
+    ranks: every rank holds as many rows, and a gathered unit has that many rows per rank)."""
+
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
         """Unit name -> the forward operators selective checkpointing runs again in backward (all but
@@ -268,7 +272,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       expert_parameters(net), recorder.expert_calls, recorder.mixture, recorder.mixture_ops,
                       autocast, recorder.weight_copies, recorder.tp_forward_gather, recorder.tp_backward_gather,
                       recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
-                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0])
+                      {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0],
+                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel})
 
 
 SHARDING_STYLES = {"colwise": "all", "colwise_gather": "all", "rowwise": "weight", "rowwise_whole_input": "weight",
