@@ -38,6 +38,8 @@ LAYOUTS = {
     "zero3 selective checkpointing": ["parallel=zero3", "trainer.devices=8", "batch.global_size=64",
                                       "parallel.activation_checkpoint=selective"],
     "zero3 x cp2 on 8": ["parallel=zero3", "parallel.cp=2", "trainer.devices=8", "batch.global_size=32"],
+    "moe ep4 x zero3 on 64": ["model=moe", "model.flavour=micro", "parallel=zero3", "parallel.ep=4",
+                              "trainer.devices=8", "trainer.num_nodes=8", "batch.global_size=512"],
     # the first stage's microbatches run in the schedule's order (torch's schedules cannot run under a fake group)
     "pipeline 1f1b": ["parallel=pipeline", "trainer.devices=2", "batch.global_size=8", "model.n_layer=4"],
     "pipeline gpipe": ["parallel=pipeline", "trainer.devices=2", "batch.global_size=8", "model.n_layer=4",
@@ -55,7 +57,7 @@ def test_a_dry_run_holds_the_memory_the_plan_predicts_for_its_rank(layout: str, 
     result = _dry_run(LAYOUTS[layout], tmp_path)
     # measured here (measured / planned): zero3 on 512 1.04, zero3 on 64 1.00 (vocabulary 8192 1.00), ddp on 512
     # 1.00, hsdp 1.00, tp x zero3 0.99, ddp 1.00, zero1 1.02, zero3 with full checkpointing 1.00, selective 1.00,
-    # zero3 x cp2 0.96, pipeline 1f1b 1.02, gpipe 1.00
+    # zero3 x cp2 0.96, moe ep4 x zero3 1.03, pipeline 1f1b 1.02, gpipe 1.00
     assert result["measured_peak_bytes"] == pytest.approx(result["planned_peak_bytes"], rel=0.05), result
 
 
@@ -120,3 +122,27 @@ def test_the_counter_follows_storages_resized_in_place() -> None:
         assert live.live == 4096 + 8
     assert live.peak == 4096 + 8
     del first, second
+
+
+def test_experts_under_a_fake_group_receive_as_many_rows_as_they_send() -> None:
+    """torch's fake group fills a collective's output from this rank's own input, as if every rank routed its tokens
+    as this one: the counts all-to-all gives the sizes balanced routing gives, whatever the receive buffer held."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from disttrain.parallel.experts import ExpertParallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        exchange = ExpertParallel(dist.group.WORLD, 0, 2)
+        counts = torch.tensor([3, 1, 2, 2])  # rows for experts 0-3; experts 2 and 3 live on the other rank
+        seen = []
+
+        def compute(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            seen.append(local_counts.tolist())
+            return rows
+
+        assert exchange.exchange(torch.ones(8, 4), counts, compute).shape == (8, 4)
+        assert seen == [[5, 3]]
+    finally:
+        dist.destroy_process_group()

@@ -1,11 +1,12 @@
 """``mode=dryrun``: one rank of any layout built and stepped in this process, and held against the plan.
 
-torch's fake process group (``backend="fake"``) returns every collective at once without touching its buffers, so
+torch's fake process group (``backend="fake"``) returns every collective at once, its output filled from this
+rank's own input (as if every rank held what this one does: an all-to-all of expert counts sees balanced routing), so
 this process can be rank r of a world of N: the real DeviceMesh over N ranks, the model built on the meta device
 and laid out by the path a training rank takes (``disttrain.parallel.lay_out``: FSDP2 allocates only this rank's
 shards), data of the real shapes and a few real steps (forward, backward, the optimiser, the checkpointing policy).
-What collectives would bring holds whatever memory their buffers were given: the values of a dry run mean
-nothing, the sizes and lifetimes of its tensors are real. Communication is absent by construction.
+The values of a dry run mean nothing; the sizes and lifetimes of its tensors are real. Communication is absent by
+construction.
 
 Memory is the framework's tensor-byte counter (``disttrain.plan.measure.LiveStorages``, the one the planner's
 measurements use), from the laid-out model's state to the end of the last step; on a GPU also
