@@ -9,7 +9,8 @@ command for 8 GPUs validates on this CPU at the same world size. A sweep (``-m``
 ``--help`` and ``--cfg`` validate the config they would show. Under torchrun or srun only the ``train.py``
 arguments count, validated as each launched rank validates them: with the launcher's ``WORLD_SIZE`` and
 ``LOCAL_RANK`` set. A ```text block right after a command that starts with ``Error:`` is the error the page
-promises for it: validation must refuse the command with that line (numbers aside).
+promises for it: validation must refuse the command with that line (numbers aside). Under ``mode=dryrun`` the
+dry run runs too (one rank of the layout, the whole of such a job).
 
 Placeholders name the reader's own files, which the test makes (small) on first use: ``DIR`` and ``notes.txt``
 (a Hugging Face model folder and a text file, by ``tests.test_cli.with_own_files``), ``RUN_DIR`` and
@@ -332,6 +333,10 @@ def validate_as_the_job(command: DocCommand, overrides: list[str], run_dir: Path
         from disttrain.plan.planner import print_plan
 
         print_plan(run)
+    if run.train.mode == "dryrun":
+        from disttrain.plan.dryrun import dry_run
+
+        dry_run(run)
 
 
 def run_module(module: str, args: list[str], monkeypatch) -> None:

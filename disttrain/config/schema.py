@@ -189,6 +189,18 @@ class PlanConfig:
 
 
 @dataclass
+class DryRunConfig:
+    """``mode=dryrun``: one rank of the layout built and stepped in this process under a fake process group."""
+
+    rank: int | None = None
+    """Global rank to build (0 to world size - 1); null: the busiest one the plan names (the first rank of the
+    first pipeline stage, which holds the most microbatches in flight)."""
+    steps: int = 3
+    """Optimiser steps to run (forward, backward and step of every micro-batch): the first two under the byte
+    counter (the first allocates the optimiser's state), the others timed (with fewer, the counted ones are)."""
+
+
+@dataclass
 class TrainConfig:
     """Schema of a whole run. ``model``, ``data`` and ``optim`` are checked against their registry schema."""
 
@@ -222,9 +234,13 @@ class TrainConfig:
     """Extra Lightning callbacks to instantiate (each a ``_target_`` node)."""
     mode: str = "train"
     """train: fit, then test; plan: print the plan of this config per rank (memory, communication, pipeline
-    bubble, predicted step time and energy), write plan.json, and stop without training."""
+    bubble, predicted step time and energy), write plan.json, and stop without training; dryrun: build one rank
+    of the layout here under a fake process group, run a few real steps on it, and print and write (dryrun.json)
+    its measured peak memory and step time beside the plan's."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """The planner's hardware profile and options."""
+    dryrun: DryRunConfig = field(default_factory=DryRunConfig)
+    """Which rank ``mode=dryrun`` builds and how many steps it runs."""
     plots: bool = True
     """Draw the run's pictures into ``plots/`` after training (loss curves, where the wall time went); needs
     matplotlib, and the CSV logger for the loss curves."""

@@ -213,15 +213,18 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
                           "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
     if top.resume not in (None, "auto"):
         top.resume = checkpoint_folder(top.resume)
-    if top.mode not in ("train", "plan"):
-        raise ConfigError("mode", top.mode, "train (fit and test) or plan (print the plan and stop)")
+    if top.mode not in ("train", "plan", "dryrun"):
+        raise ConfigError("mode", top.mode, "train (fit and test), plan (print the plan and stop) or dryrun (run "
+                          "one rank of the layout here and hold it against the plan)")
+    if top.dryrun.steps < 1:
+        raise ConfigError("dryrun.steps", top.dryrun.steps, "1 or more optimiser steps")
     return notices
 
 
 def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) -> list[str]:
     """``trainer.precision=auto``: the planner's choice for a plan (its model may not fit here to be measured),
     else bf16 where this device computes it natively and measures faster; the notice that says which."""
-    if top.mode == "plan":
+    if top.mode in ("plan", "dryrun"):  # a dry run is held against the plan: both take its precision
         from disttrain.plan.hardware import resolve_profile
         from disttrain.plan.planner import planned_precision
 

@@ -133,10 +133,10 @@ def _train_and_report(cfg: DictConfig) -> float | None:
 
 def _may_start_ranks(cfg: DictConfig) -> bool:
     """Whether to start the fork server before validation: this job will likely start worker ranks (more than
-    one rank, no outside launcher, not a plan), and validation times nothing that the server's imports would
-    slow (``trainer.precision=auto`` and ``parallel=auto`` measure this machine). A guess from the raw config,
-    made before the imports that validation needs."""
-    if "LOCAL_RANK" in os.environ or OmegaConf.select(cfg, "mode") == "plan":
+    one rank, no outside launcher, not a plan or a dry run), and validation times nothing that the server's
+    imports would slow (``trainer.precision=auto`` and ``parallel=auto`` measure this machine). A guess from the
+    raw config, made before the imports that validation needs."""
+    if "LOCAL_RANK" in os.environ or OmegaConf.select(cfg, "mode") in ("plan", "dryrun"):
         return False
     parallel, devices = OmegaConf.select(cfg, "parallel.name"), OmegaConf.select(cfg, "trainer.devices")
     if parallel == "auto" or OmegaConf.select(cfg, "trainer.precision") == "auto":

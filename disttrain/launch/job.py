@@ -59,6 +59,11 @@ def train(cfg: DictConfig) -> float | None:
 
         print_plan(run)
         return None
+    if run.train.mode == "dryrun":
+        from disttrain.plan.dryrun import dry_run
+
+        dry_run(run)
+        return None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(run.yaml)
     resolved_path = run_dir / RESOLVED_FILE  # what the ranks read

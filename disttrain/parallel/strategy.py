@@ -28,13 +28,14 @@ from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.lightning_internals import join_process_group, optimizers_to_device, set_device_mesh
 from disttrain.models.lora import initial_adapter_sources
-from disttrain.parallel.apply import apply_parallelism, backward_sync_disabled
+from disttrain.parallel.apply import backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
-from disttrain.parallel.context import SequenceSplit, apply_context_parallel, sequence_split_of
+from disttrain.parallel.context import SequenceSplit, sequence_split_of
 from disttrain.parallel.dims import MESH_DIM_NAMES
+from disttrain.parallel.lay_out import lay_out
 from disttrain.parallel.layout import Layout
-from disttrain.parallel.pipeline.runtime import PipelineSlot, build_pipeline
+from disttrain.parallel.pipeline.runtime import PipelineSlot
 from disttrain.parallel.pretrained import load_pretrained
 
 OptimizerWrap = Callable[[torch.optim.Optimizer, "DistTrainStrategy"], torch.optim.Optimizer]
@@ -147,24 +148,10 @@ class DistTrainStrategy(ModelParallelStrategy):
             conversion = converting() if folder is not None and callable(converting) else None
             adapters = initial_adapter_sources(task.net) if folder is not None else None
             materialize = getattr(task.net, "materialize", None) if _on_meta(task.net) else None
-            # FSDP2 shards a model still on the meta device, so each rank allocates only its shards; every other
-            # layout is allocated whole first (DDP broadcasts, stages are cut from the whole model)
-            shards_on_meta = self.layout.wrapper == "fsdp"
-            if materialize is not None and not shards_on_meta:
-                materialize(self.root_device)
-            if self.sequence_split is not None:
-                apply_context_parallel(task.net, self.sequence_split)
-            slot = self.hooks.pipeline
-            if slot is not None:
-                task.net, slot.pipeline = build_pipeline(task.net, self.device_mesh, self.layout, self.parallel,
-                                                         self.root_device, slot.loss_fn, slot.example_input)
-            else:
-                task.net = apply_parallelism(
-                    task.net, self.device_mesh, self.layout, self.root_device, self.parallel, self.precision,
-                    self.sync_batchnorm, self.comm, self.comm_counter, self.comm_state, self.compile_mode,
-                )
-            if materialize is not None and shards_on_meta:
-                materialize(self.root_device)
+            task.net = lay_out(task.net, self.device_mesh, self.layout, self.parallel, self.root_device,
+                               materialize, self.sequence_split, self.hooks.pipeline, precision=self.precision,
+                               sync_batchnorm=self.sync_batchnorm, comm=self.comm, counter=self.comm_counter,
+                               exchange=self.comm_state, compile_mode=self.compile_mode)
             if folder is not None:
                 load_pretrained(task.net, folder, conversion, adapters)
             self._parallelised = True

@@ -37,6 +37,7 @@ from disttrain.plan.memory import (
     activations,
     activations_by_length,
     model_state,
+    root_transient,
     state_peak,
     transient,
 )
@@ -226,7 +227,11 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
     memory["activations"] = acts.peak
     memory["transient"] = transient(stats, layout, state)
     phases = state_peak(params, layout, state, experts)
-    phases["after_forward"] += memory["activations"] + memory["transient"]
+    # a block's gathered unit comes with its backward, the gathered embedding and head with the head's, and
+    # neither with the loss's
+    outside = root_transient(stats, layout, state)
+    phases["after_forward"] += max(acts.at_start, acts.at_head + outside, acts.in_backward + memory["transient"])
+    memory["transient"] = max(memory["transient"], outside)
     if acts.first_block is not None:
         first = sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
                     if within(stats.param_unit[name], acts.first_block))

@@ -4,6 +4,7 @@ share of the sequence), and short-lived buffers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from disttrain.plan.layout import Layout, StateBytes, policy_of_units, unit_on_rank, within
@@ -49,13 +50,18 @@ def sharded_params(params: float, layout: Layout, experts: float = 0.0) -> float
 
 def state_peak(params: float, layout: Layout, state: StateBytes, experts: float = 0.0) -> dict[str, float]:
     """Model state at the two moments it peaks: after forward (ZeRO-2 holds whole parameters; gradients exist
-    only while accumulating) and after backward (ZeRO-2 has resharded; every gradient exists)."""
+    only while accumulating, in a 1F1B pipeline's steady state, and always under DDP, whose buckets hold them) and
+    after backward (ZeRO-2 has resharded; every gradient exists)."""
     terms = model_state(params, layout, state, experts)
     if layout.keeps_gathered_parameters and state.zero2_keeps_shards:
         resharded = sharded_params(params, layout, experts) * state.param
     else:
         resharded = terms["params"]
-    carried = terms["grads"] if layout.accumulation > 1 else 0.0
+    # DDP's gradients are views of its buckets (``gradient_as_bucket_view``), which live from its construction on:
+    # setting gradients to None frees no bucket, so they are there during forward too
+    # and a pipeline stage past its first backward (1F1B) keeps microbatches in flight beside its gradients
+    steady = layout.pp > 1 and layout.schedule != "gpipe" and layout.microbatches > 1
+    carried = terms["grads"] if layout.accumulation > 1 or layout.wrapper == "ddp" or steady else 0.0
     return {"after_forward": terms["params"] + carried + terms["optimizer"],
             "after_backward": resharded + terms["grads"] + terms["optimizer"]}
 
@@ -79,6 +85,15 @@ class ActivationBytes:
     block's gradients exist by then: under checkpointing this moment can be the step's peak."""
     first_block: str | None = None
     """That block (None: the rank has no blocks)."""
+    at_start: float = 0.0
+    """As backward starts: what is held and the gradient of the output (the loss's backward)."""
+    at_head: float = 0.0
+    """Once the loss's backward is done, as the head's starts: what is held and the gradient of the output alone
+    (ZeRO-3 gathers the parameters outside the blocks for it, ``root_transient``)."""
+    in_backward: float = 0.0
+    """At their largest after that, while backward runs through the blocks: the moments ZeRO-2/3's gathered unit
+    and its unreduced gradients come on top of (``transient``); the loss's backward runs on the root's parameters,
+    which stay gathered, and no block's are."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
@@ -186,9 +201,10 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     before_blocks = sum(saved for unit, saved in stats.saved_bytes.items()
                         if unit not in blocks and unit not in after_blocks and unit_on_rank(stats, unit, units))
     in_first_block = (before_blocks + first_block_bytes + exchange) * share + copies_held - copies_outside
-    return ActivationBytes(held * share + copies_held,
-                           max(start, in_blocks, in_attention + copies_held - copies_outside),
-                           in_first_block, first_block)
+    later = max(in_blocks, in_attention + copies_held - copies_outside)
+    at_head = (held + (stats.output_bytes if last_stage else 0)) * share + copies_held
+    return ActivationBytes(held * share + copies_held, max(start, later), in_first_block, first_block, start, at_head,
+                           later)
 
 
 def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:
@@ -229,11 +245,28 @@ def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
     if not layout.shards_gradients:
         return 0.0
     units = stats.shard_units or [ROOT]
-
-    def whole(name: str, n: int) -> float:  # a rank gathers its tp share, and its own experts only
-        return n / (layout.tp if stats.tp_sharded.get(name) else 1) / (layout.ep if name in stats.expert_params else 1)
-
-    largest = max(sum(whole(name, n) for name, n in stats.param_numel.items() if within(stats.param_unit[name], u))
-                  for u in units)
+    largest = max(sum(_gathered(stats, layout, name, n) for name, n in stats.param_numel.items()
+                      if within(stats.param_unit[name], u)) for u in units)
     gathered = 2 * largest * state.param if layout.reshards_after_forward else 0.0
     return gathered + largest * state.grad
+
+
+def root_transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
+    """Under ZeRO-3 without a pipeline, what the head's backward runs beside: the parameters outside the blocks
+    (the embedding, the head: one FSDP2 unit), gathered again once the output's gradient exists, and the head's
+    whole gradient before its reduce-scatter. With a large vocabulary they outweigh every block (0 under other
+    layouts)."""
+    if not layout.reshards_after_forward or layout.pp > 1 or not stats.shard_units:
+        return 0.0
+    outside = [_gathered(stats, layout, name, n) for name, n in stats.param_numel.items()
+               if not any(within(stats.param_unit[name], unit) for unit in stats.shard_units)]
+    return sum(outside) * state.param + max(outside, default=0.0) * state.grad
+
+
+def _gathered(stats: ModelStats, layout: Layout, name: str, n: int) -> float:
+    """Elements of parameter ``name`` (``n`` whole) a rank gathers: its tp share, its own experts only, with the
+    rows FSDP2 pads to a multiple of the shard ranks (a small matrix gathered over many ranks is mostly padding)."""
+    n = n / (layout.tp if stats.tp_sharded.get(name) else 1) / (layout.ep if name in stats.expert_params else 1)
+    rows = stats.param_rows.get(name, 0)
+    shards = layout.expert_state_shards if name in stats.expert_params else layout.state_shards
+    return n * math.ceil(rows / shards) * shards / rows if rows else n

@@ -145,6 +145,10 @@ class ModelStats:
     """Frozen parameter name -> bytes per element it is held in (a LoRA run's base weights, at
     ``model.lora.base_dtype``): no gradient, no optimiser state."""
 
+    param_rows: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> its first dimension, along which FSDP2 shards it (padded to a multiple of the shard
+    ranks: every rank holds as many rows, and a gathered unit has that many rows per rank)."""
+
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
         """Unit name -> the forward operators selective checkpointing runs again in backward (all but
@@ -279,7 +283,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0],
                       _document_mask_bytes(net),
                       {name: p.element_size() for name, p in net.named_parameters()
-                       if name in param_numel and not p.requires_grad})
+                       if name in param_numel and not p.requires_grad},
+                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel})
 
 
 def _document_mask_bytes(net: nn.Module) -> int:

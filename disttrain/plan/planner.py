@@ -195,20 +195,27 @@ def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, bat
                       f"({layout.describe()}): {est.overflow()}{hint}")
 
 
-def print_plan(run: Any) -> Estimate:
-    """``mode=plan``: print the plan of a validated run, write plan.json (and its picture); return it."""
-    from pathlib import Path
-
+def plan_of_run(run: Any) -> tuple[Estimate, HardwareProfile, PlanInputs]:
+    """The plan of a validated run: its estimate, the profile it is for and what it measured of the model."""
     from disttrain.parallel.model_checks import model_on_meta
     from disttrain.plan.hardware import resolve_profile
-    from disttrain.plan.report import render, write_plan
 
     cfg = run.train
     profile = resolve_profile(cfg.plan.profile, cfg.plan.memory_gb)
     net = model_on_meta(run.model, run.datamodule.spec)
     inputs = plan_inputs(net, run.datamodule.spec, run.batch.micro_size, cfg.parallel, run.optim,
                          planned_precision(cfg.trainer.precision, profile), profile)
-    est = inputs.estimate(layout_of(run.layout, cfg.parallel, run.batch))
+    return inputs.estimate(layout_of(run.layout, cfg.parallel, run.batch)), profile, inputs
+
+
+def print_plan(run: Any) -> Estimate:
+    """``mode=plan``: print the plan of a validated run, write plan.json (and its picture); return it."""
+    from pathlib import Path
+
+    from disttrain.plan.report import render, write_plan
+
+    cfg = run.train
+    est, profile, inputs = plan_of_run(run)
     print(render(est, profile, inputs.stats.params, run.model.name, inputs.stats), flush=True)
     for path in write_plan(est, profile, Path(cfg.run_dir), cfg.plots):
         print(f"wrote {path}")

@@ -58,6 +58,10 @@ class Pipeline:
     """Times the actions of a recorded step (``pipeline.timeline``, on the pipeline of global rank 0)."""
     documents: MicroBatchDocuments | None = None
     """The document ids of each micro-batch, for a model whose windows are packed documents (None: not packed)."""
+    stages: list[PipelineStage] = field(default_factory=list)
+    """This rank's stages, in schedule order (``mode=dryrun`` runs their modules without the schedule)."""
+    stage_inputs: list[torch.Tensor] = field(default_factory=list)
+    """The input of one microbatch for each of ``stages``, on the meta device (its shape and dtype)."""
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool,
             record: bool = False) -> tuple[torch.Tensor, Any] | None:
@@ -183,7 +187,8 @@ def build_pipeline(
                               num_stages=num_stages, pp=layout.pp) \
         if options.timeline and records_on(pp_group) else None
     return owned, Pipeline(schedule, 0 in indices, num_stages - 1 in indices, pp_group, recorder=recorder,
-                           documents=chunks)
+                           documents=chunks, stages=stages,
+                           stage_inputs=[examples[i].detach().to("meta") for i in indices])
 
 
 def checkpoint_stage_blocks(model: nn.Module, stages: list[nn.Module], layout: Layout,

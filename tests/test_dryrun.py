@@ -1,0 +1,148 @@
+"""``mode=dryrun``: one rank of a layout of 8 to 512 ranks built in this process under torch's fake process group,
+stepped, and held against the plan (memory per rank within 5%), and the byte counter it measures with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.config.validation import validate
+from disttrain.errors import ConfigError
+from disttrain.plan.dryrun import RESULT_FILE, check_runs_here, dry_run
+from disttrain.plan.measure import LiveStorages
+from tests.conftest import compose_config
+
+TINY_LLAMA = ["model=llama", "model.flavour=micro", "data=synthetic_tokens", "data.vocab_size=512",
+              "data.block_size=32", "plan.profile=h100_sxm", "dryrun.steps=2"]
+"""A Llama of 2 layers, width 32, on sequences of 32 tokens of a 512-token vocabulary."""
+
+LAYOUTS = {
+    # width 512: every matrix has a row per shard rank (FSDP2 pads rows to a multiple of them)
+    "zero3 on 512": ["parallel=zero3", "trainer.devices=8", "trainer.num_nodes=64", "batch.global_size=512",
+                     "model.n_embd=512", "model.n_head=8", "model.n_kv_head=4"],
+    "zero3 on 64": ["parallel=zero3", "trainer.devices=8", "trainer.num_nodes=8", "batch.global_size=512"],
+    # a head and embedding larger than a block: the loss's backward runs beside them, gathered
+    "zero3 on 64, vocabulary 8192": ["parallel=zero3", "trainer.devices=8", "trainer.num_nodes=8",
+                                     "batch.global_size=64", "data.vocab_size=8192"],
+    "ddp on 512": ["parallel=ddp", "trainer.devices=8", "trainer.num_nodes=64", "batch.global_size=512"],
+    "hsdp 2x16": ["parallel=hsdp", "trainer.devices=8", "trainer.num_nodes=4", "batch.global_size=256"],
+    "tp2 x zero3 on 64": ["parallel=hybrid", "parallel.tp=2", "trainer.devices=8", "trainer.num_nodes=8",
+                          "batch.global_size=256"],
+    "ddp on 8": ["parallel=ddp", "trainer.devices=8", "batch.global_size=64"],
+    "zero1 on 8": ["parallel=zero1", "trainer.devices=8", "batch.global_size=64"],
+    "zero3 full checkpointing": ["parallel=zero3", "trainer.devices=8", "batch.global_size=64",
+                                 "parallel.activation_checkpoint=full"],
+    "zero3 selective checkpointing": ["parallel=zero3", "trainer.devices=8", "batch.global_size=64",
+                                      "parallel.activation_checkpoint=selective"],
+    "zero3 x cp2 on 8": ["parallel=zero3", "parallel.cp=2", "trainer.devices=8", "batch.global_size=32"],
+    "moe ep4 x zero3 on 64": ["model=moe", "model.flavour=micro", "parallel=zero3", "parallel.ep=4",
+                              "trainer.devices=8", "trainer.num_nodes=8", "batch.global_size=512"],
+    # the first stage's microbatches run in the schedule's order (torch's schedules cannot run under a fake group)
+    "pipeline 1f1b": ["parallel=pipeline", "trainer.devices=2", "batch.global_size=8", "model.n_layer=4"],
+    "pipeline gpipe": ["parallel=pipeline", "trainer.devices=2", "batch.global_size=8", "model.n_layer=4",
+                       "parallel.pipeline.schedule=gpipe"],
+}
+"""Layouts dry-run in the default suite, with what they are called."""
+
+
+def _dry_run(overrides: list[str], run_dir: Path) -> dict:
+    return dry_run(validate(compose_config([*TINY_LLAMA, "mode=dryrun", *overrides], run_dir)))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_dry_run_holds_the_memory_the_plan_predicts_for_its_rank(layout: str, tmp_path: Path) -> None:
+    result = _dry_run(LAYOUTS[layout], tmp_path)
+    # measured here (measured / planned): zero3 on 512 1.04, zero3 on 64 1.00 (vocabulary 8192 1.00), ddp on 512
+    # 1.00, hsdp 1.00, tp x zero3 0.99, ddp 1.00, zero1 1.02, zero3 with full checkpointing 1.00, selective 1.00,
+    # zero3 x cp2 0.96, moe ep4 x zero3 1.03, pipeline 1f1b 1.02, gpipe 1.00
+    assert result["measured_peak_bytes"] == pytest.approx(result["planned_peak_bytes"], rel=0.05), result
+
+
+def test_a_dry_run_writes_its_figures_and_says_communication_is_absent(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    result = _dry_run(["parallel=zero3", "trainer.devices=8", "trainer.num_nodes=64", "batch.global_size=512"],
+                      tmp_path)
+    written = json.loads((tmp_path / RESULT_FILE).read_text())
+    assert written == json.loads(json.dumps(result))
+    assert written["rank"] == 0 and written["world_size"] == 512
+    assert {"measured_peak_bytes", "planned_peak_bytes", "measured_step_s", "planned_compute_s", "fits"} <= set(written)
+    assert set(written["measured_moments_bytes"]) == {"after_forward", "after_backward", "after_step"}
+    out = capsys.readouterr().out
+    assert "rank 0 of 512" in out and "communication: absent by construction" in out
+
+
+def test_another_rank_and_a_rank_outside_the_world(tmp_path: Path) -> None:
+    result = _dry_run(["parallel=zero3", "trainer.devices=8", "batch.global_size=64", "dryrun.rank=7"], tmp_path)
+    assert result["rank"] == 7
+    with pytest.raises(ConfigError, match=r"dryrun.rank=8 is invalid: a rank of this layout's 8"):
+        _dry_run(["parallel=zero3", "trainer.devices=8", "batch.global_size=64", "dryrun.rank=8"], tmp_path)
+
+
+def test_a_rank_this_machine_cannot_hold_is_refused_with_what_it_needs(tmp_path: Path) -> None:
+    run = validate(compose_config([*TINY_LLAMA, "mode=dryrun", "parallel=zero3", "trainer.devices=8",
+                                   "batch.global_size=64"], tmp_path))
+    from disttrain.plan.planner import plan_of_run
+
+    est = plan_of_run(run)[0]
+    with pytest.raises(ConfigError, match=r"mode='dryrun' is invalid: .*peak at .* is available here"):
+        check_runs_here(est, 0.0, 0, int(est.total_bytes) - 1)
+    check_runs_here(est, 0.0, 0, int(est.total_bytes) + 1)
+
+
+def test_the_counter_counts_a_dtensors_shard_not_the_whole_tensor() -> None:
+    """A mode sees a DTensor's operator once, on the DTensor, whose own storage has the whole tensor's size."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (8,))
+        whole = distribute_tensor(torch.ones(64, 16), mesh, [Shard(0)])
+        with LiveStorages() as live:
+            kept = torch.zeros_like(whole)
+        assert live.live == 8 * 16 * 4 == kept.to_local().untyped_storage().nbytes()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_counter_follows_storages_resized_in_place() -> None:
+    """FSDP2 frees and allocates its gathered parameters by resizing their storages, which no operator shows."""
+    with LiveStorages(follow_resizes=True) as live:
+        buffer = torch.empty(1024)
+        buffer.untyped_storage().resize_(0)
+        first = torch.zeros(1)  # any operator: the counter looks again
+        assert live.live == 4
+        buffer.untyped_storage().resize_(4096)
+        second = torch.zeros(1)
+        assert live.live == 4096 + 8
+    assert live.peak == 4096 + 8
+    del first, second
+
+
+def test_experts_under_a_fake_group_receive_as_many_rows_as_they_send() -> None:
+    """torch's fake group fills a collective's output from this rank's own input, as if every rank routed its tokens
+    as this one: the counts all-to-all gives the sizes balanced routing gives, whatever the receive buffer held."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from disttrain.parallel.experts import ExpertParallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        exchange = ExpertParallel(dist.group.WORLD, 0, 2)
+        counts = torch.tensor([3, 1, 2, 2])  # rows for experts 0-3; experts 2 and 3 live on the other rank
+        seen = []
+
+        def compute(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            seen.append(local_counts.tolist())
+            return rows
+
+        assert exchange.exchange(torch.ones(8, 4), counts, compute).shape == (8, 4)
+        assert seen == [[5, 3]]
+    finally:
+        dist.destroy_process_group()
