@@ -62,7 +62,8 @@ def test_a_phase_too_short_to_matter_is_not_named():
                        row(forward=40, optimiser=0.5)], 1.2) == {}
 
 
-@pytest.mark.parametrize("preset,phase", [("ddp", "data"), ("ddp", "backward"), ("zero3", "data")])
+@pytest.mark.parametrize("preset,phase", [("ddp", "data"), ("ddp", "backward"), ("zero3", "data"),
+                                          ("zero3", "backward")])
 def test_a_slowed_rank_is_named_with_its_phase_within_three_windows(tmp_path, preset, phase):
     section, out, lines = run(tmp_path, f"parallel={preset}", *slowed(1, phase))
     assert [(entry["rank"], entry["phase"]) for entry in section["named"]] == [(1, phase)]

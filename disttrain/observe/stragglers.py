@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from disttrain.observe.collectives import RECORDER
+
 PHASES = ("data", "forward", "backward", "collectives", "optimiser")
 """A step's phases in the order they run: ``data`` from the end of the previous step to the start of this one
-(the loader's fetch and the loop between steps), ``forward`` to the loss, ``backward`` to this rank's last
-gradient, ``collectives`` from there to the end of the backward (waiting for the other ranks' gradients under
-DDP; under FSDP2 its collectives run inside ``backward``), ``optimiser`` to the end of the step (clipping, the
-update, the schedule)."""
+(the loader's fetch and the loop between steps), ``forward`` to the loss, ``backward`` to the gradients,
+``optimiser`` to the end of the step (clipping, the update, the schedule); ``collectives``: the time in any of
+them blocked in a recorded collective (``disttrain.observe.collectives``), and under DDP from the rank's last
+gradient to the end of its backward (the exchange DDP makes from C++, waiting for the other ranks)."""
+COLLECTIVES = PHASES.index("collectives")
 WAITING = ("collectives",)
 """Phases in which a rank waits for the others: never the phase a straggler is named for."""
 COLUMNS = (*PHASES, "step")
@@ -93,14 +96,19 @@ class StragglerDetector(pl.Callback):
         self._streaks: dict[int, tuple[int, int, str, float]] = {}  # rank -> (windows, since step, phase, factor)
         self._last = 0.0
         self._gradient_at = 0.0  # when this rank's backward last accumulated a gradient
+        self._blocked = 0.0  # the recorder's blocked seconds at the last mark
         self._step_at_end = 0
         self._timing = False
 
     # ---- the phase clock: one clock read per hook ----
-    def _mark(self, phase: int) -> None:
-        now = time.perf_counter()
-        self._window[phase] += now - self._last
-        self._last = now
+    def _mark(self, phase: int, now: float | None = None) -> None:
+        """Close ``phase`` at ``now`` (default: the clock now); its time blocked in recorded collectives goes to
+        the ``collectives`` phase."""
+        now = time.perf_counter() if now is None else now
+        blocked = RECORDER.blocked_s - self._blocked
+        self._window[phase] += now - self._last - blocked
+        self._window[COLLECTIVES] += blocked
+        self._last, self._blocked = now, RECORDER.blocked_s
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Learn every rank's host (one gather, before the first step); one rank has nobody to compare with."""
@@ -124,7 +132,7 @@ class StragglerDetector(pl.Callback):
         if self._timing:
             self._mark(0)
         else:
-            self._last = time.perf_counter()
+            self._last, self._blocked = time.perf_counter(), RECORDER.blocked_s
 
     def on_before_backward(self, *_: Any) -> None:
         """The loss exists."""
@@ -136,11 +144,10 @@ class StragglerDetector(pl.Callback):
         """The gradients exist: this rank's own backward ended at its last gradient, the rest was waiting."""
         if not self.active:
             return
-        if self._gradient_at > self._last:
-            self._window[2] += self._gradient_at - self._last
-            self._last = self._gradient_at
-            self._mark(3)
-        else:  # no gradient hook fired (FSDP2 fills its sharded gradients itself): all of it is the backward
+        if self._gradient_at > self._last:  # DDP's exchange is made from C++, unrecorded: the wait after it
+            self._mark(2, self._gradient_at)
+            self._mark(COLLECTIVES)
+        else:  # no gradient hook fired (FSDP2 fills its sharded gradients itself, in recorded collectives)
             self._mark(2)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -170,7 +177,7 @@ class StragglerDetector(pl.Callback):
         self._window_steps = 0
         if trainer.global_rank == 0:
             self._judge_window(gathered.cpu().view(trainer.world_size, len(COLUMNS)), first_step, trainer.global_step)
-        self._last = time.perf_counter()  # the exchange and the judging belong to no step's phase
+        self._last, self._blocked = time.perf_counter(), RECORDER.blocked_s  # the exchange belongs to no phase
 
     def _judge_window(self, table: torch.Tensor, first_step: int, step: int) -> None:
         self._totals = table if self._totals is None else self._totals + table

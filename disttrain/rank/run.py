@@ -25,6 +25,7 @@ from disttrain.fault.steps import StepAgreement, StepDecisions
 from disttrain.fault.stops import NonFiniteStep, Preempted
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
+from disttrain.observe.collectives import RECORDER
 from disttrain.observe.stragglers import StragglerDetector
 from disttrain.parallel.process_group import shutdown_process_group
 from disttrain.rank.callbacks import ThroughputMeter
@@ -64,6 +65,7 @@ def run_rank(run: RunConfig) -> float | None:
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
     watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
     kind = None
+    RECORDER.install()  # the last collective entered, for a hang's report; the time blocked in them, for stragglers
     reset_device_memory_peak()
     torch.set_float32_matmul_precision(cfg.trainer.matmul_precision)  # resolved before ranks start (never auto)
     try:
@@ -124,6 +126,7 @@ def run_rank(run: RunConfig) -> float | None:
         return results["objective"]
     finally:
         watchdog.stop()
+        RECORDER.uninstall()
         if kind is not None:
             kind.close()
         shutdown_process_group()
