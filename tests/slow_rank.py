@@ -10,8 +10,8 @@ import torch
 
 
 class SlowRank(pl.Callback):
-    """Sleep ``seconds`` per step on ``rank``: between steps, where the next batch is fetched (``data``), or inside
-    the backward of the model's first block (``backward``)."""
+    """Sleep ``seconds`` per step on ``rank`` (-1: every rank): between steps, where the next batch is fetched
+    (``data``), or inside the backward of the model's first block (``backward``)."""
 
     def __init__(self, rank: int, phase: str, seconds: float) -> None:
         if phase not in ("data", "backward"):
@@ -25,5 +25,5 @@ class SlowRank(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         # after the detector's own end of the step (user callbacks come after it): the next batch's fetch
-        if trainer.global_rank == self.rank and self.phase == "data":
+        if self.rank in (trainer.global_rank, -1) and self.phase == "data":
             time.sleep(self.seconds)

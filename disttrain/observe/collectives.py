@@ -72,7 +72,9 @@ class _TimedWork(dist.Work):
         return self._work.is_completed()
 
     def get_future(self) -> Any:  # noqa: D102 - dist.Work's
-        return self._work.get_future()
+        future = self._work.get_future()
+        future.add_done_callback(lambda _: setattr(self._call, "done", True))  # a comm hook's: never waited on
+        return future
 
     def result(self) -> Any:  # noqa: D102 - dist.Work's
         return self._work.result()
@@ -89,13 +91,14 @@ class CollectiveRecorder:
         self.blocked_s = 0.0
         """Seconds spent inside blocking calls and in the ``wait()`` of asynchronous ones."""
         self._originals: dict[str, Any] = {}
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
+        """The training thread: its calls are recorded."""
 
     def install(self) -> None:
         """Wrap the functions (once) for the calling thread's calls."""
         if self._originals:
             return
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         for name in WRAPPED:
             original = getattr(dist, name, None)
             if original is not None:
@@ -111,7 +114,7 @@ class CollectiveRecorder:
     def _wrap(self, kind: str, original: Any) -> Any:
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self._owner:  # a helper thread's (an async checkpoint's) calls
+            if threading.get_ident() != self.owner:  # a helper thread's (an async checkpoint's) calls
                 return original(*args, **kwargs)
             tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             self.seq += 1

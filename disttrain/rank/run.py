@@ -26,6 +26,7 @@ from disttrain.fault.stops import NonFiniteStep, Preempted
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
 from disttrain.observe.collectives import RECORDER
+from disttrain.observe.hang import REPORTS_FOLDER
 from disttrain.observe.stragglers import StragglerDetector
 from disttrain.parallel.process_group import shutdown_process_group
 from disttrain.rank.callbacks import ThroughputMeter
@@ -63,7 +64,7 @@ def run_rank(run: RunConfig) -> float | None:
     agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints",
                               defers=cfg.fault_tolerance.nan_check == "next_step")
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
-    watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
+    watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s, Path(cfg.run_dir) / "logs" / REPORTS_FOLDER)
     kind = None
     RECORDER.install()  # the last collective entered, for a hang's report; the time blocked in them, for stragglers
     reset_device_memory_peak()
