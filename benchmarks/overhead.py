@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --flavour cnn --global-batch 64 --steps 320 --repeats 3   # the digits CNN
     python benchmarks/overhead.py --flavour linear --global-batch 64 --steps 2000 --repeats 5   # the loops' own cost
     python benchmarks/overhead.py --device cuda --flavour mini --global-batch 64   # on GPUs (2 ranks: 2+ GPUs)
+    python benchmarks/overhead.py --stragglers --flavour nano --steps 300 --repeats 3   # the straggler detector's cost
 
 Runs, in one process tree and one after the other: disttrain single-process, a plain loop
 single-process, disttrain DDP on 2 ranks and a plain DDP loop on 2 ranks. The plain loops read each step's
@@ -96,6 +97,62 @@ def disttrain_results(flavour: str, steps: int, global_batch: int, device: str =
         return json.loads((Path(run_dir) / "results.json").read_text())
 
 
+def straggler_detector_cost(flavour: str, steps: int, global_batch: int, repeats: int, device: str) -> None:
+    """disttrain on 2 ranks (DDP) with the straggler detector on and off (``observe.stragglers``), alternating, at
+    the default logging interval (10 steps, so the detector exchanges every 10 steps): a table and the headline
+    ratio."""
+    extra = ("trainer.log_every_n_steps=10",)
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for detector in (False, True):
+            runs[detector].append(disttrain_in_this_process(flavour, steps, global_batch, device, 2, "ddp",
+                                                            (*extra, f"observe.stragglers={str(detector).lower()}")))
+    print(f"\nCPU: {cpu_model()}; {workload_name(flavour)}, global batch {global_batch}, 2 ranks (DDP), {steps} "
+          f"steps, logging every 10, {repeats} alternating runs of each side, torch {torch.__version__}\n")
+    print("| straggler detector | steps/s (median) |\n|---|---:|")
+    for detector in (False, True):
+        print(f"| {'on' if detector else 'off'} | {statistics.median(runs[detector]):.2f} |")
+    hooks_us, per_gradient_us = detector_hooks_us()
+    step_us = 1e6 / statistics.median(runs[False])
+    print(f"\nstraggler detector on / off steps/s, paired by repeat: {paired(runs[True], runs[False])}; time it adds "
+          f"per step: {added_time(runs[True], runs[False])}. Its hooks alone, timed in one process: {hooks_us:.1f} us "
+          f"per step + {per_gradient_us:.2f} us per gradient tensor ({1e2 * hooks_us / step_us:.3f}% of this "
+          "workload's step before the gradients)")
+
+
+def detector_hooks_us(steps: int = 20000, gradients: int = 100) -> tuple[float, float]:
+    """Microseconds the detector's hooks take per step (its clock reads and bookkeeping, the exchange left out),
+    and per gradient its backward hook sees; the fastest of 5 timings."""
+    import time
+    from types import SimpleNamespace
+
+    from disttrain.observe.stragglers import StragglerDetector
+
+    detector = StragglerDetector(1.2, 2, 10**12, Path(tempfile.gettempdir()))  # no window ends: no exchange
+    detector.active = detector._timing = True
+    trainer = SimpleNamespace(global_step=0)
+
+    def one_step(gradients: int) -> None:
+        detector.on_train_batch_start(trainer)
+        detector.on_before_backward()
+        for _ in range(gradients):
+            detector._gradient_accumulated(None)
+        detector.on_after_backward()
+        trainer.global_step += 1
+        detector.on_train_batch_end(trainer)
+
+    timings = {}
+    for count in (0, gradients):
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(steps):
+                one_step(count)
+            best = min(best, time.perf_counter() - started)
+        timings[count] = 1e6 * best / steps
+    return timings[0], (timings[gradients] - timings[0]) / gradients
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -107,11 +164,16 @@ def main() -> None:
                         help="alternating runs of each side; ratios are the median of the repeats' own")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: a GPU per rank (the 2-rank row needs 2 GPUs)")
+    parser.add_argument("--stragglers", action="store_true",
+                        help="measure only the straggler detector's cost: disttrain on 2 ranks with it on and off")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("Error: --device cuda: torch sees no GPU here")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
+    if args.stragglers:
+        straggler_detector_cost(args.flavour, args.steps, args.global_batch, args.repeats, args.device)
+        return
     on = {"device": args.device}
     rows = []
     for devices in (1, 2) if args.device == "cpu" or torch.cuda.device_count() > 1 else (1,):

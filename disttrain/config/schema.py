@@ -20,6 +20,7 @@ from disttrain.comm.config import CommConfig
 from disttrain.config.evaluation import EvalConfig
 from disttrain.fault.config import FaultToleranceConfig
 from disttrain.federated.config import FederatedConfig
+from disttrain.observe.config import ObserveConfig
 from disttrain.parallel.config import ParallelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
@@ -228,6 +229,8 @@ class TrainConfig:
     """lm-evaluation-harness tasks scored on the model as it trains (``eval.tasks``)."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Restarts, hang detection, preemption and non-finite steps."""
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    """Straggler detection: ranks slower than the others, named with their slow phase."""
     logger: dict[str, Any] = field(default_factory=dict)
     """Loggers to instantiate (each a ``_target_`` node)."""
     callbacks: dict[str, Any] = field(default_factory=dict)

@@ -201,6 +201,7 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
                           "false on a CPU run (offloading moves state from GPU memory to the CPU, where it already is)")
     check_trainer(top.trainer)
     top.fault_tolerance.validate(top.parallel.timeout_s)
+    top.observe.validate()
     top.comm.validate()
     if top.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")

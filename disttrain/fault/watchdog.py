@@ -17,18 +17,28 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from disttrain.fault.config import FAILURE_KEY, HUNG_EXIT
+from disttrain.observe.hang import DUMP_KEY, write_report
+
+REPORT_WAIT_BEATS = 3
+"""Beats a rank that found a hang waits for the other ranks' reports before it exits (each rank looks for a
+request once a beat)."""
 
 
 class RankWatchdog(pl.Callback):
     """Publishes this rank's heartbeat and progress; exits the process when another rank is stuck."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, reports: Path | None = None) -> None:
         self.timeout_s = timeout_s
+        self.reports = reports
+        """Where this rank writes its stacks and last collective when a hang is found or the job asks
+        (``disttrain.observe.hang``); None: nowhere."""
+        self._answered = ""  # the newest report request this rank answered
         self.interval_s = min(2.0, max(0.2, timeout_s / 10))
         self._progress = 0
         self._step = 0
@@ -99,8 +109,9 @@ class RankWatchdog(pl.Callback):
                 store.set(self._keys[self.rank], f"{beat} {self._progress} {self._step} {int(done)}")
                 if done:
                     return
-                present = [key for key in self._keys if store.check([key])]
+                present = [key for key in (*self._keys, DUMP_KEY) if store.check([key])]
                 values = dict(zip(present, store.multi_get(present), strict=True)) if present else {}
+                self._answer(values.get(DUMP_KEY, b"").decode(), "asked by the job")
             except Exception as err:  # noqa: BLE001
                 waited = time.monotonic() - asked
                 # torch's error carries C++ frames after its first line
@@ -148,4 +159,28 @@ class RankWatchdog(pl.Callback):
             except Exception:  # noqa: BLE001 - the exit code below is what the launcher acts on
                 pass
         print(f"disttrain: rank {self.rank}: {message}", file=sys.stderr, flush=True)
+        if store is not None and self.reports is not None:
+            self._reports_before_exit(store, message)
         os._exit(HUNG_EXIT)
+
+    def _answer(self, request: str, reason: str) -> None:
+        """Write this rank's report once per request (an empty request: none made)."""
+        if request and request != self._answered and self.reports is not None:
+            self._answered = request
+            try:
+                write_report(self.reports, self.rank, reason)
+            except OSError as err:  # a report is a courtesy; the watching goes on
+                print(f"disttrain: rank {self.rank}: no hang report written ({err})", file=sys.stderr, flush=True)
+
+    def _reports_before_exit(self, store: Any, message: str) -> None:
+        """Ask every rank for its report, write this one's, and give the others a few beats to write theirs: the
+        job stops every rank as soon as this one exits."""
+        try:
+            store.compare_set(DUMP_KEY, "", f"hang {self.rank}")
+            request = store.get(DUMP_KEY).decode()
+        except Exception:  # noqa: BLE001 - the store is gone: this rank's report is all there is
+            request = f"hang {self.rank}"
+        self._answer(request, message)
+        deadline = time.monotonic() + REPORT_WAIT_BEATS * self.interval_s
+        while time.monotonic() < deadline and len(list(self.reports.glob("rank*.json"))) < self.world_size:
+            time.sleep(self.interval_s / 4)

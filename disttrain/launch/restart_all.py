@@ -20,7 +20,16 @@ from disttrain.fault.config import (
     SAVE_FAILED_EXIT,
 )
 from disttrain.fault.stops import Preempted
-from disttrain.launch.supervisor import POLL_S, Failure, RankGroup, RanksStopped, Supervisor, wait_for_an_exit
+from disttrain.launch.supervisor import (
+    POLL_S,
+    Failure,
+    RankGroup,
+    RanksStopped,
+    Supervisor,
+    print_hang_summary,
+    wait_for_an_exit,
+)
+from disttrain.observe.hang import REPORTS_FOLDER
 
 CAUSE_GRACE_S = 2.0
 """How long a rank that only lost contact with the others waits for the failure that caused it to show."""
@@ -158,6 +167,8 @@ class RestartAll(Supervisor):
             diagnosis = None
         if diagnosis is None:
             return Failure(group.attempt, rank, code, None, group.tail(rank))
+        if str(diagnosis.get("cause", "")).startswith("hang"):
+            print_hang_summary(self.log_dir / REPORTS_FOLDER, group.size)
         culprit = diagnosis["rank"] if diagnosis.get("rank") is not None else rank
         found_by = diagnosis["found_by"]
         return Failure(group.attempt, culprit, code, diagnosis["cause"], group.tail(culprit), found_by=found_by,

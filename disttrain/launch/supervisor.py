@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,11 +35,15 @@ from disttrain.fault.config import (
 )
 from disttrain.launch.bookkeeping import keep_record
 from disttrain.launch.fork_server import ForkedRank
+from disttrain.observe.hang import DUMP_KEY, REPORTS_FOLDER
+from disttrain.observe.hang import summary as hang_summary
 
 RankProcess = subprocess.Popen | ForkedRank
 """A running worker rank: forked from the fork server, or a new interpreter where the platform has none."""
 
 POLL_S = 0.2
+REPORT_WAIT_S = 5.0
+"""After SIGUSR2, how long the job waits for every rank's report before it prints what it has."""
 
 
 def wait_for_an_exit(procs: Sequence[RankProcess], timeout: float) -> None:
@@ -116,6 +121,12 @@ def describe_exit(code: int | None) -> str:
     return f"{MEANINGS[code]} (exit {code})" if code in MEANINGS else f"exited with code {code}"
 
 
+def print_hang_summary(folder: Path, world_size: int) -> None:
+    """Print the ranks' reports in ``folder`` as one summary (nothing where no rank wrote one)."""
+    for line in hang_summary(folder, world_size):
+        print(f"disttrain: {line}", file=sys.stderr, flush=True)
+
+
 def threads_per_rank(ranks: int) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for ranks sharing this machine's cores, unless the user set it: each rank's default
     (every core) oversubscribes them, and small steps then spend their time in threads waiting on each other
@@ -184,6 +195,8 @@ class Supervisor(ABC):
         self.max_restarts, self.fork_ranks = max_restarts, fork_ranks
         self.failures: list[Failure] = []
         self._signalled = False
+        self._reports_asked: float | None = None  # when SIGUSR2 asked the ranks for their reports
+        self._requests = 0
 
     def run(self) -> int:
         """Supervise until every group has finished or is down; the number of restarts it took."""
@@ -193,6 +206,8 @@ class Supervisor(ABC):
         forwarded = {sig: signal.getsignal(sig) for sig in PREEMPTION_SIGNALS}
         for sig in forwarded:  # a preemption notice to the job reaches every rank, which save and stop
             signal.signal(sig, self._forward)
+        shutil.rmtree(self.log_dir / REPORTS_FOLDER, ignore_errors=True)
+        forwarded[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, self._ask_reports)
         try:
             for group in self.groups:
                 self._start(group)
@@ -204,6 +219,7 @@ class Supervisor(ABC):
                         self._record(failure)
                         self._recover(group, failure)
                 wait_for_an_exit([proc for group in self.groups if group.running for proc in group.procs], POLL_S)
+                self._print_reports_when_ready()
             return len(self.failures)
         finally:
             for group in self.groups:
@@ -257,6 +273,27 @@ class Supervisor(ABC):
         """Keep ``failure`` in ``logs/restarts.json``."""
         self.failures.append(failure)
         keep_record(self.log_dir / RESTARTS_FILE, json.dumps([asdict(f) for f in self.failures], indent=2))
+
+    def _ask_reports(self, _signum: int, _frame: object) -> None:
+        """SIGUSR2: ask every rank for its stacks and last collective (through the store, which each rank's
+        watchdog reads once a beat); the summary follows once they are written."""
+        folder = self.log_dir / REPORTS_FOLDER
+        shutil.rmtree(folder, ignore_errors=True)
+        self._requests += 1
+        for group in self.groups:
+            if group.store is not None:
+                group.store.set(DUMP_KEY, f"signal {self._requests}")
+        self._reports_asked = time.monotonic()
+
+    def _print_reports_when_ready(self) -> None:
+        if self._reports_asked is None:
+            return
+        world = sum(group.size for group in self.groups)
+        written = len(list((self.log_dir / REPORTS_FOLDER).glob("rank*.json")))
+        if written < world and time.monotonic() - self._reports_asked < REPORT_WAIT_S:
+            return
+        self._reports_asked = None
+        print_hang_summary(self.log_dir / REPORTS_FOLDER, world)
 
     def _forward(self, signum: int, _frame: object) -> None:
         self._signalled = True

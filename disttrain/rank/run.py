@@ -25,6 +25,9 @@ from disttrain.fault.steps import StepAgreement, StepDecisions
 from disttrain.fault.stops import NonFiniteStep, Preempted
 from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
+from disttrain.observe.collectives import RECORDER
+from disttrain.observe.hang import REPORTS_FOLDER
+from disttrain.observe.stragglers import StragglerDetector
 from disttrain.parallel.process_group import shutdown_process_group
 from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.rank.elastic import ElasticResume
@@ -45,6 +48,9 @@ from disttrain.rank.results import (
 from disttrain.rank.trainer import build_trainer
 from disttrain.report.console import quiet_noise
 
+LOCKSTEP_KINDS = ("synchronous", "pipelined")
+"""Kinds of run whose ranks take every step together: a slow rank slows them all, and is named."""
+
 # what a rank sees when another rank died under it: the consequence, not the cause
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "connectFullMesh failed")
 
@@ -58,8 +64,9 @@ def run_rank(run: RunConfig) -> float | None:
     agreement = StepAgreement(cfg.fault_tolerance.nan_policy, Path(cfg.run_dir) / "checkpoints",
                               defers=cfg.fault_tolerance.nan_check == "next_step")
     agreement.install()  # from now on a preemption signal is a request to stop at a step, not an instant death
-    watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s)
+    watchdog = RankWatchdog(cfg.fault_tolerance.hang_timeout_s, Path(cfg.run_dir) / "logs" / REPORTS_FOLDER)
     kind = None
+    RECORDER.install()  # the last collective entered, for a hang's report; the time blocked in them, for stragglers
     reset_device_memory_peak()
     torch.set_float32_matmul_precision(cfg.trainer.matmul_precision)  # resolved before ranks start (never auto)
     try:
@@ -75,7 +82,12 @@ def run_rank(run: RunConfig) -> float | None:
         task, datamodule = kind.task(net, datamodule)
         meter = ThroughputMeter(run.batch.global_size, spec.block_size if spec.kind == "text" else 1)
         elastic = ElasticResume()
-        trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement), elastic])
+        # kinds whose ranks step in lockstep; the others' ranks run apart by design
+        stragglers = StragglerDetector(cfg.observe.straggler_ratio, cfg.observe.straggler_windows,
+                                       cfg.trainer.log_every_n_steps, Path(cfg.run_dir) / "logs") \
+            if cfg.observe.stragglers and kind.name in LOCKSTEP_KINDS else None
+        trainer = build_trainer(run, task, kind, meter, [watchdog, RandomStates(), StepDecisions(agreement), elastic,
+                                                           *([stragglers] if stragglers else [])])
         energy = EnergyMeter(cfg.trainer.log_every_n_steps)
         scores = TaskScores(cfg.eval, run.data.tokenizer, cfg.run_dir, cfg.trainer.validate_before_training) \
             if cfg.eval.enabled else None
@@ -103,6 +115,8 @@ def run_rank(run: RunConfig) -> float | None:
             results["data"] = run.datamodule.report()
         if scores:
             results["eval"] = scores.result
+        if stragglers and stragglers.active:
+            results["stragglers"] = stragglers.result()
         sections = kind.results(trainer)
         results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
@@ -113,6 +127,7 @@ def run_rank(run: RunConfig) -> float | None:
         return results["objective"]
     finally:
         watchdog.stop()
+        RECORDER.uninstall()
         if kind is not None:
             kind.close()
         shutdown_process_group()

@@ -143,6 +143,15 @@ def task_scores_line(evaluation: dict[str, Any]) -> str:
     return f"  task scores: {scores}"
 
 
+def _stragglers_line(stragglers: dict[str, Any]) -> str:
+    """Each rank's mean step and its slowest phase, and the ranks named as stragglers."""
+    ranks = "; ".join(f"rank {row['rank']} {row['step_ms']:.1f} ms ({row['slowest_phase']} "
+                      f"{row['slowest_phase_ms']:.1f})" for row in stragglers["ranks"])
+    named = sorted({row["rank"] for row in stragglers["named"]})
+    verdict = f"stragglers named: rank {', '.join(map(str, named))}" if named else "no straggler"
+    return f"  step by rank: {ranks}; {verdict}"
+
+
 def run_summary(results: dict[str, Any], results_path: Path) -> str:
     """The lines that end a run: time and throughput, best validation, test metrics, the recipe's check and
     where everything is. Every figure is the one in ``results.json``, rounded for reading."""
@@ -186,6 +195,8 @@ def run_summary(results: dict[str, Any], results_path: Path) -> str:
         lines.append(data_read_line(results["data"]))
     if (results.get("eval") or {}).get("scored"):
         lines.append(task_scores_line(results["eval"]))
+    if (results.get("stragglers") or {}).get("ranks"):
+        lines.append(_stragglers_line(results["stragglers"]))
     expect = results.get("expect")
     if expect:
         value = "not measured" if expect["value"] is None else f"{expect['value']:.4f}"

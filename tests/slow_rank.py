@@ -1,0 +1,29 @@
+"""A callback that slows one rank on purpose, in its data loading or its backward: a straggler for the tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class SlowRank(pl.Callback):
+    """Sleep ``seconds`` per step on ``rank`` (-1: every rank): between steps, where the next batch is fetched
+    (``data``), or inside the backward of the model's first block (``backward``)."""
+
+    def __init__(self, rank: int, phase: str, seconds: float) -> None:
+        if phase not in ("data", "backward"):
+            raise ValueError(f"SlowRank: phase={phase!r}: data or backward")
+        self.rank, self.phase, self.seconds = rank, phase, seconds
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == self.rank and self.phase == "backward":
+            blocks = [m for m in pl_module.modules() if isinstance(m, torch.nn.ModuleList)]
+            blocks[0][0].register_full_backward_pre_hook(lambda *_: time.sleep(self.seconds))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        # after the detector's own end of the step (user callbacks come after it): the next batch's fetch
+        if self.rank in (trainer.global_rank, -1) and self.phase == "data":
+            time.sleep(self.seconds)
