@@ -72,11 +72,16 @@ def direct_losses(run_dir: Path, step: int) -> tuple[dict[str, float], float]:
     return {name: sums[name] / counts[name] for name in sums}, sum(sums.values()) / sum(counts.values())
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+LAYOUTS = {"one": [], "ddp2": ["parallel=ddp", "trainer.devices=2"], "cp2": ["trainer.devices=2", "parallel.cp=2"]}
+
+
+@pytest.mark.parametrize("ranks", LAYOUTS)
 def test_each_source_has_its_own_validation_loss(tmp_path, sources, ranks):
     """``val/loss/<source>`` is the loss of the trained weights on that source's held-out windows, computed
-    directly; ``val/loss`` stays the mean over every validation target; results.json carries both."""
-    parallel = ["parallel=ddp", "trainer.devices=2"] if ranks == 2 else []
+    directly; ``val/loss`` stays the mean over every validation target; results.json carries both. On one rank,
+    two data-parallel ranks (the second's last batch padded) and two context-parallel ranks (each window's
+    sources split with its targets)."""
+    parallel = LAYOUTS[ranks]
     train(compose_config([*RUN, *mixture_options(sources), *parallel], tmp_path))
     direct, overall = direct_losses(tmp_path, STEPS)
     logged = {name: logged_metric(tmp_path, f"val/loss/{name}") for name in ("repeat", "noise")}
