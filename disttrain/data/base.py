@@ -101,11 +101,11 @@ class MaskedPadding(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         if index < self.real:
             return self.dataset[index]
-        inputs, targets = self.dataset[index % self.real]
-        return inputs, torch.full_like(torch.as_tensor(targets), IGNORE_INDEX)
+        inputs, targets, *rest = self.dataset[index % self.real]  # rest: e.g. each target's source
+        return inputs, torch.full_like(torch.as_tensor(targets), IGNORE_INDEX), *rest
 
 
 class BatchedSampler(BatchSampler):

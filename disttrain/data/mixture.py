@@ -17,12 +17,15 @@ source, against the weights) goes to ``results.json``; ``data.read_log`` writes 
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import torch
 from omegaconf import MISSING
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
@@ -46,6 +49,9 @@ from disttrain.errors import ConfigError
 ON_EXHAUSTED = ("wrap", "end_epoch")
 """What a source that runs out of training documents does."""
 
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""A source's name: one part of a metric's key."""
+
 
 @dataclass
 class MixtureSource:
@@ -58,6 +64,9 @@ class MixtureSource:
     """Share of the documents drawn from this source, relative to the others' weights (0: never drawn)."""
     field: str = "text"
     """The column or JSON key holding each document's text."""
+    name: str | None = None
+    """The source's name in its validation loss ``val/loss/<name>`` (letters, digits, ``_``, ``-``, ``.``; unique
+    among the sources). None: the file's or folder's name without extension (a glob's: its folder's)."""
 
 
 @dataclass
@@ -106,8 +115,27 @@ class MixtureConfig:
         checks.positive("data.val_documents", self.val_documents)
         checks.positive("data.val_windows", self.val_windows, optional=True)
         checks.non_negative("data.num_workers", self.num_workers)
+        self.source_names()
         self.plan(seed=0)
         return []
+
+    def source_names(self) -> tuple[str, ...]:
+        """Each source's ``name``, or its path's stem (a glob's folder), checked to be unique metric key parts."""
+        names = []
+        for index, source in enumerate(self.sources):
+            name = source.name
+            if name is None:
+                path = os.path.normpath(str(source.path))
+                name = os.path.splitext(os.path.basename(os.path.dirname(path) if glob_like(path) else path))[0]
+                name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+            key = f"data.sources[{index}].name"
+            if not SOURCE_NAME.fullmatch(name):
+                raise ConfigError(key, name, "letters, digits, '_', '-' and '.' (a part of the key val/loss/<name>)")
+            if name in names:
+                raise ConfigError(key, name, f"a name no other source has (sources {names} come before); set "
+                                             "data.sources[i].name")
+            names.append(name)
+        return tuple(names)
 
     def plan(self, seed: int) -> MixturePlan:
         """The sources resolved and counted, the tokenizer's end-of-document id and the sizes, as workers need
@@ -152,7 +180,8 @@ class MixtureDataModule(DataModule):
         self.plan = cfg.plan(seed)
         vocab_size = load_tokenizer(self.plan.tokenizer).get_vocab_size(with_added_tokens=True)
         self._spec = DataSpec(kind="text", vocab_size=vocab_size, block_size=cfg.block_size,
-                              document_end=self.plan.eos_id if cfg.document_mask else None)
+                              document_end=self.plan.eos_id if cfg.document_mask else None,
+                              eval_sources=cfg.source_names())
         self._epoch = 0
         self._after: dict[int, StreamState] = {}
         """The stream's state after each micro-batch this rank has read in the current epoch."""
@@ -176,7 +205,8 @@ class MixtureDataModule(DataModule):
         return {"train": _NoMapAccess(self.num_train_samples), "val": val, "test": val}
 
     def val_windows(self) -> Dataset:
-        """Each source's held-out documents as consecutive windows, source after source."""
+        """Each source's held-out documents as consecutive windows, source after source, each window's targets
+        tagged with its source's index (``SourceTaggedWindows``)."""
         windows = []
         for source in range(len(self.plan.sources)):
             tokens = held_out_tokens(self.plan, source)
@@ -185,7 +215,7 @@ class MixtureDataModule(DataModule):
                                   f"enough held-out documents for one window in every source; "
                                   f"{self.cfg.sources[source].path} gives {len(tokens)} tokens")
             windows.append(TokenWindows(tokens, self.cfg.block_size, self.cfg.val_windows))
-        return ConcatDataset(windows)
+        return SourceTaggedWindows(windows)
 
     @cached_property
     def batches_per_epoch(self) -> int:
@@ -299,6 +329,21 @@ def read_summary(plan: MixturePlan, cfg: MixtureConfig, state: StreamState) -> d
             "sources": sources}
 
 
+def glob_like(path: str) -> bool:
+    """Whether ``path`` is a glob pattern rather than one file or folder."""
+    return any(character in path for character in "*?[")
+
+
+class SourceTaggedWindows(ConcatDataset):
+    """Every source's validation windows, source after source; a window is ``(inputs, targets, sources)``, the last
+    its source's index at every target (so that the task reports a loss per source, ``DataSpec.eval_sources``)."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs, targets = super().__getitem__(index)
+        source = bisect.bisect_right(self.cumulative_sizes, index if index >= 0 else len(self) + index)
+        return inputs, targets, torch.full_like(targets, source)
+
+
 class _NoMapAccess(Dataset):
     """The training split's length for the base class's bookkeeping; its windows come from the stream."""
 
@@ -331,8 +376,6 @@ class _MixtureLoader:
         return self.data.batches_per_epoch
 
     def __iter__(self):  # noqa: ANN204 (a generator, so the epoch is read when the first batch is)
-        import torch
-
         windows = self.data.begin_epoch(self.epoch)
         workers = self.data.num_workers
         batches: Any = windows

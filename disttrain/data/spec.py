@@ -31,6 +31,10 @@ class DataSpec:
     """Training targets may be ``IGNORE_INDEX`` (a prompt's tokens, padding), so micro-batches hold different
     numbers of real targets: a step's loss is then the mean over the real targets of its whole batch, counted
     over the ranks every step (``disttrain.rank.target_mean``)."""
+    eval_sources: tuple[str, ...] = ()
+    """Names of the sources evaluation batches are read from, where those batches are ``(inputs, targets,
+    sources)`` with each target's source index: the task then logs a loss per source (``val/loss/<name>``,
+    ``disttrain.rank.source_loss``). Empty: evaluation batches are ``(inputs, targets)``, one loss."""
 
 
 def example_batch(spec: DataSpec, size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from disttrain.parallel.clip import clip_grad_norm, grad_norm, scale_grads
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
 from disttrain.parallel.strategy import DistTrainStrategy
 from disttrain.rank.loss import loss_function
+from disttrain.rank.source_loss import SourceLoss
 from disttrain.rank.target_mean import StepTargets
 
 FOLD_EVERY = 256
@@ -94,6 +95,9 @@ class TrainTask(pl.LightningModule):
         self._dropped: torch.Tensor | None = None
         """The device flag of the step being taken: 1.0 where its optimiser dropped it (a deferred check)."""
         self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("val", "test")})
+        self.source_losses = nn.ModuleDict({f"{stage}_loss": SourceLoss(len(spec.eval_sources))
+                                            for stage in ("val", "test")}) if spec.eval_sources else None
+        """Where evaluation batches name each target's source (``DataSpec.eval_sources``): each source's loss."""
         self.eval_metrics: dict[str, float] = {}
         """The metrics of the newest validation or test epoch as logged (``val/loss``, ...), reduced over the
         ranks."""
@@ -273,11 +277,15 @@ class TrainTask(pl.LightningModule):
         if not self.trainer.testing:  # after fit the epoch counter is past the last epoch
             self.log("epoch", float(self.current_epoch), on_step=on_step, on_epoch=not on_step, sync_dist=False)
 
-    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        inputs, targets = batch
+    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, ...]) -> None:
+        inputs, targets, *sources = batch
         logits = logits_of(self.net(inputs))
         loss_sum = self.loss_fn(logits, targets, "sum")
         self._update_eval_metrics(stage, loss_sum.detach(), logits.detach(), targets)
+        if sources and self.source_losses is not None:
+            # a second, per-target cross-entropy: the overall loss stays the summed one it has always been
+            self.source_losses[f"{stage}_loss"].update(self.loss_fn(logits, targets, "none").detach(), targets,
+                                                       sources[0])
 
     def _update_eval_metrics(self, stage: str, loss_sum: torch.Tensor, logits: torch.Tensor,
                              targets: torch.Tensor) -> None:
@@ -299,9 +307,22 @@ class TrainTask(pl.LightningModule):
             metrics[f"{stage}/acc"] = self.accuracies[f"{stage}_acc"].compute()
             self.accuracies[f"{stage}_acc"].reset()
         self.losses[f"{stage}_loss"].reset()
+        metrics.update(self._source_metrics(stage))
         self.eval_metrics = {key: float(value) for key, value in metrics.items()}
         self.log_dict(metrics, prog_bar=stage == "val", sync_dist=False)
         self._log_position(self.global_step)  # the steps the evaluated weights have taken
+
+    def _source_metrics(self, stage: str) -> dict[str, torch.Tensor]:
+        """``<stage>/loss/<source>`` of every source the epoch's batches named, over all ranks (none where the
+        batches named no source: a pipeline's stages compute no per-target loss)."""
+        if self.source_losses is None:
+            return {}
+        metric = self.source_losses[f"{stage}_loss"]
+        if not metric.update_count:  # the same on every rank: all evaluate the same number of batches
+            return {}
+        losses = metric.compute()
+        metric.reset()
+        return {f"{stage}/loss/{name}": loss for name, loss in zip(self.spec.eval_sources, losses, strict=True)}
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Accumulate validation loss (and accuracy for images)."""
