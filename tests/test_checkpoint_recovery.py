@@ -131,7 +131,7 @@ def test_a_save_that_fails_names_a_full_disk_from_what_the_ranks_report(tmp_path
 
 
 def test_a_record_the_disk_refuses_costs_one_line(tmp_path, capsys):
-    from disttrain.launch.bookkeeping import keep_record
+    from disttrain.records import keep_record
 
     assert keep_record(tmp_path / "restarts.json", "[]")
     assert not keep_record(tmp_path / "missing" / "restarts.json", "[]")

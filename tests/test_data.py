@@ -284,8 +284,8 @@ def test_synthetic_shapes_and_determinism():
 
 
 def test_registry_names_schemas_and_unknown_name():
-    assert DATA.names() == ["digits", "image_folder", "mixture", "pydocs", "synthetic_images", "synthetic_tokens",
-                            "text", "tokens"]
+    assert DATA.names() == ["chat", "digits", "image_folder", "mixture", "pydocs", "synthetic_images",
+                            "synthetic_tokens", "text", "tokens"]
     for name in DATA.names():
         schema = DATA.get(name).schema
         assert schema().name == name if name != "tokens" else schema.name == "tokens"

@@ -28,8 +28,8 @@ from disttrain.fault.replica_groups import (
     read_beat,
 )
 from disttrain.fault.stops import Preempted
-from disttrain.launch.bookkeeping import keep_record
 from disttrain.launch.supervisor import Failure, RankGroup, RanksStopped, Supervisor
+from disttrain.records import keep_record
 
 
 @dataclass

@@ -33,10 +33,10 @@ from disttrain.fault.config import (
     RESTARTS_FILE,
     SAVE_FAILED_EXIT,
 )
-from disttrain.launch.bookkeeping import keep_record
 from disttrain.launch.fork_server import ForkedRank
 from disttrain.observe.hang import DUMP_KEY, REPORTS_FOLDER
 from disttrain.observe.hang import summary as hang_summary
+from disttrain.records import keep_record
 
 RankProcess = subprocess.Popen | ForkedRank
 """A running worker rank: forked from the fork server, or a new interpreter where the platform has none."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from disttrain.observe.collectives import RECORDER
+from disttrain.records import keep_record
 
 PHASES = ("data", "forward", "backward", "collectives", "optimiser")
 """A step's phases in the order they run: ``data`` from the end of the previous step to the start of this one
@@ -205,9 +206,11 @@ class StragglerDetector(pl.Callback):
         self.named.append(entry)
         print(f"disttrain: straggler: rank {rank} ({entry['host']}) is {factor:.2f}x slower than the median rank "
               f"in {phase} ({entry['ms']:.1f} ms vs {median:.1f} ms a step) since step {since}", flush=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / STRAGGLERS_FILE, "a") as handle:
-            handle.write(json.dumps(entry) + "\n")
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # keep_record names the file it could not write
+        keep_record(self.log_dir / STRAGGLERS_FILE, json.dumps(entry) + "\n", append=True)
 
     def result(self) -> dict[str, Any]:
         """``results.json``'s ``stragglers``: the named ones, and per rank its mean step and slowest phase over

@@ -1,6 +1,6 @@
-"""The job's own records beside a run (``logs/restarts.json``, ``logs/membership.jsonl``): written where the disk
-allows. A record that cannot be written (a full disk, a lost mount) costs a one-line warning, never the job that
-supervises the ranks."""
+"""The records a run keeps beside its checkpoints (the job's ``logs/restarts.json`` and ``logs/membership.jsonl``, the
+ranks' ``logs/stragglers.jsonl``): written where the disk allows. A record that cannot be written (a full disk, a
+lost mount) costs a one-line warning, never the job or the run that keeps it."""
 
 from __future__ import annotations
 
