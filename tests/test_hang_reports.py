@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from disttrain.fault.config import HUNG_EXIT
 from disttrain.observe.hang import REPORTS_FOLDER
 from tests.fault_runs import assert_no_orphans, run, signal_at
@@ -45,6 +47,7 @@ def test_a_stopped_rank_leaves_the_others_in_a_recorded_collective_and_the_summa
     assert line.endswith("not reached by rank 1 (no report: stopped, frozen or gone)")
 
 
+@pytest.mark.slow
 def test_under_ddp_the_summary_says_the_others_wait_in_the_backwards_exchange(tmp_path):
     done, reports, report = stopped_run(tmp_path, "ddp")
     assert report["training_thread_in"] == "_engine_run_backward"
