@@ -87,3 +87,18 @@ def test_a_ratio_of_one_or_less_is_refused_before_ranks_start(tmp_path):
     assert result.returncode == 2
     assert "observe.straggler_ratio=1.0 is invalid: a number above 1" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_record_the_disk_refuses_costs_a_warning_not_the_rank(tmp_path, capsys):
+    """Naming a straggler where ``logs/`` cannot be written (a full disk; here a file in the way of the folder)
+    prints the line and one warning naming the file, and the detector goes on."""
+    from disttrain.observe.stragglers import StragglerDetector
+
+    (tmp_path / "logs").write_text("in the way")
+    detector = StragglerDetector(ratio=1.2, windows=1, every=1, log_dir=tmp_path / "logs")
+    detector.hosts = ["a", "b"]
+    detector._name(1, "data", 1.5, 2, 4, [row(data=1.0), row(data=3.0)])
+    out = capsys.readouterr()
+    assert "straggler: rank 1" in out.out
+    assert f"could not write {tmp_path / 'logs' / STRAGGLERS_FILE}" in out.err
+    assert detector.named and detector.named[0]["rank"] == 1
