@@ -112,3 +112,12 @@ def test_source_names_are_unique_parts_of_a_metric_key(sources):
         config(MixtureSource(noise), MixtureSource(repeated, name="noise")).validate()
     with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.name='web/code' is invalid: letters, digits"):
         config(MixtureSource(noise, name="web/code")).validate()
+
+
+def test_a_source_the_validation_does_not_reach_logs_no_loss(tmp_path, sources):
+    """``trainer.limit_val_batches`` stopping inside the first source's windows: ``val/loss/repeat`` is logged and
+    the unreached ``noise`` has no key at all (not a nan)."""
+    train(compose_config([*RUN, *mixture_options(sources), "trainer.limit_val_batches=1"], tmp_path))
+    metrics = json.loads((tmp_path / "results.json").read_text())["metrics"]
+    assert {key for key in metrics if key.startswith("val/loss")} == {"val/loss", "val/loss/repeat"}, metrics
+    assert metrics["val/loss/repeat"] == pytest.approx(metrics["val/loss"])

@@ -35,5 +35,6 @@ class SourceLoss(Metric):
         self.counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
 
     def compute(self) -> torch.Tensor:
-        """Each source's mean loss over its real targets, summed over all ranks (nan for a source with none)."""
-        return (self.sums / self.counts).float()
+        """``[2, num_sources]``: each source's mean loss over its real targets and their number, summed over all
+        ranks (a source with none: mean nan, number 0)."""
+        return torch.stack([self.sums / self.counts, self.counts]).float()

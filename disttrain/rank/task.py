@@ -313,16 +313,18 @@ class TrainTask(pl.LightningModule):
         self._log_position(self.global_step)  # the steps the evaluated weights have taken
 
     def _source_metrics(self, stage: str) -> dict[str, torch.Tensor]:
-        """``<stage>/loss/<source>`` of every source the epoch's batches named, over all ranks (none where the
+        """``<stage>/loss/<source>`` of every source the epoch's batches reached, over all ranks (none where the
         batches named no source: a pipeline's stages compute no per-target loss)."""
         if self.source_losses is None:
             return {}
         metric = self.source_losses[f"{stage}_loss"]
         if not metric.update_count:  # the same on every rank: all evaluate the same number of batches
             return {}
-        losses = metric.compute()
+        losses, counts = metric.compute()
         metric.reset()
-        return {f"{stage}/loss/{name}": loss for name, loss in zip(self.spec.eval_sources, losses, strict=True)}
+        # a source none of the epoch's batches reached (``limit_val_batches`` stops before it) has no loss to log
+        return {f"{stage}/loss/{name}": loss for name, loss, count in zip(self.spec.eval_sources, losses, counts,
+                                                                           strict=True) if count > 0}
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Accumulate validation loss (and accuracy for images)."""
