@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disttrain.data.documents import check_files
+from disttrain.data.documents import check_files, json_object
 from disttrain.errors import ConfigError
 
 EXTENSIONS = (".jsonl", ".parquet")
@@ -98,21 +98,11 @@ def _jsonl_rows(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):
                 if line.strip():
-                    yield number, _json_object(line, path, number)
+                    yield number, json_object(line, path, number)
     except UnicodeDecodeError as err:
         raise ConfigError("data.files", path, f"UTF-8 text: {err}") from None
 
 
-def _json_object(line: str, path: str, number: int) -> dict[str, Any]:
-    """One line parsed as a JSON object."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ConfigError("data.files", path, f"one JSON object per line; line {number}: {err}") from None
-    if not isinstance(record, dict):
-        raise ConfigError("data.files", path, f"one JSON object per line; line {number} holds a "
-                                              f"{type(record).__name__}")
-    return record
 
 
 def _parquet_rows(path: str, fields: RowFields) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from disttrain.errors import ConfigError
 
@@ -47,8 +48,9 @@ def read_documents(path: str, text_key: str) -> Iterator[str]:
         raise ConfigError("data.files", path, f"UTF-8 text: {err}") from None
 
 
-def _line_text(line: str, text_key: str, path: str, number: int) -> str:
-    """The string under ``text_key`` of one JSON line."""
+def json_object(line: str, path: str, number: int) -> dict[str, Any]:
+    """Line ``number`` of the ``.jsonl`` file ``path`` parsed as a JSON object; ConfigError naming ``data.files``
+    where it is not valid JSON or not an object."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -56,6 +58,12 @@ def _line_text(line: str, text_key: str, path: str, number: int) -> str:
     if not isinstance(record, dict):
         raise ConfigError("data.files", path, f"one JSON object per line; line {number} holds a "
                                               f"{type(record).__name__}")
+    return record
+
+
+def _line_text(line: str, text_key: str, path: str, number: int) -> str:
+    """The string under ``text_key`` of one JSON line."""
+    record = json_object(line, path, number)
     text = record.get(text_key)
     if not isinstance(text, str):
         found = "holds no such key" if text_key not in record else f"holds a {type(text).__name__} there"
