@@ -4,6 +4,7 @@ shards, so ZeRO-1, the schedule and checkpoints see one optimiser."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,7 +18,7 @@ from disttrain.optim.norms import local
 from disttrain.optim.stepping import closure_and_grads
 
 
-class MatrixOptimizer(torch.optim.Optimizer):
+class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     """Matrices (2-D parameters, and 3-D stacks of them: MoE experts) of the groups with ``matrix_key`` true are
     stepped by ``matrix_step``; the other groups take torch's AdamW step (``betas``, ``weight_decay`` and the
     epsilon under ``adamw_eps_key``). A subclass with ``shard_local = True`` steps each local shard of a matrix
@@ -60,9 +61,9 @@ class MatrixOptimizer(torch.optim.Optimizer):
             self._adamw_step(group, items)
         return loss
 
+    @abc.abstractmethod
     def matrix_step(self, group: dict[str, Any], p: Tensor, g: Tensor) -> None:
         """Step the matrix (or stack of matrices) ``p`` of ``group`` with its local gradient ``g``."""
-        raise NotImplementedError
 
     def gather_whole(self, local_tensor: Tensor, p: Tensor) -> Tensor:
         """``matrices.whole(local_tensor, p)``, its bytes counted in ``gathered_bytes``: what this rank did not
