@@ -134,6 +134,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     check_base_precision(getattr(model, "lora", None), top.trainer.precision)
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += [line for line in (adapter_summary(net),) if line]
+    notices += _decide_float8(top, model, net, layout)
     notices += check_federated(top, layout, datamodule)
     plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     check_eval(top.eval, model.name, getattr(data, "tokenizer", None), layout, plan.kind, top.checkpoint.monitor)
@@ -222,6 +223,39 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
     return notices
 
 
+def _decide_float8(top: TrainConfig, model: Any, net: Any, layout: Layout) -> list[str]:
+    """``trainer.fp8``: the linear layers that train in float8 and whether FSDP2 gathers them in float8, decided
+    here on the model on the meta device and written into ``top.trainer`` (what the ranks convert); the line that
+    says so. A ConfigError where float8 cannot run: no torchao, a GPU without float8 products, tensor parallelism
+    (its float8 layer styles are not wired), adapters."""
+    t = top.trainer
+    if t.fp8 == "none":
+        return []
+    from disttrain.parallel.float8 import check_float8_device, choose_float8_layers, require_torchao
+
+    require_torchao()
+    gpu = _uses_gpu(t.accelerator)
+    check_float8_device(gpu, _gpu_capability() if gpu else None)
+    if layout.tp_enabled:
+        raise ConfigError("trainer.fp8", t.fp8, f"none with parallel.tp={layout.tp} (float8 tensor-parallel layer "
+                          "styles are not wired yet); ZeRO, HSDP, DDP, pipelines and context parallelism take it")
+    lora = getattr(model, "lora", None)
+    if lora is not None and lora.enabled:
+        raise ConfigError("trainer.fp8", t.fp8, "none with model.lora (the frozen base's layers are not float8 "
+                          "trained)")
+    layers, line = choose_float8_layers(net, t.fp8, t.fp8_layers or None, t.fp8_all_gather,
+                                        layout.shards_parameters, t.precision)
+    t.fp8_layers, t.fp8_all_gather = list(layers.modules), layers.all_gather
+    return [line]
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability, None where torch sees none."""
+    import torch
+
+    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+
+
 def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) -> list[str]:
     """``trainer.precision=auto``: the planner's choice for a plan (its model may not fit here to be measured),
     else bf16 where this device computes it natively and measures faster; the notice that says which."""
@@ -249,6 +283,7 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
     for key, value in (("trainer.devices", devices.text if devices else t.devices),
                        ("trainer.num_nodes", nodes.text if nodes else t.num_nodes),
                        ("trainer.precision", t.precision), ("trainer.matmul_precision", t.matmul_precision),
+                       ("trainer.fp8_layers", t.fp8_layers), ("trainer.fp8_all_gather", t.fp8_all_gather),
                        ("fault_tolerance.nan_check", top.fault_tolerance.nan_check),
                        ("trainer.max_steps", t.max_steps),
                        ("trainer.check_val_every_n_epoch", t.check_val_every_n_epoch), ("resume", top.resume),

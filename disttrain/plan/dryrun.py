@@ -147,7 +147,7 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device) -> tupl
             example = torch.zeros(plan.microbatch_shape, dtype=getattr(torch, plan.microbatch_dtype))
             slot = PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
         laid_out = lay_out(net, mesh, layout, cfg.parallel, device, _materializer(net), split, slot,
-                           precision=cfg.trainer.precision)
+                           cfg.trainer.float8, precision=cfg.trainer.precision)
         if isinstance(laid_out, DistributedDataParallel):
             laid_out.register_comm_hook(None, _unsent)
         optimizer = build_optimizer(run.optim, laid_out)
