@@ -54,6 +54,8 @@ class Bar:
     """Its length in the axis' unit."""
     share: float
     """Its length as a share of the axis' width (what a reader sees; clipped at 1)."""
+    colour: str
+    """Its fill, as ``#rrggbb``."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +348,7 @@ def _pyplot() -> Any:
 
 def _finish(figure: Any, plt: Any, path: Path, title: str, panels: list[Any]) -> Picture:
     """Read back what ``panels`` show, write the figure to ``path`` and free it."""
+    from matplotlib.colors import to_hex
     from matplotlib.text import Text
 
     from disttrain.report.plots import save
@@ -356,7 +359,7 @@ def _finish(figure: Any, plt: Any, path: Path, title: str, panels: list[Any]) ->
         for patch in axes.patches:  # each bar carries its row's label and its series (``_bars``, ``draw_dry_run``)
             width = patch.get_width()
             bars.append(Bar(patch.get_label(), patch.get_gid() or "", float(width),
-                            float(min(width, right - left) / (right - left))))
+                            float(min(width, right - left) / (right - left)), to_hex(patch.get_facecolor())))
     texts = tuple(text.get_text() for text in figure.findobj(Text) if text.get_text())
     save(figure, plt, path)
     return Picture(path, title, tuple(bars), texts)
