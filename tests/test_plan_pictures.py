@@ -48,7 +48,9 @@ def test_the_memory_picture_draws_every_term_and_moment_on_a_scale_of_its_own(ze
     terms = [f"{label} (checkpointing none)" if key == "activations" else label for key, label in TERM_LABELS.items()]
     assert drawn.rows("term") == terms
     for key in TERM_LABELS:
-        assert human_bytes(e.memory[key]) in drawn.texts
+        share = 100 * e.memory[key] / e.total_bytes
+        assert f"{human_bytes(e.memory[key])}, {share:.0f}% of the peak" in drawn.texts or \
+            f"{human_bytes(e.memory[key])}, {share:.2g}% of the peak" in drawn.texts
     peak_moment = max(e.phases, key=e.phases.get)
     moments = drawn.rows("moment")
     assert len(moments) == len(e.phases) and f"{pictures.MOMENT_LABELS[peak_moment]} (peak)" in moments

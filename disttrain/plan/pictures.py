@@ -37,7 +37,7 @@ CHOSEN, FITS, TOO_BIG = "tab:green", "tab:blue", "tab:red"
 """Bar colours of the candidates: the chosen layout, the others that fit, those that do not."""
 PLANNED, MEASURED = "tab:gray", "tab:orange"
 """Bar colours of a dry run's planned and measured figures."""
-CAPACITY_ON_SCALE = 1.5
+CAPACITY_ON_SCALE = 4.0
 """The capacity is drawn as a line when it is at most this many times the largest figure drawn (beyond, the
 figures would shrink to slivers beside it, and it is written out instead)."""
 
@@ -111,22 +111,25 @@ class MemoryScale:
         unit, size = _unit(drawn)
         return MemoryScale(unit, size, right, capacity, on_scale)
 
-    def apply(self, axes: Any, label: str) -> None:
-        """Set ``axes``' x range and label in this scale; draw the capacity line where it is on the scale."""
+    def apply(self, axes: Any, label: str, name_capacity: bool = True) -> None:
+        """Set ``axes``' x range and label in this scale; draw the capacity line where it is on the scale (named
+        above the axes with ``name_capacity``)."""
         axes.set_xlim(0, self.limit / self.size)
         axes.set_xlabel(f"{label} ({self.unit})")
         if self.capacity_on_scale:
             axes.axvline(self.capacity / self.size, color="black", linestyle="--", linewidth=1.2)
+        if self.capacity_on_scale and name_capacity:
             axes.annotate(f"capacity {human_bytes(self.capacity)}", (self.capacity / self.size, 1.0),
                           xycoords=("data", "axes fraction"), xytext=(0, 2), textcoords="offset points",
                           fontsize=8, va="bottom", ha="center")
 
-    def off_scale_note(self, peak: float) -> str:
-        """The sentence that stands for the capacity line when it is off the scale; empty when it is on it."""
+    def off_scale_note(self, figure: float, what: str = "the peak") -> str:
+        """The sentence that stands for the capacity line when it is off the scale, as a multiple of ``figure``
+        (called ``what``); empty when the line is on the scale."""
         if self.capacity_on_scale:
             return ""
         return (f"capacity {human_bytes(self.capacity)} per rank: off this scale "
-                f"({self.capacity / max(peak, 1.0):,.0f}x the peak)")
+                f"({self.capacity / max(figure, 1.0):,.0f}x {what})")
 
 
 def draw_plan_memory(e: Estimate, path: Path) -> Picture | None:
@@ -145,10 +148,10 @@ def draw_plan_memory(e: Estimate, path: Path) -> Picture | None:
     colours = [f"C{i}" for i in range(len(terms))]
     policy = e.layout.activation_checkpoint
     labels = [f"{label} (checkpointing {policy})" if label == "activations" else label for label in terms]
-    _bars(top, labels, list(terms.values()), scale.size, scale.limit / scale.size, colours,
-          [human_bytes(value) for value in terms.values()], "term")
-    top.set_title("each term at its largest", fontsize=9, loc="left")
     peak = e.total_bytes
+    _bars(top, labels, list(terms.values()), scale.size, scale.limit / scale.size, colours,
+          [f"{human_bytes(value)}, {_percent(value / peak)} of the peak" for value in terms.values()], "term")
+    top.set_title("each term at its largest", fontsize=9, loc="left")
     moment_colours = ["black" if label == peak_moment else "darkgray" for label in moments]
     values = [human_bytes(value) + (f": the peak, {_percent(peak / e.capacity)} of the device" if label == peak_moment
                                     else "") for label, value in moments.items()]
@@ -156,7 +159,7 @@ def draw_plan_memory(e: Estimate, path: Path) -> Picture | None:
           list(moments.values()), scale.size, scale.limit / scale.size, moment_colours, values, "moment")
     bottom.set_title("bytes in use together at each moment of the step", fontsize=9, loc="left")
     scale.apply(top, "")
-    scale.apply(bottom, "bytes per rank")
+    scale.apply(bottom, "bytes per rank", name_capacity=False)
     top.set_xlabel("")
     note = scale.off_scale_note(peak)
     if note:
@@ -218,7 +221,7 @@ def draw_candidates(choice: Choice, path: Path) -> Picture | None:
         notes.append("not drawn: " + ", ".join(part for part in (
             f"{slower} slower layout(s) that fit" if slower else "",
             f"{others} more that do not fit" if others else "") if part))
-    note = scale.off_scale_note(max(e.total_bytes for e in shown))
+    note = scale.off_scale_note(max(e.total_bytes for e in shown), "the largest peak drawn")
     notes += [note] if note else []
     figure.text(0.01, 0.0, "\n".join(notes), fontsize=8, style="italic", va="top")
     world = shown[0].layout.world_size
@@ -273,7 +276,7 @@ def draw_dry_run(result: dict[str, Any], path: Path) -> Picture | None:
     axes.get_yticklabels()[0].set_fontweight("bold")
     axes.invert_yaxis()
     scale.apply(axes, "bytes of the rank's tensors" if result.get("device") == "cpu" else "bytes on the device")
-    note = scale.off_scale_note(result["measured_peak_bytes"])
+    note = scale.off_scale_note(result["measured_peak_bytes"], "the measured peak")
     if note:
         figure.text(0.99, 0.0, note, ha="right", va="top", fontsize=8, style="italic")
     ratio = result.get("compute_ratio")
