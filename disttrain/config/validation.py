@@ -110,8 +110,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     world = world_size if world_size is not None else world_size_of(top.trainer)
     elastic = devices_range is not None or nodes_range is not None
     chose_layout = top.parallel.name == "auto"
+    choice = None
     if chose_layout:
-        notices.append(_choose_parallel(top, model, data, optim, world))
+        choice, notice = _choose_parallel(top, model, data, optim, world)
+        notices.append(notice)
     p = top.parallel
     layout = Layout.on(p, world)
     p.check_layout(layout)
@@ -159,7 +161,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                        "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
     yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
     return RunConfig(top, model, data, optim, scheduler, layout, batch, yaml, tuple(notices), plan, datamodule,
-                     world_sizes)
+                     world_sizes, choice)
 
 
 def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
@@ -299,23 +301,24 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
     return OmegaConf.to_yaml(cfg)
 
 
-def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> str:
+def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> tuple[Any, str]:
     """``parallel=auto``: run the planner, put the chosen degrees, options and micro-batch into ``top`` and return
-    the notice that says why."""
+    what it weighed (``disttrain.plan.auto.Choice``) and the notice that says why."""
     from disttrain.data import build_datamodule
     from disttrain.plan.hardware import resolve_profile
-    from disttrain.plan.planner import apply_layout, choose_parallel
+    from disttrain.plan.planner import apply_layout, chosen_layout, weigh_layouts
 
     if top.batch.global_size is None:
         raise ConfigError("batch.global_size", None, "a number of samples per step with parallel=auto (it picks the "
                           "micro-batch and accumulation)")
     spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
     profile = resolve_profile(top.plan.profile, top.plan.memory_gb)
-    layout, notice = choose_parallel(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel,
-                                     optim, top.trainer.precision, profile, top.plan.alternatives)
+    choice = weigh_layouts(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel, optim,
+                           top.trainer.precision, profile)
+    layout, notice = chosen_layout(choice, world, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation
-    return notice
+    return choice, notice
 
 
 def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:

@@ -29,6 +29,7 @@ from disttrain.errors import ConfigError
 from disttrain.plan.dry_steps import PIPELINE_SCHEDULES, StepMemory, run_steps
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.layout import Layout
+from disttrain.plan.pictures import write_dry_run_pictures
 from disttrain.plan.units import human_bytes
 
 RESULT_FILE = "dryrun.json"
@@ -71,7 +72,8 @@ def check_runs_here(est: Estimate, whole_model_bytes: float, rank: int, availabl
 def dry_run(run: Any) -> dict[str, Any]:
     """``mode=dryrun`` on a validated run: build ``dryrun.rank`` (default: ``default_rank``) of its layout under a
     fake process group, run ``dryrun.steps`` steps, print measured against planned memory and compute time, write
-    ``dryrun.json`` into the run directory; return what it wrote."""
+    ``dryrun.json`` into the run directory (with ``plots``, the plan's memory and the measured moments beside it in
+    ``plots/``); return what it wrote."""
     from disttrain.plan.planner import plan_of_run
 
     cfg = run.train
@@ -99,7 +101,9 @@ def dry_run(run: Any) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESULT_FILE
     path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}", flush=True)
+    pictures = write_dry_run_pictures(est, result, run_dir / "plots") if cfg.plots else []
+    for written in [path, *pictures]:
+        print(f"wrote {written}", flush=True)
     return result
 
 
