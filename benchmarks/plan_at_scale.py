@@ -51,7 +51,7 @@ MEGATRON_H100 = PROFILES["h100_sxm"]
 # this project's one-GPU measurements (benchmarks/README.md, throughput_mfu.py): an H200 SXM, 141 GB HBM3e at
 # 4.8 TB/s, 700 W, the H100's tensor cores (989 TFLOP/s dense bf16)
 H200 = replace(PROFILES["h100_sxm"], name="h200", memory_bytes=141e9, memory_bandwidth=4.8e12 * 0.8,
-               source="NVIDIA H200 SXM datasheet x 0.5: 141 GB HBM3e 4.8 TB/s, 700 W")
+               source="NVIDIA H200 SXM datasheet x 0.7: 141 GB HBM3e 4.8 TB/s, 700 W")
 
 LLAMA3 = {"name": "llama", "n_kv_head": 8, "rope_theta": 500000.0}
 MODELS_PUBLISHED = {
@@ -76,31 +76,33 @@ MODELS_PUBLISHED = {
 
 
 REASONS = {
-    # tag: (what it bears on, why the planner misses the run there)
-    "compile": ("speed", "torch.compile fuses the element-wise operators the planner times one by one"),
-    "fp8": ("speed", "Float8 linears run the matrix products on fp8 tensor cores; the planner times them at bf16"),
-    "overlap": ("speed", "the run overlaps tensor-parallel collectives with the matrix products (AsyncTP; Megatron's "
+    # tag: (which way it moves the tokens/s ratio, which way the memory ratio (-1 below 1, +1 above, 0 neither),
+    # why the planner misses the run there)
+    "compile": (-1, 0, "torch.compile fuses the element-wise operators the planner times one by one"),
+    "fp8": (-1, 0, "Float8 linears run the matrix products on fp8 tensor cores; the planner times them at bf16"),
+    "overlap": (-1, 0, "the run overlaps tensor-parallel collectives with the matrix products (AsyncTP; Megatron's "
                          "--tp-comm-overlap) and Megatron its optimizer's reduce-scatter and parameter gather "
                          "(--overlap-grad-reduce, --overlap-param-gather); the planner leaves tp collectives exposed "
                          "and ZeRO-1 all-reduces and broadcasts as this framework does"),
-    "head": ("both", "this framework's tp plan keeps the output layer and the loss whole on every tp rank, so the "
+    "head": (-1, 1, "this framework's tp plan keeps the output layer and the loss whole on every tp rank, so the "
                      "planner computes and holds all the logits per rank; torchtitan and Megatron split the "
                      "vocabulary over tp"),
-    "fp32-residual": ("both", "under bf16 autocast the residual stream stays fp32 (the planner's model of a run), "
+    "fp32-residual": (-1, 1, "under bf16 autocast the residual stream stays fp32 (the planner's model of a run), "
                               "so tp collectives and kept activations are twice torchtitan's bf16"),
-    "cp": ("speed", "the planner takes context parallelism's causal work as balanced over the ranks and its "
+    "cp": (1, 0, "the planner takes context parallelism's causal work as balanced over the ranks and its "
                     "key/value exchange as hidden; torchtitan's rate per FLOP falls at cp 4 and 8"),
-    "schedule": ("speed", "Megatron's table does not state its pipeline schedule or micro-batch; the planner takes "
-                          "1F1B with one sequence per microbatch"),
-    "reserved": ("memory", "torchtitan's figure is the CUDA allocator's reserved peak (cached and fragmented "
+    "schedule": (-1, 0, "Megatron's table does not state its pipeline schedule or micro-batch; the planner takes "
+                        "1F1B with one sequence per microbatch (an interleaved schedule idles less)"),
+    "reserved": (0, -1, "torchtitan's figure is the CUDA allocator's reserved peak (cached and fragmented "
                            "blocks too); the planner's is what tensors hold"),
-    "selective": ("memory", "torchtitan's op-level selective policy recomputes every second matrix product; the "
+    "selective": (0, 1, "torchtitan's op-level selective policy recomputes every second matrix product; the "
                             "planner's keeps them all"),
-    "compiled-memory": ("memory", "the compiled graph saves fewer activations than the eager operators counted"),
-    "grads-held": ("memory", "the run holds the last step's gradients through the next forward; freed after the "
+    "compiled-memory": (0, 1, "the compiled graph saves fewer activations than the eager operators counted"),
+    "grads-held": (0, -1, "the run holds the last step's gradients through the next forward; freed after the "
                              "step it measured 19.79 GB, the moment the planner predicts"),
 }
-"""Why a row's prediction misses, by tag: whether it bears on speed, memory or both, and how."""
+"""Why a row's prediction misses, by tag: which way it moves the predicted / published ratio of tokens/s and of
+memory (below 1: the planner predicts less than the run), and how."""
 
 
 @dataclass(frozen=True)
@@ -256,9 +258,11 @@ def model_inputs(run: Published) -> PlanInputs:
                        run.profile)
 
 
-def why(run: Published, aspect: str) -> str:
-    """``run``'s reasons that bear on ``aspect`` (speed or memory), as their tags."""
-    return ", ".join(tag for tag in run.reasons if REASONS[tag][0] in (aspect, "both")) or "none known"
+def why(run: Published, aspect: int, ratio: float) -> str:
+    """``run``'s reasons that move its ``aspect`` ratio (0: tokens/s, 1: memory) the way ``ratio`` misses, as
+    their tags."""
+    side = 1 if ratio > 1 else -1
+    return ", ".join(tag for tag in run.reasons if REASONS[tag][aspect] == side) or "none known"
 
 
 def speed_note(run: Published, ratio: float, hidden_ratio: float, comm_share: float, bubble: float) -> str:
@@ -273,7 +277,7 @@ def speed_note(run: Published, ratio: float, hidden_ratio: float, comm_share: fl
         term = f"pipeline bubble, {bubble:.0%} of the step"
     else:
         term = "compute"
-    return f"{term}: {why(run, 'speed')}"
+    return f"{term}: {why(run, 0, ratio)}"
 
 
 def memory_note(run: Published, ratio: float | None) -> str:
@@ -281,7 +285,7 @@ def memory_note(run: Published, ratio: float | None) -> str:
     does not, or when none was published)."""
     if ratio is None or abs(ratio - 1) <= WITHIN:
         return ""
-    return f"memory: {why(run, 'memory')}"
+    return f"memory: {why(run, 1, ratio)}"
 
 
 def predict(run: Published, inputs: PlanInputs) -> tuple[str, float]:
@@ -331,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         print(row, flush=True)
     print()
     for tag in sorted({tag for run, _ in ratios for tag in run.reasons}):
-        print(f"- {tag} ({REASONS[tag][0]}): {REASONS[tag][1]}")
-    plain = [r for run, r in ratios if not any(REASONS[tag][0] != "memory" for tag in run.reasons)]
+        print(f"- {tag}: {REASONS[tag][2]}")
+    plain = [r for run, r in ratios if not any(REASONS[tag][0] for tag in run.reasons)]
     print(f"\n{sum(abs(r - 1) <= WITHIN for _, r in ratios)} of {len(ratios)} rows within {WITHIN:.0%} in tokens/s; "
           f"{sum(abs(r - 1) <= WITHIN for r in plain)} of the {len(plain)} whose runs do nothing for speed that the "
           f"planner leaves out; {time.perf_counter() - started:.0f} s in all")
