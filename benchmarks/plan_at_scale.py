@@ -87,15 +87,16 @@ REASONS = {
     "head": (-1, 1, "this framework's tp plan keeps the output layer and the loss whole on every tp rank, so the "
                      "planner computes and holds all the logits per rank; torchtitan and Megatron split the "
                      "vocabulary over tp"),
-    "fp32-residual": (-1, 1, "under bf16 autocast the residual stream stays fp32 (the planner's model of a run), "
-                              "so tp collectives and kept activations are twice torchtitan's bf16"),
+    "fp32-residual": (-1, 1, "under bf16 autocast the residual stream and the norms' outputs stay fp32 (the "
+                             "planner's model of a run), so tp collectives and kept activations are twice the bf16 "
+                             "ones of torchtitan and Megatron"),
     "cp": (1, 0, "the planner takes context parallelism's causal work as balanced over the ranks and its "
                     "key/value exchange as hidden; torchtitan's rate per FLOP falls at cp 4 and 8"),
     "schedule": (-1, 0, "Megatron's table does not state its pipeline schedule or micro-batch; the planner takes "
                         "1F1B with one sequence per microbatch (an interleaved schedule idles less)"),
     "reserved": (0, -1, "torchtitan's figure is the CUDA allocator's reserved peak (cached and fragmented "
                            "blocks too); the planner's is what tensors hold"),
-    "selective": (0, 1, "torchtitan's op-level selective policy recomputes every second matrix product; the "
+    "selective": (1, 1, "torchtitan's op-level selective policy recomputes every second matrix product; the "
                             "planner's keeps them all"),
     "compiled-memory": (0, 1, "the compiled graph saves fewer activations than the eager operators counted"),
     "grads-held": (0, -1, "the run holds the last step's gradients through the next forward; freed after the "
@@ -211,7 +212,7 @@ def _megatron(size: str, tp: int, pp: int, gpus: int, batch: int, tflops: float)
                      microbatches=per_rank) if pp > 1 else
               Layout(dp_shard=dp, tp=tp, zero_stage=1, sequence_parallel=tp > 1, micro_size=1,
                      accumulation=per_rank))
-    reasons = ("overlap", *(("head",) if tp > 1 else ()), *(("schedule",) if pp > 1 else ()))
+    reasons = ("overlap", *(("head", "fp32-residual") if tp > 1 else ()), *(("schedule",) if pp > 1 else ()))
     return Published(f"mlm-{size}", f"Megatron-LM {size} GPT, TP {tp} PP {pp} DP {dp}, batch {batch}", model,
                      sequence, layout, gpus, MEGATRON_H100,
                      tflops * 1e12 / megatron_flops_per_token(model, sequence), None, reasons)
