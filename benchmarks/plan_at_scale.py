@@ -81,26 +81,26 @@ REASONS = {
     "compile": (-1, 0, "torch.compile fuses the element-wise operators the planner times one by one"),
     "fp8": (-1, 0, "Float8 linears run the matrix products on fp8 tensor cores; the planner times them at bf16"),
     "overlap": (-1, 0, "the run overlaps tensor-parallel collectives with the matrix products (AsyncTP; Megatron's "
-                         "--tp-comm-overlap) and Megatron its optimizer's reduce-scatter and parameter gather "
-                         "(--overlap-grad-reduce, --overlap-param-gather); the planner leaves tp collectives exposed "
-                         "and ZeRO-1 all-reduces and broadcasts as this framework does"),
+                       "--tp-comm-overlap) and Megatron its optimizer's reduce-scatter and parameter gather "
+                       "(--overlap-grad-reduce, --overlap-param-gather); the planner leaves tp collectives exposed "
+                       "and ZeRO-1 all-reduces and broadcasts as this framework does"),
     "head": (-1, 1, "this framework's tp plan keeps the output layer and the loss whole on every tp rank, so the "
-                     "planner computes and holds all the logits per rank; torchtitan and Megatron split the "
-                     "vocabulary over tp"),
+                    "planner computes and holds all the logits per rank; torchtitan and Megatron split the "
+                    "vocabulary over tp"),
     "fp32-residual": (-1, 1, "under bf16 autocast the residual stream and the norms' outputs stay fp32 (the "
                              "planner's model of a run), so tp collectives and kept activations are twice the bf16 "
                              "ones of torchtitan and Megatron"),
     "cp": (1, 0, "the planner takes context parallelism's causal work as balanced over the ranks and its "
-                    "key/value exchange as hidden; torchtitan's rate per FLOP falls at cp 4 and 8"),
+                 "key/value exchange as hidden; torchtitan's rate per FLOP falls at cp 4 and 8"),
     "schedule": (-1, 0, "Megatron's table does not state its pipeline schedule or micro-batch; the planner takes "
                         "1F1B with one sequence per microbatch (an interleaved schedule idles less)"),
     "reserved": (0, -1, "torchtitan's figure is the CUDA allocator's reserved peak (cached and fragmented "
-                           "blocks too); the planner's is what tensors hold"),
+                        "blocks too); the planner's is what tensors hold"),
     "selective": (1, 1, "torchtitan's op-level selective policy recomputes every second matrix product; the "
-                            "planner's keeps them all"),
+                        "planner's keeps them all"),
     "compiled-memory": (0, 1, "the compiled graph saves fewer activations than the eager operators counted"),
     "grads-held": (0, -1, "the run holds the last step's gradients through the next forward; freed after the "
-                             "step it measured 19.79 GB, the moment the planner predicts"),
+                          "step it measured 19.79 GB, the moment the planner predicts"),
 }
 """Why a row's prediction misses, by tag: which way it moves the predicted / published ratio of tokens/s and of
 memory (below 1: the planner predicts less than the run), and how."""
