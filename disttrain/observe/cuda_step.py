@@ -1,0 +1,87 @@
+"""A step's memory on a GPU, through torch's CUDA memory history (``torch.cuda.memory._record_memory_history``):
+the caching allocator's own record of each block it hands out and takes back, with the Python frames that asked.
+
+Untested here (the machines this was written on have no GPU). What was allocated before the step is one holder
+(``held before the step``, ``torch.cuda.memory_allocated`` then); a block it frees during the step comes off that
+holder. Phases are not told apart on a GPU: the allocator's record carries no phase.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from disttrain.observe.memory_timeline import START, Holder, MemoryEvent, StepTimeline
+
+COUNTED_BY = "CUDA memory history (torch.cuda.memory._record_memory_history)"
+"""``StepTimeline.counted_by`` of a GPU step."""
+
+MAX_ENTRIES = 1_000_000
+"""Allocator events kept: more than a step of a large model makes; older ones drop out first."""
+
+
+class CudaStep:
+    """Record one step on ``device``: ``start``, ``mark`` at named moments, ``stop``."""
+
+    def __init__(self, step: int, rank: int, device: torch.device) -> None:
+        self.device = device
+        self.timeline = StepTimeline(step, rank, COUNTED_BY)
+        """The record (complete after ``stop``)."""
+        self.peak = 0
+        """The allocator's peak of the run so far, once stopped (``torch.cuda.max_memory_allocated``, which
+        results.json reports: it is not reset here, so that results.json's stays the run's)."""
+        self._marks: dict[str, float] = {}
+        self._began_us = 0.0
+
+    def start(self) -> None:
+        """Begin recording."""
+        torch.cuda.synchronize(self.device)
+        self.timeline.holders = [Holder(torch.cuda.memory_allocated(self.device), [], "", "", START,
+                                        "held before the step")]
+        self.timeline.start = {0: self.timeline.holders[0].bytes}
+        torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, device=self.device)
+        self._began_us = time.time() * 1e6
+
+    def stage(self, phase: str) -> None:
+        """Phases are not told apart on a GPU (see the module)."""
+
+    def mark(self, moment: str) -> int:
+        """Name this point of the step ``moment``; the bytes allocated now."""
+        torch.cuda.synchronize(self.device)
+        self._marks[moment] = time.time() * 1e6
+        return torch.cuda.memory_allocated(self.device)
+
+    def stop(self) -> StepTimeline:
+        """End the recording; the timeline."""
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device)
+        snapshot = torch.cuda.memory._snapshot(self.device)
+        torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+        trace = snapshot["device_traces"][self.device.index or 0]
+        holder_at: dict[int, int] = {}
+        for entry in trace:
+            if entry["action"] == "alloc":
+                holder_at[entry["addr"]] = len(self.timeline.holders)
+                self.timeline.holders.append(Holder(entry["size"], [], "", _origin(entry.get("frames", [])), "",
+                                                    "allocation"))
+                self._add(entry, entry["size"], holder_at[entry["addr"]])
+            elif entry["action"] == "free_completed":
+                self._add(entry, -entry["size"], holder_at.pop(entry["addr"], 0))
+        for moment, at_us in self._marks.items():
+            self.timeline.moments[moment] = sum(1 for event in self.timeline.events
+                                                if event.seconds * 1e6 + self._began_us <= at_us)
+        return self.timeline
+
+    def _add(self, entry: dict[str, Any], delta: int, holder: int) -> None:
+        self.timeline.events.append(MemoryEvent(entry.get("time_us", self._began_us) / 1e6 - self._began_us / 1e6,
+                                                delta, holder, ""))
+
+
+def _origin(frames: list[dict[str, Any]]) -> str:
+    """The innermost Python frame outside torch that asked for the block (``file:line function``)."""
+    for frame in frames:
+        if "/torch/" not in frame.get("filename", ""):
+            return f"{frame['filename']}:{frame.get('line', '?')} {frame.get('name', '')}"
+    return ""
