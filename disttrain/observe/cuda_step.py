@@ -59,24 +59,29 @@ class CudaStep:
         self.peak = torch.cuda.max_memory_allocated(self.device)
         snapshot = torch.cuda.memory._snapshot(self.device)
         torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
-        trace = snapshot["device_traces"][self.device.index or 0]
-        holder_at: dict[int, int] = {}
-        for entry in trace:
-            if entry["action"] == "alloc":
-                holder_at[entry["addr"]] = len(self.timeline.holders)
-                self.timeline.holders.append(Holder(entry["size"], [], "", _origin(entry.get("frames", [])), "",
-                                                    "allocation"))
-                self._add(entry, entry["size"], holder_at[entry["addr"]])
-            elif entry["action"] == "free_completed":
-                self._add(entry, -entry["size"], holder_at.pop(entry["addr"], 0))
-        for moment, at_us in self._marks.items():
-            self.timeline.moments[moment] = sum(1 for event in self.timeline.events
-                                                if event.seconds * 1e6 + self._began_us <= at_us)
+        add_trace(self.timeline, snapshot["device_traces"][self.device.index or 0], self._began_us, self._marks)
         return self.timeline
 
-    def _add(self, entry: dict[str, Any], delta: int, holder: int) -> None:
-        self.timeline.events.append(MemoryEvent(entry.get("time_us", self._began_us) / 1e6 - self._began_us / 1e6,
-                                                delta, holder, ""))
+
+def add_trace(timeline: StepTimeline, trace: list[dict[str, Any]], began_us: float, marks: dict[str, float]) -> None:
+    """Add a device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``: entries with
+    ``action``, ``addr``, ``size``, ``time_us`` and ``frames``) to ``timeline``, whose holder 0 is what was allocated
+    when recording began (``began_us``, microseconds since the epoch, as ``time_us``); ``marks``: named moments ->
+    their time in the same microseconds. A block counts from its ``alloc`` to its ``free_completed``, as the
+    allocator's ``memory_allocated`` counts it; a freed block the trace never saw allocated comes off holder 0."""
+    holder_at: dict[int, int] = {}
+    for entry in trace:
+        if entry["action"] == "alloc":
+            holder_at[entry["addr"]] = len(timeline.holders)
+            timeline.holders.append(Holder(entry["size"], [], "", _origin(entry.get("frames", [])), "", "allocation"))
+            delta, holder = entry["size"], holder_at[entry["addr"]]
+        elif entry["action"] == "free_completed":
+            delta, holder = -entry["size"], holder_at.pop(entry["addr"], 0)
+        else:  # segments mapped and unmapped, frees requested but waiting on a stream: nothing allocated changes
+            continue
+        timeline.events.append(MemoryEvent((entry.get("time_us", began_us) - began_us) / 1e6, delta, holder, ""))
+    for moment, at_us in marks.items():
+        timeline.moments[moment] = sum(1 for event in timeline.events if began_us + event.seconds * 1e6 <= at_us)
 
 
 def _origin(frames: list[dict[str, Any]]) -> str:

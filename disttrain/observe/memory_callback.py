@@ -42,6 +42,8 @@ class StepMemoryCallback(pl.Callback):
         self.planned: Callable[[], dict[str, float] | None] | None = None
         """The plan's bytes at its moments on its most loaded rank (rank 0's), asked for by rank 0 once the step
         is recorded; handed over by the rank's assembly (None: no plan is drawn)."""
+        self.draw = True
+        """Whether rank 0 draws the picture (the run's ``plots``, handed over with the plan)."""
         self.result: dict[str, Any] | None = None
         """After the step: ``step``, ``peak_bytes`` (the counter's or the allocator's own peak) and
         ``counted_by``, for results.json."""
@@ -111,7 +113,7 @@ class StepMemoryCallback(pl.Callback):
         (logs / name).write_text(json.dumps(record) + "\n")
         if timeline.rank != 0:
             return
-        picture = write_memory_plot(record, plots / PICTURE_FILE)
+        picture = write_memory_plot(record, plots / PICTURE_FILE) if self.draw else None
         self.line = summary_line(record, [logs / name, *([picture] if picture else [])])
         print(self.line, flush=True)
 

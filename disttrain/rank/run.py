@@ -102,7 +102,7 @@ def run_rank(run: RunConfig) -> float | None:
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
         memory = recorded_step(trainer.callbacks)
         if memory is not None:  # rank 0 draws the plan's moments beside its own
-            memory.planned = partial(planned_moments, run)
+            memory.planned, memory.draw = partial(planned_moments, run), cfg.plots
         restart = restart_count()
         resume = kind.resume_from(trainer) or resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir),
                                                           announce=trainer.is_global_zero)
