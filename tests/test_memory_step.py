@@ -15,7 +15,7 @@ from disttrain.errors import ConfigError
 from disttrain.observe.cuda_step import add_trace
 from disttrain.observe.memory_options import check_memory_callbacks
 from disttrain.observe.memory_timeline import Holder, MemoryEvent, StepTimeline
-from disttrain.plan.measure import LiveStorages
+from disttrain.observe.tensor_bytes import LiveStorages
 from tests.conftest import ROOT, train_cli_in_process
 
 RUN = ["model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=8", "batch.global_size=2",

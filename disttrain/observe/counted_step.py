@@ -1,6 +1,6 @@
-"""A step's memory on a CPU, through the framework's tensor-byte counter (``disttrain.plan.measure.LiveStorages``):
-every storage alive at the step's start and every one its operators make, from creation to release, with the module
-and the phase that made it.
+"""A step's memory on a CPU, through the framework's tensor-byte counter
+(``disttrain.observe.tensor_bytes.LiveStorages``): every storage alive at the step's start and every one its
+operators make, from creation to release, with the module and the phase that made it.
 
 What is alive at the start is every tensor Python reaches then (``gc``): the parameters' local shards, gradients,
 optimiser state, the batch, and storages FSDP2 keeps at no size between uses, which the counter then follows as they
@@ -22,9 +22,9 @@ import torch
 from torch.utils.module_tracker import ModuleTracker
 
 from disttrain.observe.memory_timeline import START, Holder, MemoryEvent, StepTimeline
-from disttrain.plan.measure import LiveStorages, plain_tensors
+from disttrain.observe.tensor_bytes import LiveStorages, plain_tensors
 
-COUNTED_BY = "the tensor-byte counter (disttrain.plan.measure.LiveStorages)"
+COUNTED_BY = "the tensor-byte counter (disttrain.observe.tensor_bytes.LiveStorages)"
 """``StepTimeline.counted_by`` of a CPU step."""
 
 HELD_BEFORE = "held before the step"
@@ -132,6 +132,8 @@ class CountedStep:
         tensor = counted_by if isinstance(counted_by, torch.Tensor) else None
         shape, dtype = (list(tensor.shape), str(tensor.dtype).removeprefix("torch.")) if tensor is not None \
             else ([], "")
+        if tensor is not None and size and tensor.numel() * tensor.element_size() != size:
+            shape = []  # a view of part of its storage: its shape would not be the storage's
         if self._origin is not None:
             what, name = self._origin
             return Holder(size, shape, dtype, name, phase, what)

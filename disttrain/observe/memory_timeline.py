@@ -19,7 +19,8 @@ class Holder:
     bytes: int
     """Bytes when first counted (a storage resized later changes by its events)."""
     shape: list[int]
-    """Shape of the tensor it was counted by (empty where only the storage was seen)."""
+    """Shape of the tensor it was counted by (empty where only the storage was seen, or the tensor viewed a part
+    of it)."""
     dtype: str
     """Its dtype (empty where only the storage was seen)."""
     module: str

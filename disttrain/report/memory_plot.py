@@ -41,7 +41,7 @@ def write_memory_plot(record: dict[str, Any], path: Path) -> Path | None:
     note = f"peak {peak:.4g} MB" + (f"\nlargest: {largest['module'] or largest['made_by']} "
                                      f"{largest['bytes_at_peak'] / mb:.3g} MB" if largest else "")
     axes.plot([at], [peak], marker="v", color="red", linestyle="none")
-    axes.annotate(note, (at, peak), textcoords="offset points", xytext=(6, -24), fontsize=7, color="red")
+    axes.annotate(note, (at, peak), textcoords="offset points", xytext=(10, -30), fontsize=7, color="red")
     axes.set_xlabel("allocations and releases, in order")
     axes.set_ylabel("MB alive on the rank")
     axes.set_title(f"memory of step {record['step'] + 1}, rank {record['rank']} ({record['counted_by']})", fontsize=9)
