@@ -7,12 +7,16 @@ import gc
 import json
 import threading
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from disttrain.config.validation import validate
 from disttrain.errors import ConfigError
 from disttrain.observe.cuda_step import add_trace
+from disttrain.observe.memory_callback import StepMemoryCallback
 from disttrain.observe.memory_options import check_memory_callbacks
 from disttrain.observe.memory_timeline import Holder, MemoryEvent, StepTimeline
 from disttrain.observe.tensor_bytes import LiveStorages
@@ -88,6 +92,50 @@ def test_two_ranks_record_their_step_with_the_peak_results_json_reports(tmp_path
     assert (resized_from_start(record) > 0) == (preset == "zero3")
     other = json.loads((tmp_path / "logs" / "memory_step_rank1.json").read_text())
     assert other["rank"] == 1 and other["peak_bytes"] > other["start_bytes"]
+
+
+class TwoLayers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def lightning_fit(tmp_path, callback: StepMemoryCallback, max_steps: int) -> None:
+    """A plain Lightning fit of ``TwoLayers`` accumulating two micro-batches a step."""
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16, generator=generator), torch.randn(64, 1, generator=generator))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         accumulate_grad_batches=2, default_root_dir=tmp_path)
+    trainer.fit(TwoLayers(), DataLoader(data, batch_size=4))
+
+
+def test_a_step_of_micro_batches_is_recorded_with_its_phases_and_modules(tmp_path):
+    callback = StepMemoryCallback(step=1, largest=3)
+    lightning_fit(tmp_path, callback, max_steps=3)
+    record = json.loads((tmp_path / "logs" / "memory_step.json").read_text())
+    assert record["peak_bytes"] == callback.result["peak_bytes"] and record["step"] == 1
+    assert [span["phase"] for span in record["phases"]] == ["forward", "backward", "forward", "backward", "optimiser"]
+    made = {(holder["module"], holder["phase"]) for holder in record["holders"]}
+    assert {("Sequential.0", "forward"), ("Sequential.2", "backward")} <= made, made  # the outermost by its class
+    start = {holder["made_by"] for holder in record["holders"] if holder["phase"] == "start"}
+    assert {"parameter", "optimiser state", "batch"} <= start  # Adam's moments exist from the first step on
+    assert len(record["largest_at_peak"]) == 3 and record["planned_moments_bytes"] is None
+    assert callback.line.startswith("memory of step 2 on rank 0: peak ")
+
+
+def test_a_fit_that_never_reaches_the_step_records_nothing_and_says_so(tmp_path, capsys):
+    callback = StepMemoryCallback(step=5)
+    lightning_fit(tmp_path, callback, max_steps=2)
+    assert callback.result is None and not (tmp_path / "logs").exists()
+    assert "memory: step 6 is not among this fit's steps (1 to 2): nothing recorded" in capsys.readouterr().out
 
 
 def test_the_counter_tells_every_change_even_from_another_thread():

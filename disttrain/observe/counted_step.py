@@ -66,14 +66,15 @@ class CountedStep:
         """Count what is alive now and begin recording. ``labelled``: ``(what, name, tensor)`` of the storages
         whose origin is known (``parameter``, ``net.head.weight``, ...), the first label of a storage winning;
         every other tensor Python reaches is ``HELD_BEFORE``."""
-        self._began = time.perf_counter()
         for what, name, tensor in labelled:
             self._count_held(tensor, what, name)
         for tensor in _reachable_tensors():
             self._count_held(tensor, HELD_BEFORE, "")
-        self._origin = None
-        self.timeline.start = self._start_sizes()
-        self.timeline.events.clear()
+        with self.counter.lock:  # no release on another thread between the start's sizes and the first event
+            self._origin = None
+            self.timeline.start = self._start_sizes()
+            self.timeline.events.clear()
+            self._began = time.perf_counter()
         self._tracker.__enter__()
         self.counter.__enter__()
 
@@ -82,14 +83,14 @@ class CountedStep:
         autograd engine says so itself where no hook runs (a pipeline's schedule)."""
         self._stage = phase
 
-    def mark(self, moment: str) -> int:
-        """Name this point of the step ``moment``; the bytes alive now."""
+    def mark(self, moment: str) -> None:
+        """Name this point of the step ``moment``."""
         self.timeline.moments[moment] = len(self.timeline.events)
-        return self.counter.live
 
     def stop(self) -> StepTimeline:
         """End the recording; the timeline (``peak`` holds the counter's own)."""
-        self.counter.listener = None  # what the step leaves alive is released later, outside the record
+        with self.counter.lock:  # what the step leaves alive is released later, outside the record
+            self.counter.listener = None
         self.counter.__exit__(None, None, None)
         self._tracker.__exit__(None, None, None)
         self.peak = self.counter.peak

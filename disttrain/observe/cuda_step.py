@@ -47,11 +47,10 @@ class CudaStep:
     def stage(self, phase: str) -> None:
         """Phases are not told apart on a GPU (see the module)."""
 
-    def mark(self, moment: str) -> int:
-        """Name this point of the step ``moment``; the bytes allocated now."""
+    def mark(self, moment: str) -> None:
+        """Name this point of the step ``moment`` (once the device has caught up with the host)."""
         torch.cuda.synchronize(self.device)
         self._marks[moment] = time.time() * 1e6
-        return torch.cuda.memory_allocated(self.device)
 
     def stop(self) -> StepTimeline:
         """End the recording; the timeline."""

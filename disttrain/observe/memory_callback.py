@@ -50,6 +50,11 @@ class StepMemoryCallback(pl.Callback):
         self.line: str | None = None
         """Rank 0's line about the step, once written."""
         self._recording: CountedStep | CudaStep | None = None
+        self._first_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Note where this fit starts (after a resume, past step 0)."""
+        self._first_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -95,8 +100,14 @@ class StepMemoryCallback(pl.Callback):
         if self._recording is not None:
             self._finish(trainer)
         elif self.result is None and trainer.is_global_zero:
-            print(f"memory: step {self.options.step + 1} was not reached (the fit ended after "
-                  f"{trainer.global_step} steps): nothing recorded", flush=True)
+            print(f"memory: step {self.options.step + 1} is not among this fit's steps ({self._first_step + 1} to "
+                  f"{trainer.global_step}): nothing recorded", flush=True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit that failed inside the step stops recording (the counter leaves the operators) and writes nothing."""
+        if self._recording is not None:
+            recording, self._recording = self._recording, None
+            recording.stop()
 
     def _finish(self, trainer: pl.Trainer) -> None:
         recording, self._recording = self._recording, None

@@ -57,7 +57,9 @@ class LiveStorages(TorchDispatchMode):
         """Told of every change of ``live`` (see the class)."""
         # a release may come from another thread (gloo's) or from inside a change (a storage freed as a local
         # reference to it goes), so the lock is re-entrant
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
+        """Held while the count changes (and its listener hears of it): hold it to read the count and what the
+        listener has heard as one."""
         self.live = 0
         """Bytes alive now."""
         self.peak = 0
@@ -81,14 +83,14 @@ class LiveStorages(TorchDispatchMode):
     def count(self, storage: torch.UntypedStorage, tensor: torch.Tensor | None = None) -> None:
         """Count ``storage`` (made outside the mode) until its release, as if an operator inside had made it;
         ``tensor``: one that views it, for the listener."""
-        with self._lock:
+        with self.lock:
             key = storage._cdata
             if key in self._refs or (storage.nbytes() == 0 and not self.follow_resizes):
                 return
             self._sizes[key] = storage.nbytes()
 
             def release(_: Any, key: int = key) -> None:
-                with self._lock:
+                with self.lock:
                     self._refs.pop(key, None)
                     self._change(key, -self._sizes.pop(key, 0), None)
 
@@ -99,7 +101,7 @@ class LiveStorages(TorchDispatchMode):
 
     def resync(self) -> None:
         """Take the current size of every counted storage (``follow_resizes``)."""
-        with self._lock:
+        with self.lock:
             for key, ref in list(self._refs.items()):
                 storage = ref()
                 if storage is None or key not in self._sizes:
