@@ -41,7 +41,8 @@ class CudaStep:
         self.timeline.holders = [Holder(torch.cuda.memory_allocated(self.device), [], "", "", START,
                                         "held before the step")]
         self.timeline.start = {0: self.timeline.holders[0].bytes}
-        torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, device=self.device)
+        # Python frames only: symbolising C++ stacks for every block makes the snapshot slow
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=MAX_ENTRIES, device=self.device)
         self._began_us = time.time() * 1e6
 
     def stage(self, phase: str) -> None:
