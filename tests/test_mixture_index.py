@@ -36,7 +36,8 @@ class CountingTokenizer:
 
 def test_a_loader_worker_tokenises_only_the_documents_of_its_own_windows(corpus, monkeypatch):  # noqa: F811
     """Worker 1 of 2 on rank 1 of 4 builds micro-batches 1, 3, 5, ...: the texts it hands the tokenizer are exactly
-    the documents its windows hold (a window's last target included), each once: fewer than its stretch of the stream holds."""
+    the documents its windows hold (a window's last target included), each once: fewer than its stretch of the
+    stream holds."""
     plan = mixture_config(corpus).plan(seed=4)
     micro, batches = 2, 12
     reference = MixtureStream(plan, StreamState.start(3))

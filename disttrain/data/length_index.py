@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +72,10 @@ class IndexedSource:
         return DocumentReader(self.files, self._mapped(OFFSETS_FILE, np.uint64))
 
     def _mapped(self, name: str, dtype: type) -> np.ndarray:
-        path = os.path.join(self.folder, name)
-        return np.memmap(path, dtype=dtype, mode="r", shape=(self.num_documents,)) if self.num_documents else \
-            np.zeros(0, dtype)
+        """One of the index's arrays, memory-mapped (numpy cannot map an empty file)."""
+        if not self.num_documents:
+            return np.zeros(0, dtype)
+        return np.memmap(os.path.join(self.folder, name), dtype=dtype, mode="r", shape=(self.num_documents,))
 
 
 def index_key(files: tuple[str, ...], field: str, tokenizer: str) -> str:
@@ -141,7 +143,7 @@ def _build(key: str, files: tuple[str, ...], field: str, tokenizer_folder: str, 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _batches(documents: Any) -> Any:
+def _batches(documents: Iterable[tuple[str, int]]) -> Iterator[tuple[list[str], list[int]]]:
     """``(texts, offsets)`` of ``ENCODE_BATCH`` documents at a time (the tokenizer encodes a batch on several
     threads)."""
     texts: list[str] = []

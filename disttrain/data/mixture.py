@@ -8,11 +8,14 @@ token itself belongs to the document it closes; a window's first tokens may cont
 before). ``DataSpec.document_end`` is None when ``data.document_mask`` is false: then windows attend across
 documents.
 
-The order of documents is one global stream (``disttrain.data.mixture_stream``), the same for every number of
-ranks, loader workers and micro-batch size; a checkpoint saves the stream's position (the draw, every source's
-cursor and the tokens of the current document read) beside the position in global samples, so a resumed run on
-any data-parallel size or worker count reads exactly what it had not read. What was read (tokens and documents per
-source, against the weights) goes to ``results.json``; ``data.read_log`` writes every trained window's documents.
+The order of documents is one global stream (``disttrain.data.mixture_layout``), the same for every number of
+ranks, loader workers and micro-batch size. Validation (in the job process, before ranks start) builds each source's
+length index (``disttrain.data.length_index``), from which every worker places the documents and tokenises only
+those of its own windows (``disttrain.data.mixture_stream``). A checkpoint saves the stream's position (the draw,
+every source's cursor and the tokens of the current document read) beside the position in global samples, so a
+resumed run on any data-parallel size or worker count reads exactly what it had not read. What was read (tokens and
+documents per source, against the weights) goes to ``results.json``; ``data.read_log`` writes every trained window's
+documents.
 """
 
 from __future__ import annotations
