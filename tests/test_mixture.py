@@ -93,12 +93,12 @@ def batches_of(plan, share_options: dict, workers: int, start: StreamState | Non
 
 def global_windows(batches_by_rank: list[list[dict]], micro: int) -> dict[int, tuple]:
     """Each global window's inputs and pieces, from the micro-batches of every rank (rank r's sample t of
-    micro-batch i is global window (i * micro + t) * ranks + r)."""
+    micro-batch i is global window (i * ranks + r) * micro + t)."""
     ranks, found = len(batches_by_rank), {}
     for rank, batches in enumerate(batches_by_rank):
         for batch in batches:
             for sample in range(micro):
-                window = (batch["batch"] * micro + sample) * ranks + rank
+                window = (batch["batch"] * ranks + rank) * micro + sample
                 found[window] = (batch["inputs"][sample].tolist(), batch["pieces"][sample])
     return found
 
@@ -262,7 +262,7 @@ def logged_windows(log: Path, micro: int, ranks: int) -> dict[int, list]:
         for line in (log / f"rank{rank}.jsonl").read_text().splitlines():
             entry = json.loads(line)
             for sample, pieces in enumerate(entry["windows"]):
-                window = (entry["batch"] * micro + sample) * ranks + rank
+                window = (entry["batch"] * ranks + rank) * micro + sample
                 assert window not in found
                 found[window] = pieces
     return found

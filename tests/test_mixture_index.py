@@ -13,7 +13,7 @@ import pytest
 import disttrain.data.mixture_stream as mixture_stream
 import disttrain.data.token_cache as token_cache
 from disttrain.data import MixtureConfig, MixtureSource
-from disttrain.data.mixture_stream import MixtureStream, MixtureWindows, RankShare, StreamState
+from disttrain.data.mixture_stream import DocumentTokens, MixtureStream, MixtureWindows, RankShare, StreamState
 from disttrain.errors import ConfigError
 from tests.mixture_corpus import source_texts
 from tests.test_mixture import KINDS, corpus, mixture_config  # noqa: F401 (corpus: the module's fixture)
@@ -63,6 +63,26 @@ def test_a_loader_worker_tokenises_only_the_documents_of_its_own_windows(corpus,
           f"stretch of the stream holds")
     assert sorted(counting.texts) == expected
     assert len(counting.texts) == len(held) < len(stream)
+
+
+def test_ranks_share_only_the_documents_across_the_edges_of_their_runs_of_windows(corpus):  # noqa: F811
+    """Each of 2 ranks reads its micro-batch of 8 consecutive windows per round, so the two tokenise together the
+    stream's documents and, at most, one more per edge between one rank's run and the next (each rank tokenising
+    every other window would tokenise most documents twice)."""
+    plan = mixture_config(corpus).plan(seed=6)
+    micro, batches, ranks = 8, 4, 2
+    reference = MixtureStream(plan, StreamState.start(3))
+    pieces = [reference.next_window()[1] for _ in range(batches * micro * ranks + 1)]  # type: ignore[index]
+    stream = {piece[:3] for window in pieces for piece in window}
+    counts = []
+    for rank in range(ranks):
+        windows = MixtureWindows(plan, StreamState.start(3), RankShare(micro, 1, ranks, rank, 0, batches))
+        tokens = DocumentTokens(plan)
+        assert len(list(windows.batches(0, 1, tokens))) == batches
+        counts.append(tokens.tokenised)
+    edges = batches * ranks - 1
+    print(f"2 ranks tokenise {counts} documents of the stream's {len(stream)}, with {edges} edges between runs")
+    assert len(stream) <= sum(counts) <= len(stream) + edges
 
 
 def short_texts() -> list[str]:

@@ -1,11 +1,16 @@
 """The mixture's one global stream read as windows, and where a rank's loader worker finds its own windows in it.
 
 Where every document lies is arithmetic on the sources' length indexes (``disttrain.data.mixture_layout``); reading
-and tokenising is done only for the documents of the windows a worker builds. Rank ``r`` of ``R`` reads the global
-windows ``r, r + R, r + 2R, ...`` of its epoch, a micro-batch of ``m`` of them at a time, as
-``disttrain.data.position`` has it for every data set; loader worker ``w`` of ``W`` builds that rank's micro-batches
-``w, w + W, ...``, which a DataLoader hands out in turn. A worker places the documents of the whole stream up to its
-last window from their lengths, and reads and tokenises only those its own windows hold.
+and tokenising is done only for the documents of the windows a worker builds. The ranks read the epoch's windows in
+rounds of ``m x R`` (``m`` windows per micro-batch, ``R`` data-parallel ranks): in round ``i`` rank ``r`` reads, as its
+micro-batch ``i``, the ``m`` consecutive windows from ``(i * R + r) * m``. Consecutive windows share the documents
+that run across them, so a rank taking a run of them tokenises those documents once where ranks taking every
+``R``-th window would each tokenise nearly all of them. After ``i`` micro-batches per rank the ranks together have
+read exactly the first ``i * m * R`` windows, whatever ``m`` and ``R`` are (the count in global samples that
+``disttrain.data.position`` keeps for every data set), and a round's windows are one global step's (or one
+accumulation micro-step's) whatever rank reads which. Loader worker ``w`` of ``W`` builds its rank's micro-batches
+``w, w + W, ...``, which a DataLoader hands out in turn; it places the documents of the whole stream up to its last
+window from their lengths, and reads and tokenises only those its own windows hold.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ tokens with its end token."""
 class DocumentTokens:
     """The token ids (end-of-document id included) of placed documents, read and tokenised on request, a request's
     documents in one call to the tokenizer; the documents of the last request are kept for the next (a document may
-    run on into the next window). ``tokenised`` counts the documents tokenised."""
+    run on into the next window). ``tokenised`` and ``tokenised_tokens`` count what was tokenised."""
 
     def __init__(self, plan: MixturePlan) -> None:
         from disttrain.data.token_cache import load_tokenizer
@@ -42,6 +47,8 @@ class DocumentTokens:
         self.readers = [source.reader() for source in plan.sources]
         self.tokenised = 0
         """Documents tokenised by this object."""
+        self.tokenised_tokens = 0
+        """Their tokens, end-of-document tokens included."""
         self._kept: dict[int, np.ndarray] = {}
 
     def ids(self, placed: list[Placed]) -> dict[int, np.ndarray]:
@@ -60,6 +67,7 @@ class DocumentTokens:
                                   f"document {document.cursor % self.plan.train_documents[document.source]} now has "
                                   f"{len(ids) - 1} tokens, the index says {document.end - document.start - 1}")
             found[document.draw] = ids
+            self.tokenised_tokens += len(ids)
         self.tokenised += len(missing)
         self._kept = found
         return found
@@ -137,7 +145,7 @@ class RankShare:
     def window(self, base: int, batch: int, sample: int) -> int:
         """Global window of sample ``sample`` of this rank's micro-batch ``batch``, in an epoch starting at
         ``base``."""
-        return base + (batch * self.micro_size + sample) * self.replicas + self.rank
+        return base + (batch * self.replicas + self.rank) * self.micro_size + sample
 
     def after(self, base: int, batch: int) -> int:
         """The global window every rank has reached once each has read micro-batches up to ``batch``."""
