@@ -17,6 +17,7 @@ packing pads nothing).
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
@@ -75,17 +76,26 @@ def cut_topic(text: str, chars: int) -> list[str]:
     return [*pieces, current] if current else pieces
 
 
-def loader_rate(plan: MixturePlan, micro: int, batches: int, workers: int, replicas: int = 1) -> tuple[float, float]:
-    """Tokens/s rank 0 of ``replicas`` receives from a DataLoader of ``workers`` processes (their start included),
-    and the share of its window tokens that are document tokens."""
+def loader_rate(plan: MixturePlan, micro: int, batches: int, workers: int,
+                replicas: int = 1) -> tuple[float, float, float]:
+    """Tokens/s rank 0 of ``replicas`` receives from a DataLoader of ``workers`` processes (their start included);
+    the tokens it receives per CPU-second of its own process and its workers (what the rate would be with a core
+    each, however loaded the machine); and the share of its window tokens that are document tokens."""
     share = RankShare(micro, 1, replicas, 0, 0, batches)
     loader = DataLoader(MixtureWindows(plan, StreamState.start(len(plan.sources)), share), batch_size=None,
                         num_workers=workers)
-    started, tokens, ends = time.perf_counter(), 0, 0
+    started, cpu, tokens, ends = time.perf_counter(), cpu_seconds(), 0, 0
     for inputs, _, _ in loader:
         tokens += inputs.numel()
         ends += int((inputs == plan.eos_id).sum())
-    return tokens / (time.perf_counter() - started), 1 - ends / tokens
+    del loader  # its workers are joined: their CPU time is counted
+    return tokens / (time.perf_counter() - started), tokens / (cpu_seconds() - cpu), 1 - ends / tokens
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (user and system)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def documents_tokenised(plan: MixturePlan, micro: int, batches: int, workers: int,
@@ -153,13 +163,14 @@ def main() -> None:
     for name, found in measured.items():
         print(f"| {name} | {found['documents']:,} documents, {found['tokens']:,} tokens in {found['built']:.2f} s "
               f"({found['tokens'] / found['built']:,.0f} tokens/s) | {found['tokens'] / found['documents']:,.0f} |")
-    print("\n| sources | loader | tokens/s | per worker | / 1 rank, 1 worker |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| sources | loader | tokens/s | per worker | / 1 rank, 1 worker | tokens per CPU-second of the loader's "
+          "processes |")
+    print("|---|---|---:|---:|---:|---:|")
     for name, found in measured.items():
         one = found["rates"][(1, 1)]
         for (replicas, workers), rate in found["rates"].items():
             print(f"| {name} | rank 0 of {replicas}, {workers} worker(s) | {rate:,.0f} | {rate / workers:,.0f} | "
-                  f"{rate / one:.2f} |")
+                  f"{rate / one:.2f} | {found['per_cpu'][(replicas, workers)]:,.0f} |")
     print("\n| sources | ranks x workers | documents each worker of rank 0 tokenises | documents of the stream "
           "read | largest share | tokens tokenised per token delivered (every worker reading the stream: ranks x "
           "workers) |")
@@ -178,12 +189,14 @@ def main() -> None:
           "documents; no padding)")
     cut = measured[list(CORPORA)[1]]
     one, two = cut["rates"][(1, 1)], cut["rates"][(1, 2)]
+    per_cpu = cut["per_cpu"][(2, 2)]
     share = max(count for count, _ in cut["counts"][(2, 2)]) / cut["spans"][2]
     whole_share = max(count for count, _ in whole["counts"][(2, 2)]) / whole["spans"][2]
-    print(f"headline: cut documents, 2 workers give {two / one:.2f}x the tokens/s of 1 ({two:,.0f}/s, {two / gpu:.3f}x "
-          f"a GPT-2 124M step on one GPU, {one / cpu:,.0f}x one on this CPU); on 2 ranks x 2 workers each worker "
-          f"tokenises {share:.2f} of the stream's documents (whole topics: {whole_share:.2f}), where it tokenised "
-          "all of them before")
+    print(f"headline: cut documents, on 2 ranks x 2 workers each worker tokenises {share:.2f} of the stream's "
+          f"documents (whole topics: {whole_share:.2f}), where every worker tokenised all of them before; a rank's "
+          f"loader gives {per_cpu:,.0f} tokens per CPU-second ({per_cpu / gpu:.2f}x a GPT-2 124M step on one GPU, "
+          f"{per_cpu / cpu:,.0f}x one on this CPU); on these shared cores 2 workers gave {two / one:.2f}x the wall "
+          "tokens/s of 1")
 
 
 def measure(document_chars: int, args: argparse.Namespace) -> dict:
@@ -205,7 +218,8 @@ def measure(document_chars: int, args: argparse.Namespace) -> dict:
         return {"built": built, "tokens": sum(source.num_tokens for source in plan.sources),
                 "documents": sum(source.num_documents for source in plan.sources),
                 "rates": {layout: max(found[layout][0] for found in rounds) for layout in layouts},
-                "packing": rounds[0][(1, 1)][1],
+                "per_cpu": {layout: max(found[layout][1] for found in rounds) for layout in layouts},
+                "packing": rounds[0][(1, 1)][2],
                 "counts": {(replicas, workers): documents_tokenised(plan, micro, batches, workers, replicas)
                            for replicas, workers in layouts},
                 "spans": {replicas: stream_documents(plan, batches * micro * replicas) for replicas in (1, 2)}}
