@@ -63,7 +63,8 @@ def test_a_phase_too_short_to_matter_is_not_named():
 
 
 @pytest.mark.parametrize("preset,phase", [("ddp", "data"), ("ddp", "backward"), ("zero3", "data"),
-                                          ("zero3", "backward"), ("pipeline", "data")])
+                                          ("zero3", "backward"), ("pipeline", "data"),
+                                          ("pipeline", "backward")])
 def test_a_slowed_rank_is_named_with_its_phase_within_three_windows(tmp_path, preset, phase):
     untied = ["model.tie_weights=false"] if preset == "pipeline" else []  # stages cannot share a parameter
     section, out, lines = run(tmp_path, f"parallel={preset}", *untied, *slowed(1, phase))

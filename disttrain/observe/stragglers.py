@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from disttrain.observe.collectives import RECORDER
+from disttrain.observe.phases import PHASE_MARKS
 from disttrain.records import keep_record
 
 PHASES = ("data", "forward", "backward", "collectives", "optimiser")
@@ -33,7 +34,10 @@ PHASES = ("data", "forward", "backward", "collectives", "optimiser")
 (the loader's fetch and the loop between steps), ``forward`` to the loss, ``backward`` to the gradients,
 ``optimiser`` to the end of the step (clipping, the update, the schedule); ``collectives``: the time in any of
 them blocked in a recorded collective (``disttrain.observe.collectives``), and under DDP from the rank's last
-gradient to the end of its backward (the exchange DDP makes from C++, waiting for the other ranks)."""
+gradient to the end of its backward (the exchange DDP makes from C++, waiting for the other ranks). Under a pipeline
+the schedule runs forward and backward inside the step: its stages mark them (``disttrain.observe.phases``), their
+loss counts as forward, and its time between them (sending to and waiting for the neighbouring stages) as
+``collectives``."""
 COLLECTIVES = PHASES.index("collectives")
 WAITING = ("collectives",)
 """Phases in which a rank waits for the others: never the phase a straggler is named for."""
@@ -122,6 +126,18 @@ class StragglerDetector(pl.Callback):
             if param.requires_grad and not isinstance(param, DTensor):
                 param.register_post_accumulate_grad_hook(self._gradient_accumulated)
         self._step_at_end = trainer.global_step
+        PHASE_MARKS.listener = self._phase_ended  # a pipeline's schedule marks its stages' phases
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing marks phases for this detector any more."""
+        PHASE_MARKS.listener = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """As ``on_train_end``, also where training stopped on an error."""
+        PHASE_MARKS.listener = None
+
+    def _phase_ended(self, phase: str) -> None:
+        self._mark(PHASES.index(phase))
 
     def _gradient_accumulated(self, _param: torch.Tensor) -> None:
         self._gradient_at = time.perf_counter()
