@@ -47,6 +47,7 @@ COLUMNS = (*PHASES, "step")
 JUDGED = (*(name for name in PHASES if name not in WAITING), "step")
 """What a rank is judged on: each phase it does not wait in, and ``step``, its step without its waits (in lockstep
 every rank's whole step is the same length, the slow one's busier)."""
+_JUDGED_PHASES = [PHASES.index(name) for name in JUDGED[:-1]]  # the phases among them, by their index in PHASES
 MIN_SHARE = 0.1
 """A phase is slow only when it also exceeds the median rank's by this share of the median rank's step: a short
 phase (the optimiser of a tiny model) differs by large factors from timer and scheduler noise alone, and costs the
@@ -128,12 +129,22 @@ class StragglerDetector(pl.Callback):
         self._last, self._blocked = now, RECORDER.blocked_s
 
     def _end_step(self) -> None:
-        """Add the step's phases to the window's sums, fastest and slowest steps."""
-        judged = [seconds for seconds, name in zip(self._step, PHASES, strict=True) if name not in WAITING]
-        judged.append(sum(judged))  # the step without its waits
-        self._window = [total + seconds for total, seconds in zip(self._window, self._step, strict=True)]
-        self._fastest = [min(a, b) for a, b in zip(self._fastest, judged, strict=True)]
-        self._slowest = [max(a, b) for a, b in zip(self._slowest, judged, strict=True)]
+        """Add the step's phases to the window's sums, fastest and slowest steps (plain loops: once per step)."""
+        step, window, fastest, slowest = self._step, self._window, self._fastest, self._slowest
+        busy = 0.0
+        for column, phase in enumerate(_JUDGED_PHASES):
+            seconds = step[phase]
+            busy += seconds
+            if seconds < fastest[column]:
+                fastest[column] = seconds
+            if seconds > slowest[column]:
+                slowest[column] = seconds
+        if busy < fastest[-1]:  # the step without its waits
+            fastest[-1] = busy
+        if busy > slowest[-1]:
+            slowest[-1] = busy
+        for phase, seconds in enumerate(step):
+            window[phase] += seconds
         self._step = [0.0] * len(PHASES)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
