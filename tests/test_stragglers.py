@@ -188,3 +188,29 @@ def test_a_record_the_disk_refuses_costs_a_warning_not_the_rank(tmp_path, capsys
     assert "straggler: rank 1" in out.out
     assert f"could not write {tmp_path / 'logs' / STRAGGLERS_FILE}" in out.err
     assert detector.named and detector.named[0]["rank"] == 1
+
+
+def test_a_pipeline_stage_marks_its_forward_backward_and_weight_backward_and_the_waits_between(monkeypatch):
+    """Inside a schedule's training step the time before each stage action is waiting (``collectives``), the
+    action's is its phase (a split backward's weight half too), and the time after the last is waiting; outside a
+    training step (evaluation) nothing is marked, and an action inside another marks once."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from disttrain.observe.phases import PHASE_MARKS
+    from disttrain.parallel.pipeline.phases import PhaseLoss, PhaseStage
+
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        monkeypatch.setattr(PipelineStage, name, lambda self, chunk, *args, **kwargs: chunk)
+    stage = object.__new__(PhaseStage)  # its methods only: the marks, around torch's (replaced above)
+    loss = PhaseLoss(lambda output, target: stage.forward_one_chunk(output))  # a loss calling a stage: nested
+    marks: list[str] = []
+    monkeypatch.setattr(PHASE_MARKS, "listener", marks.append)
+    stage.forward_one_chunk(0)  # evaluation: no training step
+    assert marks == []
+    with PHASE_MARKS.schedule_step():
+        assert stage.forward_one_chunk(0) == 0
+        loss(1, None)
+        stage.backward_one_chunk(0, full_backward=False)
+        stage.backward_weight_one_chunk(0)
+    assert marks == ["collectives", "forward", "collectives", "forward", "collectives", "backward",
+                     "collectives", "backward", "collectives"]
