@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 
 
@@ -24,7 +25,13 @@ class SlowRank(pl.Callback):
             # the model's blocks (a ModuleList), or those of the rank's pipeline stage (a ModuleDict of them)
             blocks = next(m for m in pl_module.net.modules()
                           if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m))
-            next(iter(blocks.children())).register_full_backward_pre_hook(lambda *_: time.sleep(self.seconds))
+            next(iter(blocks.children())).register_forward_hook(self._delay_backward)
+
+    def _delay_backward(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
+        # a hook on the block's output gradient: a module's full backward hooks break the split backward (input,
+        # then weight gradients) of the zero-bubble schedules
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda _grad: time.sleep(self.seconds))
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         # after the detector's own end of the step (user callbacks come after it): the next batch's fetch

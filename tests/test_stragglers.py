@@ -160,6 +160,17 @@ def test_a_slowed_rank_is_named_with_its_phase_within_three_windows(tmp_path, pr
     assert "step by rank: rank 0 " in out and "stragglers named: rank 1" in out
 
 
+@pytest.mark.slow
+def test_a_rank_slow_in_a_split_backward_is_named_under_zero_bubble(tmp_path):
+    """Interleaved zero bubble, two stages per rank: the backward runs as input- then weight-gradient halves, both
+    marked; rank 1's delay lands in the input half of its first stage's backward."""
+    section, out, _ = run(tmp_path, "parallel=pipeline", *PIPELINE, "parallel.pipeline.schedule=zero_bubble",
+                          "parallel.pipeline.stages_per_rank=2", *slowed(1, "backward", DELAY_S / MICROBATCHES))
+    assert [(entry["rank"], entry["phase"]) for entry in section["named"]] == [(1, "backward")]
+    assert section["named"][0]["named_at_step"] <= 1 + 3 * EVERY
+    assert {entry["rank"]: entry for entry in section["ranks"]}[1]["slowest_phase"] == "backward"
+
+
 def test_a_run_without_a_slowed_rank_names_none(tmp_path):
     """At the default ratio (1.2) and windows (2): no rank is slower in every step of two windows by more than it
     varies (``slow_ranks``), whatever the machine's load does to some of the steps."""
