@@ -1,5 +1,6 @@
-"""Straggler detection: each rank times its step's phases at Lightning's hooks; every logging window the ranks
-exchange the window's means, and rank 0 names a rank slower than the median rank for several windows in a row.
+"""Straggler detection: each rank times its step's phases at Lightning's hooks (under a pipeline, at its stages'
+actions: ``disttrain.observe.phases``); every logging window the ranks exchange the window's means, fastest steps
+and spreads, and rank 0 names a rank slower than the median rank in every step of several windows in a row.
 
 The exchange is one all-gather of a few numbers per rank, made at the end of a step that logs. Every step already
 synchronises the ranks there: the step's loss is all-reduced (``StepAgreement.reduce_loss``) and its gradients
