@@ -113,11 +113,37 @@ def straggler_detector_cost(flavour: str, steps: int, global_batch: int, repeats
     for detector in (False, True):
         print(f"| {'on' if detector else 'off'} | {statistics.median(runs[detector]):.2f} |")
     hooks_us, per_gradient_us = detector_hooks_us()
+    action_us = pipeline_action_marks_us()
     step_us = 1e6 / statistics.median(runs[False])
     print(f"\nstraggler detector on / off steps/s, paired by repeat: {paired(runs[True], runs[False])}; time it adds "
           f"per step: {added_time(runs[True], runs[False])}. Its hooks alone, timed in one process: {hooks_us:.1f} us "
           f"per step + {per_gradient_us:.2f} us per gradient tensor ({1e2 * hooks_us / step_us:.3f}% of this "
-          "workload's step before the gradients)")
+          f"workload's step before the gradients); under a pipeline, {action_us:.2f} us per stage action marked "
+          "(a micro-batch's forward, loss or backward)")
+
+
+def pipeline_action_marks_us(actions: int = 200000) -> float:
+    """Microseconds a pipeline stage's action (``disttrain.observe.phases``) costs in marks while the detector
+    listens inside a schedule's step: the fastest of 5 timings."""
+    import time
+
+    from disttrain.observe.phases import PHASE_MARKS
+    from disttrain.observe.stragglers import StragglerDetector
+
+    detector = StragglerDetector(1.2, 2, 10**12, Path(tempfile.gettempdir()))
+    PHASE_MARKS.listener = detector._phase_ended
+    try:
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            with PHASE_MARKS.schedule_step():
+                for _ in range(actions):
+                    with PHASE_MARKS.compute("forward"):
+                        pass
+            best = min(best, time.perf_counter() - started)
+    finally:
+        PHASE_MARKS.listener = None
+    return 1e6 * best / actions
 
 
 def detector_hooks_us(steps: int = 20000, gradients: int = 100) -> tuple[float, float]:

@@ -72,15 +72,17 @@ def direct_losses(run_dir: Path, step: int) -> tuple[dict[str, float], float]:
     return {name: sums[name] / counts[name] for name in sums}, sum(sums.values()) / sum(counts.values())
 
 
-LAYOUTS = {"one": [], "ddp2": ["parallel=ddp", "trainer.devices=2"], "cp2": ["trainer.devices=2", "parallel.cp=2"]}
+LAYOUTS = {"one": [], "ddp2": ["parallel=ddp", "trainer.devices=2"], "cp2": ["trainer.devices=2", "parallel.cp=2"],
+           "pp2": ["trainer.devices=2", "parallel=pipeline", "model.tie_weights=false"]}
 
 
 @pytest.mark.parametrize("ranks", LAYOUTS)
 def test_each_source_has_its_own_validation_loss(tmp_path, sources, ranks):
     """``val/loss/<source>`` is the loss of the trained weights on that source's held-out windows, computed
     directly; ``val/loss`` stays the mean over every validation target; results.json carries both. On one rank,
-    two data-parallel ranks (the second's last batch padded) and two context-parallel ranks (each window's
-    sources split with its targets)."""
+    two data-parallel ranks (the second's last batch padded), two context-parallel ranks (each window's
+    sources split with its targets) and a two-stage pipeline (the last stage's logits of the whole batch; the
+    first stage adds nothing and joins the sum over the ranks)."""
     parallel = LAYOUTS[ranks]
     train(compose_config([*RUN, *mixture_options(sources), *parallel], tmp_path))
     direct, overall = direct_losses(tmp_path, STEPS)

@@ -15,8 +15,9 @@ class ObserveConfig:
     """Name a rank that is slower than the others (runs whose ranks step in lockstep: data, tensor, pipeline
     parallelism and ZeRO; one all-gather of a few numbers per logging window)."""
     straggler_ratio: float = 1.2
-    """A rank is slow in a phase (data, forward, backward, optimiser) or its whole step when its mean over a
-    logging window exceeds the median rank's by this factor."""
+    """A rank is slow in a phase (data, forward, backward, optimiser) or its step without its waits when, in its
+    fastest step of a logging window, it exceeds the median rank's fastest by this factor (and by more than a tenth
+    of the step and than the rank's own spread over the window: ``disttrain.observe.stragglers.slow_ranks``)."""
     straggler_windows: int = 2
     """Logging windows in a row a rank must be slow in before it is named (one slow window is often a hiccup)."""
 

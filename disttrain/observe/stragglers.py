@@ -1,5 +1,6 @@
-"""Straggler detection: each rank times its step's phases at Lightning's hooks; every logging window the ranks
-exchange the window's means, and rank 0 names a rank slower than the median rank for several windows in a row.
+"""Straggler detection: each rank times its step's phases at Lightning's hooks (under a pipeline, at its stages'
+actions: ``disttrain.observe.phases``); every logging window the ranks exchange the window's means, fastest steps
+and spreads, and rank 0 names a rank slower than the median rank in every step of several windows in a row.
 
 The exchange is one all-gather of a few numbers per rank, made at the end of a step that logs. Every step already
 synchronises the ranks there: the step's loss is all-reduced (``StepAgreement.reduce_loss``) and its gradients
@@ -14,6 +15,7 @@ for it.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import time
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from disttrain.observe.collectives import RECORDER
+from disttrain.observe.phases import PHASE_MARKS
 from disttrain.records import keep_record
 
 PHASES = ("data", "forward", "backward", "collectives", "optimiser")
@@ -33,12 +36,19 @@ PHASES = ("data", "forward", "backward", "collectives", "optimiser")
 (the loader's fetch and the loop between steps), ``forward`` to the loss, ``backward`` to the gradients,
 ``optimiser`` to the end of the step (clipping, the update, the schedule); ``collectives``: the time in any of
 them blocked in a recorded collective (``disttrain.observe.collectives``), and under DDP from the rank's last
-gradient to the end of its backward (the exchange DDP makes from C++, waiting for the other ranks)."""
+gradient to the end of its backward (the exchange DDP makes from C++, waiting for the other ranks). Under a pipeline
+the schedule runs forward and backward inside the step: its stages mark them (``disttrain.observe.phases``), their
+loss counts as forward, and its time between them (sending to and waiting for the neighbouring stages) as
+``collectives``."""
 COLLECTIVES = PHASES.index("collectives")
 WAITING = ("collectives",)
 """Phases in which a rank waits for the others: never the phase a straggler is named for."""
 COLUMNS = (*PHASES, "step")
-"""What each rank sends per window: its mean milliseconds per step in each phase, and in its whole step."""
+"""What each rank reports per window: its mean milliseconds per step in each phase, and in its whole step."""
+JUDGED = (*(name for name in PHASES if name not in WAITING), "step")
+"""What a rank is judged on: each phase it does not wait in, and ``step``, its step without its waits (in lockstep
+every rank's whole step is the same length, the slow one's busier)."""
+_JUDGED_PHASES = [PHASES.index(name) for name in JUDGED[:-1]]  # the phases among them, by their index in PHASES
 MIN_SHARE = 0.1
 """A phase is slow only when it also exceeds the median rank's by this share of the median rank's step: a short
 phase (the optimiser of a tiny model) differs by large factors from timer and scheduler noise alone, and costs the
@@ -47,28 +57,32 @@ STRAGGLERS_FILE = "stragglers.jsonl"
 """In the run's ``logs/`` folder: one JSON line per named straggler."""
 
 
-def slow_ranks(means: list[list[float]], ratio: float) -> dict[int, tuple[str, float]]:
-    """The ranks slower than the median rank by more than ``ratio`` in a phase or in their step without its waits
-    (``means``: one row per rank, ``COLUMNS`` in order, milliseconds), each with the phase (or "step") and its
-    factor over the median; of those, only the ranks whose first slow phase is the earliest one (a rank slow only
-    later in the step waits for them), and never for a phase of waiting."""
-    waiting = [COLUMNS.index(name) for name in WAITING]
-    # the step without its waits: in lockstep every rank's whole step is the same length, the slow one's busier
-    judged = [[row[c] for c, name in enumerate(PHASES) if name not in WAITING]
-              + [row[-1] - sum(row[c] for c in waiting)] for row in means]
-    names = [name for name in PHASES if name not in WAITING] + ["step"]
-    floor = MIN_SHARE * statistics.median(row[-1] for row in means)
+def slow_ranks(fastest: list[list[float]], spreads: list[list[float]], step_ms: float,
+               ratio: float) -> dict[int, tuple[str, float]]:
+    """The ranks slow in a window, each with the phase (or "step") and its factor over the median rank; of those,
+    only the ranks whose first slow phase is the earliest one (a rank slow only later in the step waits for them).
+
+    ``fastest``: one row per rank, ``JUDGED`` in order: the milliseconds of its fastest step of the window in each;
+    ``spreads``: its slowest step's minus its fastest's; ``step_ms``: the median rank's mean step. A rank is slow in
+    a column when its fastest step there exceeds the median rank's fastest by more than ``ratio``, by more than
+    ``MIN_SHARE`` of ``step_ms``, and by more than its own spread over the window.
+
+    Noise only ever adds time: a rank delayed now and then by the machine (another process, the scheduler) keeps
+    a fast step in the window, and one delayed in every step by varying amounts varies by more than it exceeds the
+    others. A rank is named only when it was slower in every step of the window, by more than it varied: so a
+    run whose ranks have the same work names none, at any ratio, unless one rank is held back steadily."""
     found: dict[int, tuple[int, float]] = {}
-    for column in range(len(names)):
-        median = statistics.median(row[column] for row in judged)
-        for rank, row in enumerate(judged):
+    floor = MIN_SHARE * step_ms
+    for column in range(len(JUDGED)):
+        median = statistics.median(row[column] for row in fastest)
+        for rank, row in enumerate(fastest):
             excess = row[column] - median
-            if rank not in found and excess > floor and row[column] > ratio * median:
+            if rank not in found and excess > max(floor, spreads[rank][column]) and row[column] > ratio * median:
                 found[rank] = (column, row[column] / median if median > 0 else float("inf"))
     if not found:
         return {}
     earliest = min(column for column, _ in found.values())
-    return {rank: (names[column], factor) for rank, (column, factor) in found.items() if column == earliest}
+    return {rank: (JUDGED[column], factor) for rank, (column, factor) in found.items() if column == earliest}
 
 
 class StragglerDetector(pl.Callback):
@@ -90,8 +104,12 @@ class StragglerDetector(pl.Callback):
         """Every rank's host name."""
         self.active = False
         """Whether this fit has ranks to compare (more than one)."""
-        self._window = [0.0] * len(PHASES)  # seconds per phase in this window
+        self._step = [0.0] * len(PHASES)  # seconds per phase in this step
+        self._window: list[float] = []  # seconds per phase in this window's steps
+        self._fastest: list[float] = []  # seconds of this window's fastest step in each judged column
+        self._slowest: list[float] = []  # and of its slowest
         self._window_steps = 0
+        self._start_window()
         self._totals: torch.Tensor | None = None  # per rank and column: summed window means (rank 0)
         self._windows_seen = 0
         self._streaks: dict[int, tuple[int, int, str, float]] = {}  # rank -> (windows, since step, phase, factor)
@@ -107,9 +125,28 @@ class StragglerDetector(pl.Callback):
         the ``collectives`` phase."""
         now = time.perf_counter() if now is None else now
         blocked = RECORDER.blocked_s - self._blocked
-        self._window[phase] += now - self._last - blocked
-        self._window[COLLECTIVES] += blocked
+        self._step[phase] += now - self._last - blocked
+        self._step[COLLECTIVES] += blocked
         self._last, self._blocked = now, RECORDER.blocked_s
+
+    def _end_step(self) -> None:
+        """Add the step's phases to the window's sums, fastest and slowest steps (plain loops: once per step)."""
+        step, window, fastest, slowest = self._step, self._window, self._fastest, self._slowest
+        busy = 0.0
+        for column, phase in enumerate(_JUDGED_PHASES):
+            seconds = step[phase]
+            busy += seconds
+            if seconds < fastest[column]:
+                fastest[column] = seconds
+            if seconds > slowest[column]:
+                slowest[column] = seconds
+        if busy < fastest[-1]:  # the step without its waits
+            fastest[-1] = busy
+        if busy > slowest[-1]:
+            slowest[-1] = busy
+        for phase, seconds in enumerate(step):
+            window[phase] += seconds
+        self._step = [0.0] * len(PHASES)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Learn every rank's host (one gather, before the first step); one rank has nobody to compare with."""
@@ -122,6 +159,18 @@ class StragglerDetector(pl.Callback):
             if param.requires_grad and not isinstance(param, DTensor):
                 param.register_post_accumulate_grad_hook(self._gradient_accumulated)
         self._step_at_end = trainer.global_step
+        PHASE_MARKS.listener = self._phase_ended  # a pipeline's schedule marks its stages' phases
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing marks phases for this detector any more."""
+        PHASE_MARKS.listener = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """As ``on_train_end``, also where training stopped on an error."""
+        PHASE_MARKS.listener = None
+
+    def _phase_ended(self, phase: str) -> None:
+        self._mark(PHASES.index(phase))
 
     def _gradient_accumulated(self, _param: torch.Tensor) -> None:
         self._gradient_at = time.perf_counter()
@@ -161,32 +210,47 @@ class StragglerDetector(pl.Callback):
             return
         if not self._timing:  # the first step pays for warm-up on every rank: not a window's
             self._timing = True
-            self._window = [0.0] * len(PHASES)
+            self._step = [0.0] * len(PHASES)
             return
+        self._end_step()
         self._window_steps += 1
         if trainer.global_step % self.every == 0:
             self._exchange(trainer)
 
-    def _exchange(self, trainer: pl.Trainer) -> None:
+    def _window_row(self) -> list[float]:
+        """What this rank sends for the window, in milliseconds: its mean step per phase (``COLUMNS``), then its
+        fastest step in each ``JUDGED`` column, then its slowest's excess over its fastest there (the spread)."""
         steps = max(self._window_steps, 1)
         means = [1e3 * seconds / steps for seconds in self._window]
-        local = torch.tensor([*means, sum(means)], dtype=torch.float64, device=trainer.strategy.root_device)
-        gathered = torch.empty(trainer.world_size * len(COLUMNS), dtype=local.dtype, device=local.device)
+        fastest = [1e3 * seconds for seconds in self._fastest]
+        spreads = [1e3 * (slow - fast) for slow, fast in zip(self._slowest, self._fastest, strict=True)]
+        return [*means, sum(means), *fastest, *spreads]
+
+    def _start_window(self) -> None:
+        self._window, self._window_steps = [0.0] * len(PHASES), 0
+        self._fastest, self._slowest = [math.inf] * len(JUDGED), [0.0] * len(JUDGED)
+
+    def _exchange(self, trainer: pl.Trainer) -> None:
+        local = torch.tensor(self._window_row(), dtype=torch.float64, device=trainer.strategy.root_device)
+        gathered = torch.empty(trainer.world_size * local.numel(), dtype=local.dtype, device=local.device)
         dist.all_gather_single(gathered, local)  # gloo gathers into a flat tensor only
-        self._window = [0.0] * len(PHASES)
         first_step = trainer.global_step - self._window_steps + 1
-        self._window_steps = 0
+        self._start_window()
         if trainer.global_rank == 0:
-            self._judge_window(gathered.cpu().view(trainer.world_size, len(COLUMNS)), first_step, trainer.global_step)
+            self._judge_window(gathered.cpu().view(trainer.world_size, -1), first_step, trainer.global_step)
         self._last, self._blocked = time.perf_counter(), RECORDER.blocked_s  # the exchange belongs to no phase
 
     def _judge_window(self, table: torch.Tensor, first_step: int, step: int) -> None:
-        self._totals = table if self._totals is None else self._totals + table
+        """Judge one window's table (one row per rank: ``COLUMNS``' means, ``JUDGED``'s fastest steps and their
+        spreads); its means add to the run's."""
+        means, fastest, spreads = table.split([len(COLUMNS), len(JUDGED), len(JUDGED)], dim=1)
+        self._totals = means if self._totals is None else self._totals + means
         self._windows_seen += 1
-        self._judge(table.tolist(), first_step, step)
+        self._judge(means.tolist(), fastest.tolist(), spreads.tolist(), first_step, step)
 
-    def _judge(self, means: list[list[float]], first_step: int, step: int) -> None:
-        slow = slow_ranks(means, self.ratio)
+    def _judge(self, means: list[list[float]], fastest: list[list[float]], spreads: list[list[float]],
+               first_step: int, step: int) -> None:
+        slow = slow_ranks(fastest, spreads, statistics.median(row[-1] for row in means), self.ratio)
         for rank in list(self._streaks):
             if rank not in slow:
                 del self._streaks[rank]
@@ -194,12 +258,15 @@ class StragglerDetector(pl.Callback):
             windows, since, *_ = self._streaks.get(rank, (0, first_step, phase, factor))
             self._streaks[rank] = (windows + 1, since, phase, factor)
             if windows + 1 == self.windows:
-                self._name(rank, phase, factor, since, step, means)
+                self._name(rank, phase, since, step, means)
 
-    def _name(self, rank: int, phase: str, factor: float, since: int, step: int, means: list[list[float]]) -> None:
+    def _name(self, rank: int, phase: str, since: int, step: int, means: list[list[float]]) -> None:
+        """Name ``rank``, slow in ``phase`` since step ``since``: the line, ``stragglers.jsonl`` and ``named`` give
+        the window's mean milliseconds a step (``means``: one row per rank, ``COLUMNS`` in order)."""
         column = COLUMNS.index(phase)
         busy = [row[column] - sum(row[COLUMNS.index(name)] for name in WAITING) * (phase == "step") for row in means]
         median = statistics.median(busy)
+        factor = busy[rank] / median if median > 0 else float("inf")
         entry = {"rank": rank, "host": self.hosts[rank] if rank < len(self.hosts) else "?", "phase": phase,
                  "slower": round(factor, 3), "ms": round(busy[rank], 3), "median_ms": round(median, 3),
                  "since_step": since, "named_at_step": step}

@@ -282,10 +282,23 @@ class TrainTask(pl.LightningModule):
         logits = logits_of(self.net(inputs))
         loss_sum = self.loss_fn(logits, targets, "sum")
         self._update_eval_metrics(stage, loss_sum.detach(), logits.detach(), targets)
-        if sources and self.source_losses is not None:
-            # a second, per-target cross-entropy: the overall loss stays the summed one it has always been
-            self.source_losses[f"{stage}_loss"].update(self.loss_fn(logits, targets, "none").detach(), targets,
-                                                       sources[0])
+        if sources:
+            self._update_source_losses(stage, logits, targets, sources[0])
+
+    def _update_source_losses(self, stage: str, logits: torch.Tensor | None, targets: torch.Tensor,
+                              sources: torch.Tensor) -> None:
+        """Add a batch's per-target losses to the sums of their sources (``sources``: each target's source, where
+        the data names them). ``logits`` None: this rank computed none (a pipeline's stage before the last); it adds
+        nothing but counts the batch, so that it joins the epoch's sum over the ranks as the others do."""
+        if self.source_losses is None:
+            return
+        metric = self.source_losses[f"{stage}_loss"]
+        if logits is None:
+            nothing = targets.new_empty(0)
+            metric.update(nothing.float(), nothing, nothing)
+            return
+        # a second, per-target cross-entropy: the overall loss stays the summed one it has always been
+        metric.update(self.loss_fn(logits, targets, "none").detach(), targets, sources)
 
     def _update_eval_metrics(self, stage: str, loss_sum: torch.Tensor, logits: torch.Tensor,
                              targets: torch.Tensor) -> None:
@@ -314,7 +327,7 @@ class TrainTask(pl.LightningModule):
 
     def _source_metrics(self, stage: str) -> dict[str, torch.Tensor]:
         """``<stage>/loss/<source>`` of every source the epoch's batches reached, over all ranks (none where the
-        batches named no source: a pipeline's stages compute no per-target loss)."""
+        batches named no source)."""
         if self.source_losses is None:
             return {}
         metric = self.source_losses[f"{stage}_loss"]

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from disttrain.models.attention import SequenceSplit
 from disttrain.models.documents import PackedDocuments
+from disttrain.parallel.pipeline.phases import PhaseStage
 
 
 def split_of(model: nn.Module) -> SequenceSplit | None:
@@ -48,24 +48,25 @@ class MicroBatchDocuments:
         self.documents.ids = self.chunks[chunk]
 
 
-class DocumentStage(PipelineStage):
-    """A pipeline stage that sets the document ids of the micro-batch it runs, forward and backward."""
+class DocumentStage(PhaseStage):
+    """A pipeline stage (marking its phases, ``PhaseStage``) that sets the document ids of the micro-batch it runs,
+    forward and backward."""
 
     def __init__(self, *args: Any, micro_batch_documents: MicroBatchDocuments, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.micro_batch_documents = micro_batch_documents
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """``PipelineStage.forward_one_chunk`` within micro-batch ``fwd_chunk_id``'s documents."""
+        """``PhaseStage.forward_one_chunk`` within micro-batch ``fwd_chunk_id``'s documents."""
         self.micro_batch_documents.use(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """``PipelineStage.backward_one_chunk`` within micro-batch ``bwd_chunk_id``'s documents."""
+        """``PhaseStage.backward_one_chunk`` within micro-batch ``bwd_chunk_id``'s documents."""
         self.micro_batch_documents.use(bwd_chunk_id)
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """``PipelineStage.backward_weight_one_chunk`` within micro-batch ``bwd_chunk_id``'s documents."""
+        """``PhaseStage.backward_weight_one_chunk`` within micro-batch ``bwd_chunk_id``'s documents."""
         self.micro_batch_documents.use(bwd_chunk_id)
         return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)

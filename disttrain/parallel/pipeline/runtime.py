@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from disttrain.loss import token_cross_entropy
 from disttrain.models.documents import documents_of
+from disttrain.observe.phases import PHASE_MARKS
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
@@ -28,6 +29,7 @@ from disttrain.parallel.fsdp import apply_fsdp
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 from disttrain.parallel.pipeline.documents import DocumentStage, MicroBatchDocuments, split_of
+from disttrain.parallel.pipeline.phases import PhaseLoss, PhaseStage
 from disttrain.parallel.pipeline.split import (
     UnitStage,
     build_schedule,
@@ -74,10 +76,11 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": self.losses} if self.has_last else {}
         if train and record and self.recorder is not None:
-            with self.recorder.recording():
+            with self.recorder.recording(), PHASE_MARKS.schedule_step():
                 outputs = self.schedule.step(*args, **kwargs)
         elif train:
-            outputs = self.schedule.step(*args, **kwargs)
+            with PHASE_MARKS.schedule_step():
+                outputs = self.schedule.step(*args, **kwargs)
         else:
             with forward_only(self.schedule):
                 outputs = self.schedule.eval(*args, **kwargs)
@@ -176,12 +179,13 @@ def build_pipeline(
                        units=[], experts=held, expert_mesh=layout.expert_meshes(mesh)[1] if held else None)
     pp_group = mesh["pp"].get_group()
     chunks = None if documents is None else MicroBatchDocuments(documents, split_of(model), options.microbatches)
-    stage_class = PipelineStage if chunks is None else partial(DocumentStage, micro_batch_documents=chunks)
+    # the stages and the loss mark the step's phases for the straggler detector (disttrain.observe.phases)
+    stage_class = PhaseStage if chunks is None else partial(DocumentStage, micro_batch_documents=chunks)
     stages = [stage_class(m, i, num_stages, device, input_args=(examples[i],), output_args=(examples[i + 1],),
                           group=pp_group) for m, i in zip(modules, indices, strict=True)]
     # Gradients are scaled by the loss function (1 / microbatches / accumulation), not by the schedule,
     # whose scaling would also divide gradients accumulated over earlier batches.
-    schedule = build_schedule(options.schedule, stages, options.microbatches, loss_fn, scale_grads=False)
+    schedule = build_schedule(options.schedule, stages, options.microbatches, PhaseLoss(loss_fn), scale_grads=False)
     owned = UnitStage(model, [name for m in modules for name in m.unit_names])
     recorder = ActionRecorder(stages, schedule=options.schedule, microbatches=options.microbatches,
                               num_stages=num_stages, pp=layout.pp) \

@@ -90,12 +90,16 @@ class PipelineTask(ManualStepTask):
         print(f"disttrain: pipeline timeline, bubble {timeline['bubble_fraction']:.2f}: "
               f"{', '.join(map(str, written))}", flush=True)
 
-    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        result = self.pipeline.run(batch[0], batch[1], train=False)
+    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, ...]) -> None:
+        inputs, targets, *sources = batch
+        result = self.pipeline.run(inputs, targets, train=False)
+        logits = None
         if result is not None:  # last stage: undo the training-time scaling of the loss function
             scaled, logits = result
-            loss_sum = scaled.detach() * self.accumulation * batch[1].numel()
-            self._update_eval_metrics(stage, loss_sum, logits.detach(), batch[1])
+            loss_sum = scaled.detach() * self.accumulation * targets.numel()
+            self._update_eval_metrics(stage, loss_sum, logits.detach(), targets)
+        if sources:  # the last stage's logits of the whole batch (the schedule merges its micro-batches')
+            self._update_source_losses(stage, logits, targets, sources[0])
 
 
 class Pipelined(RunKind):
