@@ -1,0 +1,96 @@
+"""A dry run's compute held against the plan priced for the machine it runs on.
+
+The plan of a run is priced for its profile (an H100, say); a dry run computes on this machine. To compare like
+with like, the dry run prices the same layout again on a profile of this CPU: the stored calibration (``python -m
+disttrain.plan --calibrate``) or, without one, the planner's quick measurement, for memory bandwidth and the
+overhead per operator, and for matrix products the rate this process reached replaying the rank's own products
+(``rank_matmuls``) between its timed steps, on its threads: the median of the replays. Interleaved, the steps and
+the replays meet the same load, so the comparison holds on a shared machine whatever else runs on it.
+
+What is left is the planner's own error: FLOPs it miscounts, element-wise work and per-operator costs it
+misprices, hooks it does not model (FSDP2's, DDP's). ``COMPUTE_ERROR`` states it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from disttrain.plan.devices import HardwareProfile
+from disttrain.plan.layout import Layout
+from disttrain.plan.rank_matmuls import MatmulReplay
+
+COMPUTE_ERROR = 1.5
+"""The planner's stated compute error on a profile whose rates are this machine's: a rank's measured compute per
+step is within this factor of the plan's (measured / planned from 1 / 1.5 to 1.5) where matrix products are at
+least ``MATMUL_SHARE`` of the planned compute. Below that share per-operator costs rule a step (dispatch,
+autograd, FSDP2's hooks), which the planner prices from one calibration of tiny blocks and which vary with the
+load of the machine; the dry run says so rather than applying the bound."""
+MATMUL_SHARE = 0.5
+"""The least share of the planned compute in matrix products for which ``COMPUTE_ERROR`` is stated."""
+
+
+@dataclass
+class ComputeHere:
+    """A dry run's compute priced on this machine."""
+
+    profile: HardwareProfile
+    """The profile of this CPU the plan was priced on."""
+    matmul_flops_per_s: float
+    """Matrix-multiply FLOP/s of this process (all its threads) at the rank's shapes: median of the replays."""
+    threads: int
+    """Threads the dry run computed with."""
+    planned_s: float
+    """The plan's compute per step of the rank on ``profile``."""
+    matmul_share: float
+    """Share of ``planned_s`` in matrix products (the replay's median time / ``planned_s``)."""
+    replays: int
+    """Replays the rate is the median of."""
+
+    def within_error(self, measured_s: float) -> bool | None:
+        """Whether ``measured_s`` is within ``COMPUTE_ERROR`` of the plan; None where the error is not stated (matrix
+        products under ``MATMUL_SHARE`` of the plan)."""
+        if self.matmul_share < MATMUL_SHARE:
+            return None
+        return 1 / COMPUTE_ERROR <= measured_s / self.planned_s <= COMPUTE_ERROR
+
+
+def base_machine_profile() -> HardwareProfile:
+    """This machine's profile: the stored calibration, else the planner's quick measurement (once per process)."""
+    from disttrain.plan.hardware import resolve_profile
+
+    return resolve_profile("machine")
+
+
+def profile_at_rate(base: HardwareProfile, flops_per_s: float, dtype: str, threads: int,
+                    world: int) -> HardwareProfile:
+    """``base`` with matrix products at ``flops_per_s`` on ``threads`` threads in ``dtype`` (``fp32``, ``bf16``),
+    and as many cores as give each of ``world`` ranks ``threads`` of them (a dry run's one rank has this process's
+    threads; a plan's CPU ranks would share them)."""
+    flops = {**base.flops, dtype: flops_per_s / threads}
+    return replace(base, name=f"this CPU ({threads} thread{'s' if threads > 1 else ''})", flops=flops,
+                   devices_per_node=threads * world,
+                   source=f"{base.source}; matrix products at the rank's own shapes, measured during the dry run")
+
+
+def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[float],
+                 base: HardwareProfile) -> ComputeHere:
+    """The plan of ``run``'s ``layout`` priced on this CPU, its matrix products at the rate of ``replay`` (median
+    of ``replay_s``) on this process's threads."""
+    from disttrain.parallel.model_checks import model_on_meta
+    from disttrain.plan.planner import plan_inputs, planned_precision
+
+    cfg = run.train
+    threads = torch.get_num_threads()
+    median = statistics.median(replay_s)
+    rate = replay.flops / median if median > 0 else float("inf")
+    precision = planned_precision(cfg.trainer.precision, base)
+    profile = profile_at_rate(base, rate, "bf16" if precision.startswith("bf16") else "fp32", threads,
+                              layout.world_size)
+    inputs = plan_inputs(model_on_meta(run.model, run.datamodule.spec), run.datamodule.spec, run.batch.micro_size,
+                         cfg.parallel, run.optim, precision, profile)
+    planned = inputs.estimate(layout).compute_s
+    return ComputeHere(profile, rate, threads, planned, median / planned if planned else 0.0, len(replay_s))
