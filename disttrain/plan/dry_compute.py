@@ -49,6 +49,10 @@ class ComputeHere:
     """Share of ``planned_s`` in matrix products (the replay's median time / ``planned_s``)."""
     replays: int
     """Replays the rate is the median of."""
+    planned_flops: float
+    """FLOPs per step the plan counts on the rank (matrix products, attention, a matrix optimiser's iteration)."""
+    run_flops: float
+    """FLOPs the rank ran in its recorded step (``rank_matmuls.MatmulRecorder.flops``)."""
 
     def within_error(self, measured_s: float) -> bool | None:
         """Whether ``measured_s`` is within ``COMPUTE_ERROR`` of the plan; None where the error is not stated (matrix
@@ -76,10 +80,18 @@ def profile_at_rate(base: HardwareProfile, flops_per_s: float, dtype: str, threa
                    source=f"{base.source}; matrix products at the rank's own shapes, measured during the dry run")
 
 
-def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[float],
+def planned_flops(inputs: Any, layout: Layout, threads: int) -> float:
+    """FLOPs per step the plan counts on the rank of ``layout``: its compute time on a profile that computes one
+    FLOP per second on the rank's ``threads``, moves bytes in no time and costs nothing per operator."""
+    flops = {dtype: 1.0 / threads for dtype in inputs.profile.flops}
+    counting = replace(inputs.profile, flops=flops, memory_bandwidth=float("inf"), op_overhead=0.0)
+    return replace(inputs, profile=counting, _cache=inputs._cache).estimate(layout).compute_s
+
+
+def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[float], run_flops: float,
                  base: HardwareProfile) -> ComputeHere:
     """The plan of ``run``'s ``layout`` priced on this CPU, its matrix products at the rate of ``replay`` (median
-    of ``replay_s``) on this process's threads."""
+    of ``replay_s``) on this process's threads; ``run_flops``: what the rank's recorded step ran."""
     from disttrain.parallel.model_checks import model_on_meta
     from disttrain.plan.planner import plan_inputs, planned_precision
 
@@ -93,4 +105,5 @@ def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[
     inputs = plan_inputs(model_on_meta(run.model, run.datamodule.spec), run.datamodule.spec, run.batch.micro_size,
                          cfg.parallel, run.optim, precision, profile)
     planned = inputs.estimate(layout).compute_s
-    return ComputeHere(profile, rate, threads, planned, median / planned if planned else 0.0, len(replay_s))
+    return ComputeHere(profile, rate, threads, planned, median / planned if planned else 0.0, len(replay_s),
+                       planned_flops(inputs, layout, threads), run_flops)

@@ -100,7 +100,8 @@ def dry_run(run: Any) -> dict[str, Any]:
     measured, _ = _run_rank(run, layout, rank, device, replays)
     here = None
     if replays is not None and replays.seconds:
-        here = compute_here(run, layout, replays.replay, replays.seconds, base_machine_profile())
+        here = compute_here(run, layout, replays.replay, replays.seconds, replays.recorder.flops,
+                            base_machine_profile())
     result = _result(est, profile, layout, rank, measured, device, here)
     print(render_dry_run(result, run.model.name), flush=True)
     run_dir = Path(cfg.run_dir)
@@ -204,6 +205,7 @@ def _result(est: Estimate, profile: Any, layout: Layout, rank: int, measured: St
             "compute_profile": here.profile.name, "compute_profile_source": here.profile.source,
             "threads": here.threads, "matmul_flops_per_s": here.matmul_flops_per_s, "matmul_replays": here.replays,
             "matmul_share": here.matmul_share, "compute_error": COMPUTE_ERROR,
+            "planned_flops": here.planned_flops, "run_flops": here.run_flops,
             "compute_within_error": here.within_error(step_s)}
     return {"rank": rank, "world_size": layout.world_size, "layout": layout.describe(), "device": device.type,
             "measured_peak_bytes": measured.peak, "planned_peak_bytes": est.total_bytes,

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from disttrain.plan.ops import MATMUL_OPS
+from disttrain.plan.ops import ATTENTION_OPS, FLOP_REGISTRY, MATMUL_OPS
 
 _aten = torch.ops.aten
 FIRST_FACTOR = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1, _aten._scaled_mm: 0, _aten._grouped_mm: 0}
@@ -76,6 +76,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _local_or_value(value: Any) -> Any:
+    return _local(value) if isinstance(value, torch.Tensor) else value
+
+
 def _spec(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -85,19 +89,36 @@ def _spec(value: Any) -> Any:
 
 
 class MatmulRecorder(TorchDispatchMode):
-    """Records each matrix product (``ops.MATMUL_OPS``) run under it, with how many times it ran (``calls``)."""
+    """Records each matrix product (``ops.MATMUL_OPS``) run under it, with how many times it ran (``calls``), and
+    the FLOPs of the products and of attention this rank ran (its local shards' shapes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter[MatmulCall] = Counter()
         """Each distinct product -> how many times it ran."""
+        self.matmul_flops = 0
+        """FLOPs of the products (``product_flops``)."""
+        self.attention_flops = 0
+        """FLOPs of the fused attention kernels (torch's formulas: no product of theirs reaches the dispatcher)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func._overloadpacket in MATMUL_OPS:
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in MATMUL_OPS:
             self.calls[MatmulCall(func, tuple(_spec(a) for a in args),
                                   tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
-        return func(*args, **kwargs)
+            self.matmul_flops += product_flops(func, tree_map(_local_or_value, args), _local(out))
+        elif packet in ATTENTION_OPS and packet in FLOP_REGISTRY:
+            self.attention_flops += FLOP_REGISTRY[packet](*tree_map(_local_or_value, args),
+                                                          **tree_map(_local_or_value, kwargs),
+                                                          out_val=tree_map(_local_or_value, out))
+        return out
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of the recorded step: products and attention."""
+        return self.matmul_flops + self.attention_flops
 
 
 class MatmulReplay:
