@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.errors import ConfigError
-from disttrain.plan.dry_compute import COMPUTE_ERROR, MATMUL_SHARE, ComputeHere, base_machine_profile, compute_here
+from disttrain.plan.dry_compute import COMPUTE_ERROR, ComputeHere, base_machine_profile, compute_here
 from disttrain.plan.dry_steps import PIPELINE_SCHEDULES, StepMemory, run_steps
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.layout import Layout
@@ -204,7 +204,7 @@ def _result(est: Estimate, profile: Any, layout: Layout, rank: int, measured: St
             "planned_compute_s": here.planned_s, "compute_ratio": step_s / here.planned_s if here.planned_s else None,
             "compute_profile": here.profile.name, "compute_profile_source": here.profile.source,
             "threads": here.threads, "matmul_flops_per_s": here.matmul_flops_per_s, "matmul_replays": here.replays,
-            "matmul_share": here.matmul_share, "compute_error": COMPUTE_ERROR,
+            "matmul_share": here.matmul_share, "compute_error": list(COMPUTE_ERROR), "compute_unstated": here.unstated,
             "planned_flops": here.planned_flops, "run_flops": here.run_flops,
             "compute_within_error": here.within_error(step_s)}
     return {"rank": rank, "world_size": layout.world_size, "layout": layout.describe(), "device": device.type,
@@ -229,14 +229,17 @@ def compute_lines(result: dict[str, Any]) -> list[str]:
     elif result["planned_compute_s"] is None:
         first = f"compute per step: measured {measured} on {result['device']}"
     else:
-        share, ratio = result["matmul_share"], result["compute_ratio"]
-        verdict = {True: "within it", False: "OUTSIDE it", None: "not stated here: matrix products are "
-                   f"{share:.0%} of the plan, under {MATMUL_SHARE:.0%}, and per-operator costs rule the step"}
+        low, high = result["compute_error"]
+        verdict = {True: "within it", False: "OUTSIDE it",
+                   None: f"not stated here: {result['compute_unstated']}"}[result["compute_within_error"]]
         first = (f"compute per step: measured {measured}, planned {result['planned_compute_s'] * 1e3:.3g} ms on "
                  f"{result['compute_profile']}, matrix products at {result['matmul_flops_per_s'] / 1e9:.3g} "
-                 f"GFLOP/s (this rank's own, median of {result['matmul_replays']} replays between its steps) "
-                 f"(measured / planned {ratio:.2f}; the planner's stated compute error {result['compute_error']}x: "
-                 f"{verdict[result['compute_within_error']]})")
+                 f"GFLOP/s (this rank's own, median of {result['matmul_replays']} replays between its steps); "
+                 f"measured / planned {result['compute_ratio']:.2f}, the planner's stated compute error {low} to "
+                 f"{high}: {verdict}")
+        first += (f"\nFLOPs per step: this rank ran {result['run_flops'] / 1e9:.4g} G, the plan counts "
+                  f"{result['planned_flops'] / 1e9:.4g} G (plan / run {result['planned_flops'] / result['run_flops']:.3f})"
+                  if result["run_flops"] else "")
     return [first, f"compute per step planned on {result['profile']}: "
                    f"{result['planned_compute_s_on_profile'] * 1e3:.3g} ms; communication: {result['communication']}"]
 

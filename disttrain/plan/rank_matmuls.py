@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from disttrain.plan.ops import ATTENTION_OPS, FLOP_REGISTRY, MATMUL_OPS
+from disttrain.plan.ops import FLOP_REGISTRY, MATMUL_OPS
 
 _aten = torch.ops.aten
 FIRST_FACTOR = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1, _aten._scaled_mm: 0, _aten._grouped_mm: 0}
@@ -90,7 +90,8 @@ def _spec(value: Any) -> Any:
 
 class MatmulRecorder(TorchDispatchMode):
     """Records each matrix product (``ops.MATMUL_OPS``) run under it, with how many times it ran (``calls``), and
-    the FLOPs of the products and of attention this rank ran (its local shards' shapes)."""
+    the FLOPs of the products and of the other operators the plan counts that this rank ran (its local shards'
+    shapes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,8 +99,9 @@ class MatmulRecorder(TorchDispatchMode):
         """Each distinct product -> how many times it ran."""
         self.matmul_flops = 0
         """FLOPs of the products (``product_flops``)."""
-        self.attention_flops = 0
-        """FLOPs of the fused attention kernels (torch's formulas: no product of theirs reaches the dispatcher)."""
+        self.other_flops = 0
+        """FLOPs of the other operators the plan counts: fused attention forward and backward, convolutions
+        (torch's formulas, as the plan's: no product of theirs reaches the dispatcher)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -109,16 +111,16 @@ class MatmulRecorder(TorchDispatchMode):
             self.calls[MatmulCall(func, tuple(_spec(a) for a in args),
                                   tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             self.matmul_flops += product_flops(func, tree_map(_local_or_value, args), _local(out))
-        elif packet in ATTENTION_OPS and packet in FLOP_REGISTRY:
-            self.attention_flops += FLOP_REGISTRY[packet](*tree_map(_local_or_value, args),
+        elif packet in FLOP_REGISTRY:  # attention forward and backward, convolutions
+            self.other_flops += FLOP_REGISTRY[packet](*tree_map(_local_or_value, args),
                                                           **tree_map(_local_or_value, kwargs),
                                                           out_val=tree_map(_local_or_value, out))
         return out
 
     @property
     def flops(self) -> int:
-        """FLOPs of the recorded step: products and attention."""
-        return self.matmul_flops + self.attention_flops
+        """FLOPs of the recorded step: products, attention and convolutions."""
+        return self.matmul_flops + self.other_flops
 
 
 class MatmulReplay:
