@@ -221,27 +221,26 @@ def _result(est: Estimate, profile: Any, layout: Layout, rank: int, measured: St
 
 def compute_lines(result: dict[str, Any]) -> list[str]:
     """The dry run's compute as text: measured against the plan priced on this machine, with the planner's stated
-    error, then the plan on the named profile."""
+    error, the FLOPs both count, then the plan on the named profile."""
     measured = f"{result['measured_step_s'] * 1e3:.3g} ms"
+    named = (f"compute per step planned on {result['profile']}: {result['planned_compute_s_on_profile'] * 1e3:.3g} "
+             f"ms; communication: {result['communication']}")
     if result["steps_under_counter"]:
-        first = (f"compute per step: measured {measured} under the byte counter, which slows every operator "
-                 "(dryrun.steps=3 or more times a step outside it)")
-    elif result["planned_compute_s"] is None:
-        first = f"compute per step: measured {measured} on {result['device']}"
-    else:
-        low, high = result["compute_error"]
-        verdict = {True: "within it", False: "OUTSIDE it",
-                   None: f"not stated here: {result['compute_unstated']}"}[result["compute_within_error"]]
-        first = (f"compute per step: measured {measured}, planned {result['planned_compute_s'] * 1e3:.3g} ms on "
-                 f"{result['compute_profile']}, matrix products at {result['matmul_flops_per_s'] / 1e9:.3g} "
-                 f"GFLOP/s (this rank's own, median of {result['matmul_replays']} replays between its steps); "
-                 f"measured / planned {result['compute_ratio']:.2f}, the planner's stated compute error {low} to "
-                 f"{high}: {verdict}")
-        first += (f"\nFLOPs per step: this rank ran {result['run_flops'] / 1e9:.4g} G, the plan counts "
-                  f"{result['planned_flops'] / 1e9:.4g} G (plan / run {result['planned_flops'] / result['run_flops']:.3f})"
-                  if result["run_flops"] else "")
-    return [first, f"compute per step planned on {result['profile']}: "
-                   f"{result['planned_compute_s_on_profile'] * 1e3:.3g} ms; communication: {result['communication']}"]
+        return [f"compute per step: measured {measured} under the byte counter, which slows every operator "
+                "(dryrun.steps=3 or more times a step outside it)", named]
+    if result["planned_compute_s"] is None:
+        return [f"compute per step: measured {measured} on {result['device']}", named]
+    low, high = result["compute_error"]
+    verdict = {True: "within it", False: "OUTSIDE it",
+               None: f"not stated here: {result['compute_unstated']}"}[result["compute_within_error"]]
+    run_flops, planned_flops = result["run_flops"], result["planned_flops"]
+    return [f"compute per step: measured {measured}, planned {result['planned_compute_s'] * 1e3:.3g} ms on "
+            f"{result['compute_profile']}, matrix products at {result['matmul_flops_per_s'] / 1e9:.3g} GFLOP/s (this "
+            f"rank's own, median of {result['matmul_replays']} replays between its steps); measured / planned "
+            f"{result['compute_ratio']:.2f}, the planner's stated compute error {low} to {high}: {verdict}",
+            f"FLOPs per step: this rank ran {run_flops / 1e9:.4g} G, the plan counts {planned_flops / 1e9:.4g} G"
+            + (f" (plan / run {planned_flops / run_flops:.3f})" if run_flops else ""),
+            named]
 
 
 def render_dry_run(result: dict[str, Any], model: str) -> str:
