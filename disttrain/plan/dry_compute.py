@@ -105,8 +105,10 @@ def profile_at_rate(base: HardwareProfile, flops_per_s: float, dtype: str, threa
     """``base`` with matrix products at ``flops_per_s`` on ``threads`` threads in ``dtype`` (``fp32``, ``bf16``),
     and as many cores as give each of ``world`` ranks ``threads`` of them (a dry run's one rank has this process's
     threads; a plan's CPU ranks would share them)."""
+    from disttrain.plan.calibrate import cpu_model
+
     flops = {**base.flops, dtype: flops_per_s / threads}
-    return replace(base, name=f"this CPU ({threads} thread{'s' if threads > 1 else ''})", flops=flops,
+    return replace(base, name=f"this CPU ({cpu_model()}, {threads} thread{'s' if threads > 1 else ''})", flops=flops,
                    devices_per_node=threads * world,
                    source=f"{base.source}; matrix products at the rank's own shapes, measured during the dry run")
 
