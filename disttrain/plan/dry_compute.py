@@ -121,22 +121,32 @@ def planned_flops(inputs: Any, layout: Layout, threads: int) -> float:
     return replace(inputs, profile=counting, _cache=inputs._cache).estimate(layout).compute_s
 
 
-def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[float], run_flops: float,
-                 base: HardwareProfile) -> ComputeHere:
-    """The plan of ``run``'s ``layout`` priced on this CPU, its matrix products at the rate of ``replay`` (median
-    of ``replay_s``) on this process's threads; ``run_flops``: what the rank's recorded step ran."""
+def matmul_dtype(run: Any, profile: HardwareProfile) -> str:
+    """The dtype of the run's products on ``profile``: ``bf16`` under a bf16 precision, else ``fp32``."""
+    from disttrain.plan.planner import planned_precision
+
+    return "bf16" if planned_precision(run.train.trainer.precision, profile).startswith("bf16") else "fp32"
+
+
+def cpu_plan_inputs(run: Any, profile: HardwareProfile) -> Any:
+    """``run``'s model measured for a plan on ``profile`` (a CPU: its precision and autocast lists)."""
     from disttrain.parallel.model_checks import model_on_meta
     from disttrain.plan.planner import plan_inputs, planned_precision
 
     cfg = run.train
+    return plan_inputs(model_on_meta(run.model, run.datamodule.spec), run.datamodule.spec, run.batch.micro_size,
+                       cfg.parallel, run.optim, planned_precision(cfg.trainer.precision, profile), profile)
+
+
+def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[float], run_flops: float,
+                 base: HardwareProfile) -> ComputeHere:
+    """The plan of ``run``'s ``layout`` priced on this CPU, its matrix products at the rate of ``replay`` (median
+    of ``replay_s``) on this process's threads; ``run_flops``: what the rank's recorded step ran."""
     threads = torch.get_num_threads()
     median = statistics.median(replay_s)
     rate = replay.flops / median if median > 0 else float("inf")
-    precision = planned_precision(cfg.trainer.precision, base)
-    profile = profile_at_rate(base, rate, "bf16" if precision.startswith("bf16") else "fp32", threads,
-                              layout.world_size)
-    inputs = plan_inputs(model_on_meta(run.model, run.datamodule.spec), run.datamodule.spec, run.batch.micro_size,
-                         cfg.parallel, run.optim, precision, profile)
+    profile = profile_at_rate(base, rate, matmul_dtype(run, base), threads, layout.world_size)
+    inputs = cpu_plan_inputs(run, profile)
     planned = inputs.estimate(layout).compute_s
     share = median / planned if planned else 0.0
     tokens = layout.micro_size * inputs.stats.tokens_per_sample
