@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import cpu_features, cpu_model  # noqa: E402
+from machine import cpu_features, cpu_model  # noqa: E402
+
 from disttrain.config.validation import validate  # noqa: E402
 from disttrain.plan.dry_compute import (  # noqa: E402
     base_machine_profile,
@@ -32,7 +34,6 @@ from disttrain.plan.dry_compute import (  # noqa: E402
 )
 from disttrain.plan.dryrun import dry_run  # noqa: E402
 from disttrain.plan.planner import plan_of_run  # noqa: E402
-from tests.conftest import compose_config  # noqa: E402
 
 MODELS = {
     "llama width 256, 512 tokens": ["model.n_embd=256", "model.n_head=4", "model.n_kv_head=4", "data.block_size=64"],
@@ -45,6 +46,17 @@ LAYOUTS = {
     "hsdp 2x16": ["parallel=hsdp", "trainer.devices=8", "trainer.num_nodes=4", "batch.global_size=256"],
 }
 """The layouts, one rank each."""
+
+
+def composed(overrides: list[str], run_dir: str) -> object:
+    """``conf/train.yaml`` with ``overrides``, validated as a job validates it."""
+    from hydra import compose, initialize_config_dir
+
+    from disttrain.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return validate(compose("train", overrides=[*overrides, f"run_dir={run_dir}", "plots=false"]))
 
 
 def main() -> None:
@@ -61,10 +73,9 @@ def main() -> None:
     for model, model_args in MODELS.items():
         for layout, layout_args in LAYOUTS.items():
             with tempfile.TemporaryDirectory() as run_dir:
-                run = validate(compose_config(
-                    ["model=llama", "model.flavour=micro", "data=synthetic_tokens", "data.vocab_size=512",
-                     "plan.profile=h100_sxm", f"dryrun.steps={args.steps}", "mode=dryrun", *model_args,
-                     *layout_args], run_dir))
+                run = composed(["model=llama", "model.flavour=micro", "data=synthetic_tokens", "data.vocab_size=512",
+                                "plan.profile=h100_sxm", f"dryrun.steps={args.steps}", "mode=dryrun", *model_args,
+                                *layout_args], run_dir)
                 with contextlib.redirect_stdout(io.StringIO()):  # the table only
                     result = dry_run(run)
             lay = plan_of_run(run)[0].layout
