@@ -30,13 +30,14 @@ test: install
 # On a GPU machine (make install TORCH_SPEC=torch): the GPU's own tests; the README's commands on the GPU (those
 # that need more GPUs than the machine has skip with their one-line error); GPT-2 and a 1.2B Llama measured,
 # beside nanoGPT with NANOGPT=path/to/nanoGPT, each side profiled once more into outputs/gpu-profile, and GPT-2 at
-# batch 24 (the MFU goal's row); then the framework's overhead over a plain loop on the GPU, and where its step's
-# time goes by phase
+# batch 24 (the MFU goal's row); both in float8 (trainer.fp8) beside bf16; then the framework's overhead over a
+# plain loop on the GPU, and where its step's time goes by phase
 test-gpu: install
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest -m cuda tests/test_cuda.py -p no:xdist -o addopts= -q
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest tests/test_cli.py -k readme -p no:xdist -o addopts= -q -rs
 	$(PY) benchmarks/throughput_mfu.py --device cuda $(if $(NANOGPT),--nanogpt $(NANOGPT)) --profile-dir outputs/gpu-profile
 	$(PY) benchmarks/throughput_mfu.py --device cuda --cases gpt2 --batch 24 --sides single-compile,nanogpt $(if $(NANOGPT),--nanogpt $(NANOGPT))
+	$(PY) benchmarks/throughput_mfu.py --device cuda --sides single-compile,single-compile-fp8,single-compile-fp8-rowwise,zero3-compile-fp8
 	$(PY) benchmarks/overhead.py --device cuda --flavour mini --global-batch 64
 	$(PY) benchmarks/step_phases.py --device cuda --flavour mini --global-batch 64 --repeats 1
 

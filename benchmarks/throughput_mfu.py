@@ -84,16 +84,17 @@ def run_train_py(args: list[str], run_dir: Path, timeout: float) -> subprocess.C
 
 def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compile_mode: str | None,
                   checkpointing: str, device: str, scratch: Path, timeout: float, log_every: int = 10,
-                  profile_dir: Path | None = None) -> Row:
+                  profile_dir: Path | None = None, fp8: str = "none") -> Row:
     """One disttrain run: its tokens/s, last loss and peak memory, and ``mode=plan``'s prediction for the same
     config (on a GPU, for eager runs); with ``profile_dir``, a second run of the same config profiles five steps
     from step 21, with Python stacks, into ``profile_dir/<run>`` (``callbacks=profile``) and the row's note says
     what it found (the profiler slows the steps it records and writes its files inside the loop: that run's rate
-    is not the row's)."""
+    is not the row's). ``fp8``: ``trainer.fp8``'s recipe (its MFU is still counted against the bf16 peak)."""
     label = f"disttrain {parallel}" + {None: "", "default": " compile"}.get(compile_mode, f" {compile_mode}") + (
-        f" ac={checkpointing}" if checkpointing != "none" else "")
+        f" ac={checkpointing}" if checkpointing != "none" else "") + (f" fp8={fp8}" if fp8 != "none" else "")
     run_dir = scratch / re.sub(r"\W+", "-", f"{w.name}-{label}")
-    args = disttrain_overrides(w, data_dir, steps, parallel, compile_mode, checkpointing, device, log_every)
+    args = [*disttrain_overrides(w, data_dir, steps, parallel, compile_mode, checkpointing, device, log_every),
+            f"trainer.fp8={fp8}"]
     run_train_py(args, run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
     energy = results.get("energy") or {}
@@ -107,7 +108,8 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
                      f"callbacks.profile.dirpath={profile_dir / run_dir.name}"]
         done = run_train_py([*args, *profiling], run_dir.with_name(run_dir.name + "-profile"), timeout)
         row.note = next((line for line in done.stdout.splitlines() if line.startswith("profile of steps")), "")
-    if device == "cuda" and compile_mode is None:  # the plan models eager activations; compiled rows are read beside
+    # the plan models eager activations in bf16; compiled and float8 rows are read beside
+    if device == "cuda" and compile_mode is None and fp8 == "none":
         plan_dir = run_dir.with_name(run_dir.name + "-plan")
         run_train_py([*args, "mode=plan", "plan.profile=h100_sxm"], plan_dir, timeout)
         row.predicted_gb = json.loads((plan_dir / "plan.json").read_text())["total_bytes"] / 1e9
@@ -202,8 +204,13 @@ def print_table(rows: list[Row], workloads: list[Workload], device: str, steps: 
 DISTTRAIN_SIDES = {"single": ("single", None, "none"), "single-compile": ("single", "default", "none"),
                    "single-cudagraphs": ("single", "reduce-overhead", "none"),
                    "zero3": ("zero3", None, "none"), "zero3-compile": ("zero3", "default", "none"),
-                   "ac": ("single", None, "full")}
-"""disttrain's runs by ``--sides`` name: preset, torch.compile's mode (None: eager), activation checkpointing."""
+                   "ac": ("single", None, "full"),
+                   "single-compile-fp8": ("single", "default", "none", "tensorwise"),
+                   "single-compile-fp8-rowwise": ("single", "default", "none", "rowwise"),
+                   "zero3-compile-fp8": ("zero3", "default", "none", "tensorwise")}
+"""disttrain's runs by ``--sides`` name: preset, torch.compile's mode (None: eager), activation checkpointing, and
+``trainer.fp8``'s recipe where the run trains its linear layers in float8 (a GPU of compute capability 8.9 or
+more), compiled, as torchao's float8 training is meant to run: its casts fuse into the neighbouring kernels."""
 
 
 def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) -> Row:
@@ -214,9 +221,9 @@ def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) ->
                          autocast=side == "plain-autocast")
     if side == "nanogpt":
         return run_nanogpt(args.nanogpt, w, tokens, args.steps, args.device, scratch, args.run_timeout_s)
-    parallel, compile_mode, checkpointing = DISTTRAIN_SIDES[side]
+    parallel, compile_mode, checkpointing, *fp8 = DISTTRAIN_SIDES[side]
     return run_disttrain(w, tokens, args.steps, parallel, compile_mode, checkpointing, args.device, scratch,
-                         args.run_timeout_s, args.log_every_n_steps, args.profile_dir)
+                         args.run_timeout_s, args.log_every_n_steps, args.profile_dir, *fp8)
 
 
 def main() -> None:
@@ -232,7 +239,8 @@ def main() -> None:
                                 "nanogpt",
                         help="what runs of each workload: single, single-compile, single-cudagraphs (compile_mode="
                              "reduce-overhead), zero3, zero3-compile (disttrain), "
-                             "ac (single, full activation checkpointing), plain (plain FSDP2 loop, "
+                             "ac (single, full activation checkpointing), single-compile-fp8, "
+                             "single-compile-fp8-rowwise, zero3-compile-fp8 (trainer.fp8), plain (plain FSDP2 loop, "
                              "compiled on a GPU, bf16 parameters), plain-autocast (the same under bf16 autocast, "
                              "as disttrain's bf16-mixed), nanogpt (GPT-2 only)")
     parser.add_argument("--batch", type=int, help="sequences per step for every case and side, in place of the "

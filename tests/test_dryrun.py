@@ -63,8 +63,10 @@ def test_a_dry_run_holds_the_memory_the_plan_predicts_for_its_rank(layout: str, 
 
 def test_a_dry_run_writes_its_figures_and_says_communication_is_absent(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture) -> None:
-    result = _dry_run(["parallel=zero3", "trainer.devices=8", "trainer.num_nodes=64", "batch.global_size=512"],
-                      tmp_path)
+    from tests.test_plan_pictures import HAS_MATPLOTLIB, check_dry_run_picture
+
+    result = _dry_run(["parallel=zero3", "trainer.devices=8", "trainer.num_nodes=64", "batch.global_size=512",
+                       "plots=true"], tmp_path)
     written = json.loads((tmp_path / RESULT_FILE).read_text())
     assert written == json.loads(json.dumps(result))
     assert written["rank"] == 0 and written["world_size"] == 512
@@ -72,6 +74,10 @@ def test_a_dry_run_writes_its_figures_and_says_communication_is_absent(tmp_path:
     assert set(written["measured_moments_bytes"]) == {"after_forward", "after_backward", "after_step"}
     out = capsys.readouterr().out
     assert "rank 0 of 512" in out and "communication: absent by construction" in out
+    if HAS_MATPLOTLIB:  # the plan of the rank and the rank against it
+        for picture in ("plan_memory.png", "dryrun_memory.png"):
+            assert (tmp_path / "plots" / picture).is_file() and f"wrote {tmp_path / 'plots' / picture}" in out
+        check_dry_run_picture(result, tmp_path / "redrawn")
 
 
 def test_another_rank_and_a_rank_outside_the_world(tmp_path: Path) -> None:

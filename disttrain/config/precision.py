@@ -20,6 +20,7 @@ from disttrain.plan.devices import native_bf16
 PROBE_STEPS = 3
 """Timed forward and backward passes per precision (after one untimed warm-up)."""
 REQUIRED_SPEEDUP = 1.05
+"""bf16 autocast must be at least this much faster than fp32 to be chosen (fp32 is the exact one)."""
 
 MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 """``trainer.matmul_precision``: auto, or ``torch.set_float32_matmul_precision``'s three."""
@@ -30,7 +31,6 @@ def resolve_matmul_precision(precision: str, uses_gpu: bool) -> str:
     if precision != "auto":
         return precision
     return "high" if uses_gpu else "highest"
-"""bf16 autocast must be at least this much faster than fp32 to be chosen (fp32 is the exact one)."""
 
 
 def step_seconds(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bf16: bool) -> float:

@@ -41,6 +41,9 @@ class RunConfig:
     world_sizes: tuple[int, ...] = ()
     """With ``trainer.devices=MIN:MAX`` under disttrain's supervisor: the world sizes, largest first, that the
     run may restart on after losing ranks (empty: only its own)."""
+    choice: Any = field(default=None, compare=False, repr=False)
+    """With ``parallel=auto``: the layouts the planner weighed, predicted, and the one it chose
+    (``disttrain.plan.auto.Choice``, which the plan's pictures draw); None otherwise."""
 
     @property
     def dims(self) -> Layout:

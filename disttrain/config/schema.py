@@ -92,6 +92,28 @@ class TrainerConfig:
     rank without sharding or collectives, e.g. parallel=single); max-autotune (kernel configurations tried on the
     first step, then CUDA graphs, as reduce-overhead); max-autotune-no-cudagraphs."""
 
+    fp8: str = "none"
+    """Float8 training of the linear layers through torchao (``pip install 'disttrain[fp8]'``): tensorwise (one
+    scale per tensor; under ZeRO-2/3 and HSDP FSDP2 gathers those weights in float8) or rowwise (one scale per
+    row: closer to bf16, slower); none: off. The output head and layers whose dimensions are not multiples of 16
+    stay in the run's precision, as the line printed at start lists. On a GPU it needs compute capability 8.9 or
+    more; on a CPU torch's float8 products run, slower than bf16, to check a run before it takes a GPU."""
+    fp8_layers: list[str] = field(default_factory=list)
+    """Under ``trainer.fp8``, fnmatch patterns of the linear layers' module names eligible for float8 (e.g.
+    ``['blocks.*.mlp.*']``); empty: every linear layer. Before ranks start it is resolved to the names chosen."""
+    fp8_all_gather: bool = True
+    """Under ``trainer.fp8=tensorwise`` with sharded parameters (ZeRO-2/3, HSDP), FSDP2 gathers the float8
+    layers' weights in float8; false: in the run's precision. Resolved to false where it does not apply."""
+
+    @property
+    def float8(self) -> Any:
+        """The run's ``disttrain.parallel.float8.Float8Layers`` as validation resolved it; None without fp8."""
+        if self.fp8 == "none":
+            return None
+        from disttrain.parallel.float8 import Float8Layers
+
+        return Float8Layers(self.fp8, tuple(self.fp8_layers), self.fp8_all_gather)
+
     @property
     def compiled_mode(self) -> str | None:
         """torch.compile's mode for the model and the loss; None: they run eager."""

@@ -8,6 +8,7 @@ from disttrain.config.precision import MATMUL_PRECISIONS
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainerConfig, fork_server_available
 from disttrain.errors import ConfigError
 from disttrain.parallel.compile import COMPILE_MODES, CUDA_GRAPH_MODES
+from disttrain.parallel.float8 import FP8_RECIPES
 from disttrain.parallel.layout import Layout
 
 
@@ -34,6 +35,7 @@ def check_trainer(t: TrainerConfig) -> None:
                           f"one of {list(PRECISIONS)}, or auto (bf16-mixed where the device computes bf16 "
                           "natively and, on a CPU, measures faster)")
     checks.one_of("trainer.matmul_precision", t.matmul_precision, MATMUL_PRECISIONS)
+    checks.one_of("trainer.fp8", t.fp8, FP8_RECIPES)
     if t.rank_start not in RANK_STARTS:
         raise ConfigError("trainer.rank_start", t.rank_start, f"one of {list(RANK_STARTS)}")
     if t.rank_start == "fork_server" and not fork_server_available():

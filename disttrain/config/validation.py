@@ -111,8 +111,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     world = world_size if world_size is not None else world_size_of(top.trainer)
     elastic = devices_range is not None or nodes_range is not None
     chose_layout = top.parallel.name == "auto"
+    choice = None
     if chose_layout:
-        notices.append(_choose_parallel(top, model, data, optim, world))
+        choice, notice = _choose_parallel(top, model, data, optim, world)
+        notices.append(notice)
     p = top.parallel
     layout = Layout.on(p, world)
     p.check_layout(layout)
@@ -135,6 +137,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     check_base_precision(getattr(model, "lora", None), top.trainer.precision)
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += [line for line in (adapter_summary(net),) if line]
+    notices += _decide_float8(top, model, net, layout)
     notices += check_federated(top, layout, datamodule)
     plan = execution_plan(layout, batch, top.trainer, p, datamodule.spec, top.fault_tolerance.engine)
     check_eval(top.eval, model.name, getattr(data, "tokenizer", None), layout, plan.kind, top.checkpoint.monitor)
@@ -159,7 +162,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                        "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
     yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
     return RunConfig(top, model, data, optim, scheduler, layout, batch, yaml, tuple(notices), plan, datamodule,
-                     world_sizes)
+                     world_sizes, choice)
 
 
 def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
@@ -224,6 +227,42 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
     return notices
 
 
+def _decide_float8(top: TrainConfig, model: Any, net: Any, layout: Layout) -> list[str]:
+    """``trainer.fp8``: the linear layers that train in float8 and whether FSDP2 gathers them in float8, decided
+    here on the model on the meta device and written into ``top.trainer`` (what the ranks convert); the line that
+    says so. A ConfigError where float8 cannot run: no torchao, a GPU without float8 products, tensor parallelism
+    (its float8 layer styles are not wired), adapters."""
+    t = top.trainer
+    if t.fp8 == "none":
+        return []
+    from disttrain.parallel.float8 import check_float8_device, choose_float8_layers, require_torchao
+
+    require_torchao()
+    gpu = _uses_gpu(t.accelerator)
+    check_float8_device(gpu, _gpu_capability() if gpu else None)
+    if layout.tp_enabled:
+        raise ConfigError("trainer.fp8", t.fp8, f"none with parallel.tp={layout.tp} (float8 tensor-parallel layer "
+                          "styles are not wired yet); ZeRO, HSDP, DDP, pipelines and context parallelism take it")
+    lora = getattr(model, "lora", None)
+    if lora is not None and lora.enabled:
+        raise ConfigError("trainer.fp8", t.fp8, "none with model.lora (the frozen base's layers are not float8 "
+                          "trained)")
+    layers, line = choose_float8_layers(net, t.fp8, t.fp8_layers or None, t.fp8_all_gather,
+                                        layout.shards_parameters, t.precision)
+    t.fp8_layers, t.fp8_all_gather = list(layers.modules), layers.all_gather
+    if top.mode in ("plan", "dryrun"):
+        line += ("; the plan prices these layers as the run's precision (float8's products, casts and gathers are "
+                 "not modelled yet)")
+    return [line]
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability, None where torch sees none."""
+    import torch
+
+    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+
+
 def _decide_precision(top: TrainConfig, model: Any, spec: Any, micro_size: int) -> list[str]:
     """``trainer.precision=auto``: the planner's choice for a plan (its model may not fit here to be measured),
     else bf16 where this device computes it natively and measures faster; the notice that says which."""
@@ -251,6 +290,7 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
     for key, value in (("trainer.devices", devices.text if devices else t.devices),
                        ("trainer.num_nodes", nodes.text if nodes else t.num_nodes),
                        ("trainer.precision", t.precision), ("trainer.matmul_precision", t.matmul_precision),
+                       ("trainer.fp8_layers", t.fp8_layers), ("trainer.fp8_all_gather", t.fp8_all_gather),
                        ("fault_tolerance.nan_check", top.fault_tolerance.nan_check),
                        ("trainer.max_steps", t.max_steps),
                        ("trainer.check_val_every_n_epoch", t.check_val_every_n_epoch), ("resume", top.resume),
@@ -263,24 +303,24 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
     return OmegaConf.to_yaml(cfg)
 
 
-def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> str:
+def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> tuple[Any, str]:
     """``parallel=auto``: run the planner, put the chosen degrees, options and micro-batch into ``top`` and return
-    the notice that says why."""
+    what it weighed (``disttrain.plan.auto.Choice``) and the notice that says why."""
     from disttrain.data import build_datamodule
     from disttrain.plan.hardware import profile_of_plan
-    from disttrain.plan.planner import apply_layout, choose_parallel
+    from disttrain.plan.planner import apply_layout, chosen_layout, weigh_layouts
 
     if top.batch.global_size is None:
         raise ConfigError("batch.global_size", None, "a number of samples per step with parallel=auto (it picks the "
                           "micro-batch and accumulation)")
     spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
     profile = profile_of_plan(top.plan)
-    layout, notice = choose_parallel(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel,
-                                     optim, top.trainer.precision, profile, top.plan.alternatives,
-                                     top.plan.objective)
+    choice = weigh_layouts(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel, optim,
+                           top.trainer.precision, profile, top.plan.objective)
+    layout, notice = chosen_layout(choice, world, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation
-    return notice
+    return choice, notice
 
 
 def length_notices(t: TrainerConfig, steps_per_epoch: int) -> list[str]:

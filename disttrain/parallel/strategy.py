@@ -33,6 +33,7 @@ from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.context import SequenceSplit, sequence_split_of
 from disttrain.parallel.dims import MESH_DIM_NAMES
+from disttrain.parallel.float8 import Float8Layers
 from disttrain.parallel.lay_out import lay_out
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.pipeline.runtime import PipelineSlot
@@ -75,7 +76,7 @@ class DistTrainStrategy(ModelParallelStrategy):
     def __init__(
         self, layout: Layout, parallel: ParallelConfig, precision: str = "32-true", sync_batchnorm: bool = False,
         async_save: bool = False, comm: CommConfig | None = None, compile_mode: str | None = None,
-        hooks: StrategyHooks = StrategyHooks(),
+        hooks: StrategyHooks = StrategyHooks(), float8: Float8Layers | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=layout.dp,
@@ -95,6 +96,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
         self.compile_mode = compile_mode
         """torch.compile's mode for the model once its layout is applied; None: eager."""
+        self.float8 = float8
+        """The linear layers trained in float8 (None: none)."""
         self.comm_counter = ByteCounter()
         """Bytes this rank sent through disttrain's gradient exchange."""
         self.comm_state = ExchangeState()
@@ -149,7 +152,8 @@ class DistTrainStrategy(ModelParallelStrategy):
             adapters = initial_adapter_sources(task.net) if folder is not None else None
             materialize = getattr(task.net, "materialize", None) if _on_meta(task.net) else None
             task.net = lay_out(task.net, self.device_mesh, self.layout, self.parallel, self.root_device,
-                               materialize, self.sequence_split, self.hooks.pipeline, precision=self.precision,
+                               materialize, self.sequence_split, self.hooks.pipeline, self.float8,
+                               precision=self.precision,
                                sync_batchnorm=self.sync_batchnorm, comm=self.comm, counter=self.comm_counter,
                                exchange=self.comm_state, compile_mode=self.compile_mode)
             if folder is not None:

@@ -30,6 +30,7 @@ from disttrain.plan.dry_compute import COMPUTE_ERROR, ComputeHere, base_machine_
 from disttrain.plan.dry_steps import PIPELINE_SCHEDULES, StepMemory, run_steps
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.layout import Layout
+from disttrain.plan.pictures import write_dry_run_pictures
 from disttrain.plan.rank_matmuls import InterleavedReplays, MatmulRecorder
 from disttrain.plan.units import human_bytes
 
@@ -73,7 +74,8 @@ def check_runs_here(est: Estimate, whole_model_bytes: float, rank: int, availabl
 def dry_run(run: Any) -> dict[str, Any]:
     """``mode=dryrun`` on a validated run: build ``dryrun.rank`` (default: ``default_rank``) of its layout under a
     fake process group, run ``dryrun.steps`` steps, print measured against planned memory and compute time, write
-    ``dryrun.json`` into the run directory; return what it wrote."""
+    ``dryrun.json`` into the run directory (with ``plots``, the plan's memory and the measured moments beside it in
+    ``plots/``); return what it wrote."""
     from disttrain.plan.planner import plan_of_run
 
     cfg = run.train
@@ -108,7 +110,9 @@ def dry_run(run: Any) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESULT_FILE
     path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}", flush=True)
+    pictures = write_dry_run_pictures(est, result, run_dir / "plots") if cfg.plots else []
+    for written in [path, *pictures]:
+        print(f"wrote {written}", flush=True)
     return result
 
 
@@ -145,7 +149,7 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
             example = torch.zeros(plan.microbatch_shape, dtype=getattr(torch, plan.microbatch_dtype))
             slot = PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
         laid_out = lay_out(net, mesh, layout, cfg.parallel, device, _materializer(net), split, slot,
-                           precision=cfg.trainer.precision)
+                           cfg.trainer.float8, precision=cfg.trainer.precision)
         if isinstance(laid_out, DistributedDataParallel):
             laid_out.register_comm_hook(None, _unsent)
         optimizer = build_optimizer(run.optim, laid_out)

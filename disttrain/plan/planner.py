@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from disttrain.errors import ConfigError
-from disttrain.plan.auto import choose
+from disttrain.plan.auto import Choice, choose
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
@@ -123,7 +123,15 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
                     objective: str = "time") -> tuple[Layout, str]:
     """``parallel=auto``: the chosen layout (the least predicted ``objective``: ``auto.OBJECTIVES``) and the lines
     that say why (ConfigError if nothing fits, or energy is asked of a profile without a power figure)."""
-    from disttrain.errors import ConfigError
+    choice = weigh_layouts(net, spec, world, global_batch, parallel, optim, precision, profile, objective)
+    return chosen_layout(choice, world, profile, alternatives)
+
+
+def weigh_layouts(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
+                  precision: str, profile: HardwareProfile, objective: str = "time") -> Choice:
+    """``parallel=auto``'s weighing: every candidate layout the model and the run accept, predicted, the one that
+    fits with the least ``objective`` chosen (``auto.Choice``: what ``chosen_layout`` reports and
+    ``plan_candidates.png`` draws); ConfigError for energy on a profile without a power figure."""
     from disttrain.parallel.dims import ParallelDims
     from disttrain.parallel.model_checks import check_model_plan
 
@@ -143,8 +151,12 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
             return False
         return True
 
-    choice = choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid,
-                    parallel.accumulate_grads, objective)
+    return choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid, parallel.accumulate_grads,
+                  objective)
+
+
+def chosen_layout(choice: Choice, world: int, profile: HardwareProfile, alternatives: int = 3) -> tuple[Layout, str]:
+    """The layout ``choice`` chose and the lines that say why (ConfigError if nothing fits)."""
     why = choice.reason(alternatives)
     if choice.best is None:
         raise ConfigError("parallel", "auto", f"a layout that fits {world} rank(s) of {profile.name} with "
@@ -214,7 +226,8 @@ def plan_of_run(run: Any) -> tuple[Estimate, HardwareProfile, PlanInputs]:
 
 
 def print_plan(run: Any) -> Estimate:
-    """``mode=plan``: print the plan of a validated run, write plan.json (and its picture); return it."""
+    """``mode=plan``: print the plan of a validated run, write plan.json (and its pictures: with
+    ``parallel=auto``, the layouts it weighed too); return it."""
     from pathlib import Path
 
     from disttrain.plan.report import render, write_plan
@@ -222,6 +235,6 @@ def print_plan(run: Any) -> Estimate:
     cfg = run.train
     est, profile, inputs = plan_of_run(run)
     print(render(est, profile, inputs.stats.params, run.model.name, inputs.stats), flush=True)
-    for path in write_plan(est, profile, Path(cfg.run_dir), cfg.plots):
+    for path in write_plan(est, profile, Path(cfg.run_dir), cfg.plots, run.choice):
         print(f"wrote {path}")
     return est

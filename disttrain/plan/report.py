@@ -1,4 +1,4 @@
-"""A plan as the terminal, ``plan.json`` and ``plots/plan_memory.png`` show it."""
+"""A plan as the terminal and ``plan.json`` show it (its pictures: ``disttrain.plan.pictures``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from disttrain.plan.auto import Choice
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.model_stats import ModelStats
+from disttrain.plan.pictures import CANDIDATES_FILE, MEMORY_FILE, draw_candidates, draw_plan_memory
 from disttrain.plan.units import human_bytes, human_count
 
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimiser state", "activations": "activations",
@@ -140,34 +142,17 @@ def as_json(e: Estimate, profile: HardwareProfile) -> dict[str, Any]:
             "profile": asdict(profile)}
 
 
-def write_plan(e: Estimate, profile: HardwareProfile, run_dir: Path, plots: bool) -> list[Path]:
-    """``plan.json`` and, with ``plots``, ``plots/plan_memory.png`` in ``run_dir``."""
+def write_plan(e: Estimate, profile: HardwareProfile, run_dir: Path, plots: bool,
+               choice: Choice | None = None) -> list[Path]:
+    """``plan.json`` and, with ``plots``, ``plots/plan_memory.png`` in ``run_dir``; with the ``choice`` of
+    ``parallel=auto``, also ``plots/plan_candidates.png``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "plan.json"
     path.write_text(json.dumps(as_json(e, profile), indent=2))
     written = [path]
     if plots:
-        png = draw_memory(e, run_dir / "plots" / "plan_memory.png")
-        written += [png] if png else []
+        pictures = [draw_plan_memory(e, run_dir / "plots" / MEMORY_FILE)]
+        if choice is not None:
+            pictures.append(draw_candidates(choice, run_dir / "plots" / CANDIDATES_FILE))
+        written += [picture.path for picture in pictures if picture is not None]
     return written
-
-
-def draw_memory(e: Estimate, path: Path) -> Path | None:
-    """A stacked bar of the per-rank memory terms against the capacity (None without matplotlib)."""
-    from disttrain.report.plots import pyplot, save
-
-    plt = pyplot()
-    if plt is None:
-        return None
-    figure, axes = plt.subplots(figsize=(6, 4))
-    bottom = 0.0
-    for key, label in TERMS.items():
-        value = e.memory[key] / 1e9
-        axes.bar([0], [value], bottom=[bottom], label=f"{label.split(' (')[0]} {value:.3g} GB")
-        bottom += value
-    axes.axhline(e.capacity / 1e9, color="black", linestyle="--", label=f"capacity {e.capacity / 1e9:.3g} GB")
-    axes.set_xticks([0], [e.layout.describe()])
-    axes.set_ylabel("GB per rank")
-    axes.set_title("fits" if e.fits else "does not fit")
-    axes.legend(fontsize=8)
-    return save(figure, plt, path)
