@@ -30,7 +30,7 @@ from disttrain.plan.dry_compute import (  # noqa: E402
     base_machine_profile,
     cpu_plan_inputs,
     matmul_dtype,
-    profile_at_rate,
+    profile_now,
 )
 from disttrain.plan.dryrun import dry_run  # noqa: E402
 from disttrain.plan.planner import plan_of_run  # noqa: E402
@@ -80,7 +80,8 @@ def main() -> None:
                     result = dry_run(run)
             lay = plan_of_run(run)[0].layout
             dtype = matmul_dtype(run, base)
-            square = profile_at_rate(base, base.flops[dtype] * threads, dtype, threads, lay.world_size)
+            square = profile_now(base, base.flops[dtype] * threads, base.memory_bandwidth, base.op_overhead, dtype,
+                                 threads, lay.world_size)
             planned_square = cpu_plan_inputs(run, square).estimate(lay).compute_s
             measured = result["measured_step_s"]
             print(f"| {model} | {layout} | {measured * 1e3:.1f} | {planned_square * 1e3:.1f} | "

@@ -1,11 +1,12 @@
 """A dry run's compute held against the plan priced for the machine it runs on.
 
 The plan of a run is priced for its profile (an H100, say); a dry run computes on this machine. To compare like
-with like, the dry run prices the same layout again on a profile of this CPU: the stored calibration (``python -m
-disttrain.plan --calibrate``) or, without one, the planner's quick measurement, for memory bandwidth and the
-overhead per operator, and for matrix products the rate this process reached replaying the rank's own products
-(``rank_matmuls``) between its timed steps, on its threads: the median of the replays. Interleaved, the steps and
-the replays meet the same load, so the comparison holds on a shared machine whatever else runs on it.
+with like, the dry run prices the same layout again on a profile of this CPU measured after each of its timed
+steps (``InterleavedCalibration``): matrix products at the rate this process reaches replaying the rank's own
+products (``rank_matmuls``) on its threads, element-wise bandwidth and the overhead per operator by the planner's
+calibration, briefly; the medians of those measurements. The rest (convolution rates, memory, links) is the stored
+calibration's (``python -m disttrain.plan --calibrate``) or the planner's quick measurement's. Interleaved, the
+steps and the measurements meet the same load, so the comparison holds on a shared machine whatever else runs.
 
 What is left is the planner's own error: FLOPs it miscounts, element-wise work and per-operator costs it
 misprices, hooks it does not model (FSDP2's, DDP's). ``COMPUTE_ERROR`` states it.
@@ -21,7 +22,7 @@ import torch
 
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.layout import Layout
-from disttrain.plan.rank_matmuls import MatmulReplay
+from disttrain.plan.rank_matmuls import MatmulRecorder, MatmulReplay
 
 COMPUTE_ERROR = (0.8, 1.5)
 """The planner's stated compute error on a profile whose rates are this machine's: a rank's measured compute per
@@ -100,17 +101,53 @@ def base_machine_profile() -> HardwareProfile:
     return resolve_profile("machine")
 
 
-def profile_at_rate(base: HardwareProfile, flops_per_s: float, dtype: str, threads: int,
-                    world: int) -> HardwareProfile:
+CALIBRATION_SECONDS = 0.05
+"""Seconds of each interleaved measurement of element-wise bandwidth and of the overhead per operator."""
+
+
+class InterleavedCalibration:
+    """This machine measured after each timed step of a dry run, under the load that step met: the rank's products
+    (recorded by ``recorder`` in an untimed step) replayed, element-wise bandwidth and the overhead per operator
+    (``calibrate.measure_memory_bandwidth`` and ``measure_op_overhead``, one core each)."""
+
+    def __init__(self) -> None:
+        self.recorder = MatmulRecorder()
+        """Records the rank's products (the dry run's last counted step runs under it)."""
+        self.replay: MatmulReplay | None = None
+        """The replay of the recorded products (None before the first measurement)."""
+        self.replay_s: list[float] = []
+        """Wall time of each replay."""
+        self.bandwidth: list[float] = []
+        """Element-wise bytes per second per core, each measurement."""
+        self.overhead: list[float] = []
+        """Seconds per operator beyond its work, each measurement."""
+
+    def __call__(self) -> None:
+        from disttrain.plan.calibrate import measure_memory_bandwidth, measure_op_overhead
+
+        if self.replay is None:
+            self.replay = MatmulReplay(self.recorder.calls)
+        seconds = self.replay.seconds()
+        self.replay_s.append(seconds)
+        bandwidth = measure_memory_bandwidth(CALIBRATION_SECONDS)
+        self.bandwidth.append(bandwidth)
+        per_core = self.replay.flops / seconds / torch.get_num_threads() if seconds > 0 else float("inf")
+        self.overhead.append(measure_op_overhead(CALIBRATION_SECONDS, per_core, bandwidth))
+
+
+def profile_now(base: HardwareProfile, flops_per_s: float, bandwidth: float, overhead: float, dtype: str,
+                threads: int, world: int) -> HardwareProfile:
     """``base`` with matrix products at ``flops_per_s`` on ``threads`` threads in ``dtype`` (``fp32``, ``bf16``),
-    and as many cores as give each of ``world`` ranks ``threads`` of them (a dry run's one rank has this process's
-    threads; a plan's CPU ranks would share them)."""
+    ``bandwidth`` bytes per second per core, ``overhead`` seconds per operator, and as many cores as give each of
+    ``world`` ranks ``threads`` of them (a dry run's one rank has this process's threads; a plan's CPU ranks would
+    share them)."""
     from disttrain.plan.calibrate import cpu_model
 
     flops = {**base.flops, dtype: flops_per_s / threads}
     return replace(base, name=f"this CPU ({cpu_model()}, {threads} thread{'s' if threads > 1 else ''})", flops=flops,
-                   devices_per_node=threads * world,
-                   source=f"{base.source}; matrix products at the rank's own shapes, measured during the dry run")
+                   memory_bandwidth=bandwidth, op_overhead=overhead, devices_per_node=threads * world,
+                   source=f"{base.source}; matrix products at the rank's own shapes, element-wise bandwidth and "
+                          "overhead per operator, measured between the dry run's steps")
 
 
 def planned_flops(inputs: Any, layout: Layout, threads: int) -> float:
@@ -138,17 +175,18 @@ def cpu_plan_inputs(run: Any, profile: HardwareProfile) -> Any:
                        cfg.parallel, run.optim, planned_precision(cfg.trainer.precision, profile), profile)
 
 
-def compute_here(run: Any, layout: Layout, replay: MatmulReplay, replay_s: list[float], run_flops: float,
-                 base: HardwareProfile) -> ComputeHere:
-    """The plan of ``run``'s ``layout`` priced on this CPU, its matrix products at the rate of ``replay`` (median
-    of ``replay_s``) on this process's threads; ``run_flops``: what the rank's recorded step ran."""
+def compute_here(run: Any, layout: Layout, calibration: InterleavedCalibration, base: HardwareProfile) -> ComputeHere:
+    """The plan of ``run``'s ``layout`` priced on this CPU as ``calibration`` measured it (the medians of its
+    measurements) on this process's threads, and the FLOPs the rank's recorded step ran."""
     threads = torch.get_num_threads()
-    median = statistics.median(replay_s)
-    rate = replay.flops / median if median > 0 else float("inf")
-    profile = profile_at_rate(base, rate, matmul_dtype(run, base), threads, layout.world_size)
+    median = statistics.median(calibration.replay_s)
+    rate = calibration.replay.flops / median if median > 0 else float("inf")
+    profile = profile_now(base, rate, statistics.median(calibration.bandwidth), statistics.median(calibration.overhead),
+                          matmul_dtype(run, base), threads, layout.world_size)
     inputs = cpu_plan_inputs(run, profile)
     planned = inputs.estimate(layout).compute_s
     share = median / planned if planned else 0.0
     tokens = layout.micro_size * inputs.stats.tokens_per_sample
-    return ComputeHere(profile, rate, threads, planned, share, len(replay_s), planned_flops(inputs, layout, threads),
-                       run_flops, unstated_reason(layout, share, tokens))
+    return ComputeHere(profile, rate, threads, planned, share, len(calibration.replay_s),
+                       planned_flops(inputs, layout, threads), calibration.recorder.flops,
+                       unstated_reason(layout, share, tokens))

@@ -26,12 +26,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.errors import ConfigError
-from disttrain.plan.dry_compute import COMPUTE_ERROR, ComputeHere, base_machine_profile, compute_here
+from disttrain.plan.dry_compute import (
+    COMPUTE_ERROR,
+    ComputeHere,
+    InterleavedCalibration,
+    base_machine_profile,
+    compute_here,
+)
 from disttrain.plan.dry_steps import PIPELINE_SCHEDULES, StepMemory, run_steps
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.layout import Layout
 from disttrain.plan.pictures import write_dry_run_pictures
-from disttrain.plan.rank_matmuls import InterleavedReplays, MatmulRecorder
 from disttrain.plan.units import human_bytes
 
 RESULT_FILE = "dryrun.json"
@@ -96,14 +101,13 @@ def dry_run(run: Any) -> dict[str, Any]:
     whole = 0.0 if layout.wrapper == "fsdp" else inputs.stats.params * 4
     check_runs_here(est, whole, rank, machine_memory_bytes())
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
-    # on a CPU the rank's matrix products, recorded in an untimed step, are replayed after each timed one: the
-    # rate they give prices the plan on this machine (``dry_compute``)
-    replays = InterleavedReplays(MatmulRecorder()) if device.type == "cpu" else None
-    measured, _ = _run_rank(run, layout, rank, device, replays)
+    # on a CPU this machine is measured after each timed step (the rank's own products, recorded in an untimed
+    # step, replayed; bandwidth; overhead per operator): the plan priced on it is held against the steps
+    calibration = InterleavedCalibration() if device.type == "cpu" else None
+    measured, _ = _run_rank(run, layout, rank, device, calibration)
     here = None
-    if replays is not None and replays.seconds:
-        here = compute_here(run, layout, replays.replay, replays.seconds, replays.recorder.flops,
-                            base_machine_profile())
+    if calibration is not None and calibration.replay_s:
+        here = compute_here(run, layout, calibration, base_machine_profile())
     result = _result(est, profile, layout, rank, measured, device, here)
     print(render_dry_run(result, run.model.name), flush=True)
     run_dir = Path(cfg.run_dir)
@@ -117,9 +121,10 @@ def dry_run(run: Any) -> dict[str, Any]:
 
 
 def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
-              replays: InterleavedReplays | None = None) -> tuple[StepMemory, int]:
-    """Join a fake group as ``rank``, lay the model out as that rank does and run its steps (with ``replays``:
-    its matrix products recorded in the last counted step and replayed after each timed one)."""
+              calibration: InterleavedCalibration | None = None) -> tuple[StepMemory, int]:
+    """Join a fake group as ``rank``, lay the model out as that rank does and run its steps (with
+    ``calibration``: its matrix products recorded in the last counted step, the machine measured after each timed
+    one)."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -163,7 +168,7 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         measured = run_steps(laid_out, optimizer, batch, layout, cfg.dryrun.steps, autocast, slot, pp_rank,
-                             replays.recorder if replays is not None else None, replays)
+                             calibration.recorder if calibration is not None else None, calibration)
         if device.type == "cuda":
             measured.moments["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         return measured, pp_rank

@@ -147,19 +147,3 @@ class MatmulReplay:
                     op(*args, **kwargs)
             return time.perf_counter() - start
 
-
-class InterleavedReplays:
-    """Replays of a ``MatmulRecorder``'s products, one per call (after each timed step of a dry run): built at the
-    first call, once the recorded step has run."""
-
-    def __init__(self, recorder: MatmulRecorder) -> None:
-        self.recorder = recorder
-        self.replay: MatmulReplay | None = None
-        """The replay (None before the first call)."""
-        self.seconds: list[float] = []
-        """Wall time of each replay."""
-
-    def __call__(self) -> None:
-        if self.replay is None:
-            self.replay = MatmulReplay(self.recorder.calls)
-        self.seconds.append(self.replay.seconds())
