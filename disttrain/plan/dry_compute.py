@@ -24,9 +24,9 @@ from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.layout import Layout
 from disttrain.plan.rank_matmuls import MatmulRecorder, MatmulReplay
 
-COMPUTE_ERROR = (0.8, 1.5)
+COMPUTE_ERROR = (0.8, 1.75)
 """The planner's stated compute error on a profile whose rates are this machine's: a rank's measured compute per
-step is from 0.8 to 1.5 times the plan's, for the layouts whose machinery the plan prices (DDP, ZeRO-1/2/3, HSDP,
+step is from 0.8 to 1.75 times the plan's, for the layouts whose machinery the plan prices (DDP, ZeRO-1/2/3, HSDP,
 full checkpointing, accumulation, pipelines) with at least ``MATMUL_SHARE`` of the planned compute in matrix
 products and at least ``MIN_TOKENS`` tokens per micro-batch. The error is mostly one-sided: what the plan leaves
 out (FSDP2's and DDP's copies of parameters and gradients, their hooks) makes a step longer, not shorter."""
