@@ -176,3 +176,18 @@ def test_more_ranks_than_gpus_is_one_line_before_any_rank_starts(tmp_path):
     assert proc.stderr.strip() == ("Error: trainer.devices=2 is invalid: at most 1, as this machine shows 1 GPU "
                                    "(one per rank); trainer.accelerator=cpu runs 2 CPU ranks")
     assert not list(tmp_path.iterdir())  # no run directory, no outputs/
+
+
+def test_a_gpu_step_s_memory_is_recorded_from_cuda_s_history(tmp_path):
+    """callbacks=memory on a GPU: the allocator's record of one step, read from allocation to completed free. The
+    allocator's peak of the run so far is at least the step's, and the same where the step is the heaviest yet
+    (the third step: the optimiser's state exists from the first)."""
+    proc = train_cli_in_process([*GPT_FAST, "trainer.accelerator=gpu", "trainer.devices=1", "trainer.max_steps=4",
+                                 "callbacks=memory", "energy=false", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "logs" / "memory_step.json").read_text())
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert record["counted_by"].startswith("CUDA memory history") and record["events"] > 0
+    assert record["peak_bytes"] > record["start_bytes"] > 0
+    assert results["memory"]["recorded_step"]["peak_bytes"] >= record["peak_bytes"]
+    assert "memory of step 3 on rank 0: peak " in proc.stdout

@@ -11,8 +11,8 @@ import torch
 
 from disttrain.config.validation import validate
 from disttrain.errors import ConfigError
+from disttrain.observe.tensor_bytes import LiveStorages
 from disttrain.plan.dryrun import RESULT_FILE, check_runs_here, dry_run
-from disttrain.plan.measure import LiveStorages
 from tests.conftest import compose_config
 
 TINY_LLAMA = ["model=llama", "model.flavour=micro", "data=synthetic_tokens", "data.vocab_size=512",

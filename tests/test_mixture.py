@@ -93,12 +93,12 @@ def batches_of(plan, share_options: dict, workers: int, start: StreamState | Non
 
 def global_windows(batches_by_rank: list[list[dict]], micro: int) -> dict[int, tuple]:
     """Each global window's inputs and pieces, from the micro-batches of every rank (rank r's sample t of
-    micro-batch i is global window (i * micro + t) * ranks + r)."""
+    micro-batch i is global window (i * ranks + r) * micro + t)."""
     ranks, found = len(batches_by_rank), {}
     for rank, batches in enumerate(batches_by_rank):
         for batch in batches:
             for sample in range(micro):
-                window = (batch["batch"] * micro + sample) * ranks + rank
+                window = (batch["batch"] * ranks + rank) * micro + sample
                 found[window] = (batch["inputs"][sample].tolist(), batch["pieces"][sample])
     return found
 
@@ -201,6 +201,28 @@ def _corrupt(tmp_path, corpus):
     return {"sources": [MixtureSource(str(tmp_path / "torn.parquet"))]}, "data.sources[0].path", "torn.parquet"
 
 
+def _corrupt_page(tmp_path, corpus):
+    """A Parquet file whose footer reads but whose second row group's text pages do not decode."""
+    import pyarrow.parquet as pq
+
+    data = bytearray(Path(corpus["parquet"]).read_bytes())
+    chunk = pq.ParquetFile(corpus["parquet"]).metadata.row_group(1).column(1)
+    middle = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size // 2
+    data[middle:middle + 8] = bytes(byte ^ 0xFF for byte in data[middle:middle + 8])
+    (tmp_path / "paged.parquet").write_bytes(bytes(data))
+    assert pq.ParquetFile(tmp_path / "paged.parquet").metadata.num_rows == 40
+    return {"sources": [MixtureSource(str(tmp_path / "paged.parquet"))]}, "data.sources[0].path", "paged.parquet"
+
+
+def _broken_line(tmp_path, corpus):
+    """A JSON-lines file whose fifth line is cut short."""
+    lines = Path(corpus["jsonl"]).read_text().splitlines()
+    lines[4] = lines[4][: len(lines[4]) // 2]
+    (tmp_path / "cut.jsonl").write_text("\n".join(lines) + "\n")
+    return ({"sources": [MixtureSource(str(tmp_path / "cut.jsonl"), field="content")]}, "data.sources[0].path",
+            "cut.jsonl")
+
+
 def _too_few(tmp_path, corpus):
     (tmp_path / "one.txt").write_text("a single document")
     return {"sources": [MixtureSource(str(tmp_path / "one.txt"))]}, "data.sources[0].path", "one.txt"
@@ -208,7 +230,8 @@ def _too_few(tmp_path, corpus):
 
 BAD_INPUT = {"missing file": _missing, "empty source": _empty, "parquet column that does not exist": _no_column,
              "jsonl key that does not exist": _no_key, "negative weight": _negative, "all weights zero": _all_zero,
-             "corrupt parquet": _corrupt, "fewer documents than held out": _too_few}
+             "corrupt parquet": _corrupt, "parquet page that does not decode": _corrupt_page,
+             "jsonl line broken after the first": _broken_line, "fewer documents than held out": _too_few}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -239,7 +262,7 @@ def logged_windows(log: Path, micro: int, ranks: int) -> dict[int, list]:
         for line in (log / f"rank{rank}.jsonl").read_text().splitlines():
             entry = json.loads(line)
             for sample, pieces in enumerate(entry["windows"]):
-                window = (entry["batch"] * micro + sample) * ranks + rank
+                window = (entry["batch"] * ranks + rank) * micro + sample
                 assert window not in found
                 found[window] = pieces
     return found

@@ -14,11 +14,12 @@ from omegaconf import OmegaConf
 from disttrain.config.typed import model_typed
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.models import MODELS, build_model
+from disttrain.observe.tensor_bytes import LiveStorages
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.config import ParallelConfig
 from disttrain.plan.hardware import PROFILES
 from disttrain.plan.layout import Layout
-from disttrain.plan.measure import LiveStorages, measured_activations
+from disttrain.plan.measure import measured_activations
 from disttrain.plan.planner import plan_inputs
 
 LARGE_VOCAB = 50304

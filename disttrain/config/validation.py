@@ -31,6 +31,7 @@ from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
 from disttrain.models.lora import adapter_summary, check_base_precision
 from disttrain.models.target import TargetModelConfig
+from disttrain.observe.memory_options import check_memory_callbacks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_checks import check_model_plan, model_on_meta
@@ -206,6 +207,7 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
     check_trainer(top.trainer)
     top.fault_tolerance.validate(top.parallel.timeout_s)
     top.observe.validate()
+    check_memory_callbacks(top.callbacks, top.trainer.max_steps)
     top.comm.validate()
     if top.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", top.checkpoint.keep_last, "1 or more save points")

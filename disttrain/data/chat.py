@@ -18,11 +18,8 @@ from disttrain.data.chat_cache import TOO_LONG, ChatCache, ChatSources, ensure_c
 from disttrain.data.chat_rows import RowFields, check_chat_files
 from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
-from disttrain.data.token_cache import load_tokenizer
+from disttrain.data.token_cache import DEFAULT_CACHE, load_tokenizer
 from disttrain.errors import ConfigError
-
-DEFAULT_CACHE = ".disttrain-tokens"
-"""Name of the cache folder made beside the first file when ``data.cache_dir`` is not set (``data=text``'s)."""
 
 
 @dataclass

@@ -8,11 +8,14 @@ token itself belongs to the document it closes; a window's first tokens may cont
 before). ``DataSpec.document_end`` is None when ``data.document_mask`` is false: then windows attend across
 documents.
 
-The order of documents is one global stream (``disttrain.data.mixture_stream``), the same for every number of
-ranks, loader workers and micro-batch size; a checkpoint saves the stream's position (the draw, every source's
-cursor and the tokens of the current document read) beside the position in global samples, so a resumed run on
-any data-parallel size or worker count reads exactly what it had not read. What was read (tokens and documents per
-source, against the weights) goes to ``results.json``; ``data.read_log`` writes every trained window's documents.
+The order of documents is one global stream (``disttrain.data.mixture_layout``), the same for every number of
+ranks, loader workers and micro-batch size. Validation (in the job process, before ranks start) builds each source's
+length index (``disttrain.data.length_index``), from which every worker places the documents and tokenises only
+those of its own windows (``disttrain.data.mixture_stream``). A checkpoint saves the stream's position (the draw,
+every source's cursor and the tokens of the current document read) beside the position in global samples, so a
+resumed run on any data-parallel size or worker count reads exactly what it had not read. What was read (tokens and
+documents per source, against the weights) goes to ``results.json``; ``data.read_log`` writes every trained window's
+documents.
 """
 
 from __future__ import annotations
@@ -31,18 +34,13 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from disttrain import checks
 from disttrain.data.base import DataModule
-from disttrain.data.mixture_stream import (
-    MixturePlan,
-    MixtureWindows,
-    RankShare,
-    StreamState,
-    continue_after,
-    held_out_tokens,
-)
+from disttrain.data.length_index import ensure_length_index
+from disttrain.data.mixture_layout import MixturePlan, StreamState
+from disttrain.data.mixture_stream import MixtureWindows, RankShare, continue_after, held_out_tokens
 from disttrain.data.position import epoch_position
 from disttrain.data.registry import DATA
-from disttrain.data.sources import resolve_source
 from disttrain.data.spec import DataSpec
+from disttrain.data.token_cache import DEFAULT_CACHE
 from disttrain.data.windows import TokenWindows
 from disttrain.errors import ConfigError
 
@@ -101,7 +99,11 @@ class MixtureConfig:
     val_windows: int | None = None
     """Cap on each source's consecutive validation windows. None: all its held-out documents fill."""
     num_workers: int = 0
-    """DataLoader worker processes per rank; they read and tokenise the stream."""
+    """DataLoader worker processes per rank; each reads and tokenises only the documents of its own windows."""
+    cache_dir: str | None = None
+    """Folder of each source's length index (its documents' token counts, built once before ranks start; one
+    subfolder per source's files, field and tokenizer). None: ``.disttrain-tokens`` in the folder of the first
+    source's path."""
     read_log: str | None = None
     """Folder where each rank appends, per trained micro-batch, the documents of every window
     (``rank<N>.jsonl``: source, document, pass, first and last token); None: no log."""
@@ -116,8 +118,7 @@ class MixtureConfig:
         checks.positive("data.val_windows", self.val_windows, optional=True)
         checks.non_negative("data.num_workers", self.num_workers)
         self.source_names()
-        self.plan(seed=0)
-        return []
+        return self._plan(seed=0)[1]
 
     def source_names(self) -> tuple[str, ...]:
         """Each source's ``name``, or its path's stem (a glob's folder), checked to be unique metric key parts."""
@@ -137,9 +138,21 @@ class MixtureConfig:
             names.append(name)
         return tuple(names)
 
+    def cache_folder(self) -> str:
+        """``data.cache_dir``, else ``.disttrain-tokens`` in the folder of the first source's path (a glob's folder,
+        a saved dataset folder's parent), as an absolute path."""
+        if self.cache_dir is not None:
+            return os.path.abspath(os.path.expanduser(self.cache_dir))
+        first = os.path.normpath(os.path.abspath(os.path.expanduser(str(self.sources[0].path))))
+        return os.path.join(os.path.dirname(first), DEFAULT_CACHE)
+
     def plan(self, seed: int) -> MixturePlan:
-        """The sources resolved and counted, the tokenizer's end-of-document id and the sizes, as workers need
-        them."""
+        """The sources with their length indexes (built where missing), the tokenizer's end-of-document id and the
+        sizes, as workers need them."""
+        return self._plan(seed)[0]
+
+    def _plan(self, seed: int) -> tuple[MixturePlan, list[str]]:
+        """The plan, and a notice for each length index this call built."""
         from disttrain.data.token_cache import end_of_text_id, load_tokenizer
 
         if not self.sources:
@@ -150,22 +163,26 @@ class MixtureConfig:
                 raise ConfigError(f"data.sources[{index}].weight", weight, "a number >= 0")
         if sum(weights) <= 0:
             raise ConfigError("data.sources", weights, "weights of which at least one is above 0")
-        resolved, train_documents = [], []
+        folder = os.path.abspath(os.path.expanduser(self.tokenizer))
+        load_tokenizer(folder)  # a missing or unreadable tokenizer is named before any source is read
+        resolved, train_documents, notices = [], [], []
         for index, source in enumerate(self.sources):
             key = f"data.sources[{index}].path"
-            files = resolve_source(key, source.path, source.field)
+            files, built = ensure_length_index(key, source.path, source.field, folder, self.cache_folder())
+            if built:
+                notices.append(f"{key}: {files.num_documents} documents read and their {files.num_tokens} tokens "
+                               f"counted once, indexed in {files.folder}")
             if files.num_documents <= self.val_documents:
                 raise ConfigError(key, source.path, f"a source of more than data.val_documents={self.val_documents} "
                                                     f"documents (held out at its end); it holds {files.num_documents}")
             resolved.append(files)
             train_documents.append(files.num_documents - self.val_documents)
-        folder = os.path.abspath(os.path.expanduser(self.tokenizer))
         eos_id = end_of_text_id(load_tokenizer(folder), folder, self.eos_token)
         if eos_id is None:
             raise ConfigError("data.eos_token", self.eos_token, "a token of the tokenizer to end each document; this "
                                                                 "tokenizer names none of its own")
         return MixturePlan(tuple(resolved), tuple(train_documents), tuple(weights), folder, eos_id, self.block_size,
-                           seed, self.on_exhausted == "wrap")
+                           seed, self.on_exhausted == "wrap"), notices
 
 
 @DATA.register("mixture", MixtureConfig)

@@ -1,133 +1,92 @@
-"""The mixture's one global stream: documents drawn by weight, tokenised, joined by the end-of-document token and cut
-into windows; and where a rank's loader worker finds its own windows in it.
+"""The mixture's one global stream read as windows, and where a rank's loader worker finds its own windows in it.
 
-Draw ``k`` of a stream picks source ``s`` from ``counter_random(seed, epoch, k)`` in proportion to the weights; the
-document it reads is that source's next one (its cursor), so the sequence of documents depends on the seed alone.
-Each document's tokens are followed by the end-of-document id and the documents are concatenated; window ``w`` is
-tokens ``w*T`` to ``w*T + T`` of that concatenation (inputs the first ``T``, targets the last ``T``). A position in
-the stream is a ``StreamState``: the draw being read, every source's cursor before it, and the tokens of that
-document already read; a state is all a run needs to continue the stream, on any number of ranks or workers.
-
-Rank ``r`` of ``R`` reads the global windows ``r, r + R, r + 2R, ...`` of its epoch, a micro-batch of ``m`` of them
-at a time, as ``disttrain.data.position`` has it for every data set; loader worker ``w`` of ``W`` builds that rank's
-micro-batches ``w, w + W, ...``, which a DataLoader hands out in turn. Every worker walks the whole stream (a
-window's place depends on the length of every document before it) and keeps its own windows.
+Where every document lies is arithmetic on the sources' length indexes (``disttrain.data.mixture_layout``); reading
+and tokenising is done only for the documents of the windows a worker builds. The ranks read the epoch's windows in
+rounds of ``m x R`` (``m`` windows per micro-batch, ``R`` data-parallel ranks): in round ``i`` rank ``r`` reads, as its
+micro-batch ``i``, the ``m`` consecutive windows from ``(i * R + r) * m``. Consecutive windows share the documents
+that run across them, so a rank taking a run of them tokenises those documents once where ranks taking every
+``R``-th window would each tokenise nearly all of them. After ``i`` micro-batches per rank the ranks together have
+read exactly the first ``i * m * R`` windows, whatever ``m`` and ``R`` are (the count in global samples that
+``disttrain.data.position`` keeps for every data set), and a round's windows are one global step's (or one
+accumulation micro-step's) whatever rank reads which. Loader worker ``w`` of ``W`` builds its rank's micro-batches
+``w, w + W, ...``, which a DataLoader hands out in turn; it places the documents of the whole stream up to its last
+window from their lengths, and reads and tokenises only those its own windows hold.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from disttrain.counter_random import counter_random, counter_random_array
-from disttrain.data.sources import SourceFiles
+from disttrain.data.mixture_layout import MixturePlan, Placed, StreamLayout, StreamState
+from disttrain.errors import ConfigError
 
-DRAWS_AT_ONCE = 64
-"""Documents drawn, read and handed to the tokenizer together (it encodes a batch on several threads)."""
-STREAM_SALT = 0x4D49585455524553
-"""Mixed into the run's seed so the mixture's draws share no numbers with other uses of the seed."""
+__all__ = ["DocumentTokens", "MixturePlan", "MixtureStream", "MixtureWindows", "RankShare", "StreamState",
+           "continue_after", "held_out_tokens"]
 
-
-@dataclass(frozen=True)
-class StreamState:
-    """A position in the stream: what a checkpoint saves and a resumed loader starts from."""
-
-    epoch: int
-    """Key of the draws: 0 throughout when sources wrap, the epoch when an epoch ends with a source."""
-    draws: int
-    """Index of the draw whose document is being read."""
-    cursors: tuple[int, ...]
-    """Documents each source had given before that draw (past its end when it wrapped)."""
-    offset: int
-    """Tokens of that document (its end-of-document token included) already read."""
-    window: int
-    """Windows read since the run began."""
-    tokens: tuple[int, ...]
-    """Window tokens (inputs) read from each source since the run began."""
-    documents: tuple[int, ...]
-    """Documents begun in each source since the run began."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The state as plain lists and ints (what a checkpoint and a loader worker's batch carry)."""
-        return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> StreamState:
-        """The state ``to_dict`` wrote."""
-        return cls(**{name: tuple(value) if isinstance(value, list) else int(value) for name, value in saved.items()})
-
-    @classmethod
-    def start(cls, sources: int, epoch: int = 0, after: StreamState | None = None) -> StreamState:
-        """The beginning of a stream keyed by ``epoch``; counts of windows, tokens and documents go on from
-        ``after`` (the previous epoch's end) where given."""
-        zeros = (0,) * sources
-        if after is None:
-            return cls(epoch, 0, zeros, 0, 0, zeros, zeros)
-        return cls(epoch, 0, zeros, 0, after.window, after.tokens, after.documents)
+Piece = tuple[int, int, int, int, int]
+"""A window's piece of a document: ``(source, document, pass, first, last)``, ``last`` exclusive, in the document's
+tokens with its end token."""
 
 
-@dataclass(frozen=True)
-class MixturePlan:
-    """Everything a worker needs to rebuild the stream: the sources, their weights, the tokenizer, the sizes."""
+class DocumentTokens:
+    """The token ids (end-of-document id included) of placed documents, read and tokenised on request, a request's
+    documents in one call to the tokenizer; the documents of the last request are kept for the next (a document may
+    run on into the next window). ``tokenised`` and ``tokenised_tokens`` count what was tokenised."""
 
-    sources: tuple[SourceFiles, ...]
-    """Each source's files and document counts."""
-    train_documents: tuple[int, ...]
-    """Documents of each source used for training (the rest, at its end, are held out)."""
-    weights: tuple[float, ...]
-    """Each source's weight (not normalised)."""
-    tokenizer: str
-    """Folder of ``tokenizer.json``; every process loads its own."""
-    eos_id: int
-    """End-of-document id placed after every document."""
-    block_size: int
-    """Tokens per window."""
-    seed: int
-    """The run's seed."""
-    wrap: bool
-    """A source that runs out starts again (True) or ends the epoch (False)."""
+    def __init__(self, plan: MixturePlan) -> None:
+        from disttrain.data.token_cache import load_tokenizer
 
-    def source_of(self, epoch: int, draws: np.ndarray) -> np.ndarray:
-        """The source each of ``draws`` picks: uniform numbers from the counter-based generator, split in
-        proportion to the weights."""
-        bits = counter_random_array(counter_random(self.seed, STREAM_SALT, 0), np.full(len(draws), epoch), draws)
-        uniform = (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-        bounds = np.cumsum(self.weights) / sum(self.weights)
-        return np.minimum(np.searchsorted(bounds, uniform, side="right"), len(self.weights) - 1)
+        self.plan = plan
+        self.tokenizer = load_tokenizer(plan.tokenizer)
+        self.readers = [source.reader() for source in plan.sources]
+        self.tokenised = 0
+        """Documents tokenised by this object."""
+        self.tokenised_tokens = 0
+        """Their tokens, end-of-document tokens included."""
+        self._kept: dict[int, np.ndarray] = {}
 
-
-@dataclass
-class _Document:
-    """A drawn document waiting in the stream, with the state before its draw."""
-
-    draws: int
-    source: int
-    index: int
-    cursors: tuple[int, ...]
-    ids: np.ndarray = field(repr=False)
+    def ids(self, placed: list[Placed]) -> dict[int, np.ndarray]:
+        """Each of ``placed``'s ids, by draw."""
+        found = {document.draw: self._kept[document.draw] for document in placed if document.draw in self._kept}
+        missing = list({document.draw: document for document in placed if document.draw not in found}.values())
+        texts = [self.readers[document.source].text(document.cursor % self.plan.train_documents[document.source])
+                 for document in missing]
+        end = [self.plan.eos_id]
+        for document, encoding in zip(missing, self.tokenizer.encode_batch(texts, add_special_tokens=False),
+                                      strict=True):
+            ids = np.asarray(encoding.ids + end, dtype=np.int64)
+            if len(ids) != document.end - document.start:
+                files = self.plan.sources[document.source].files
+                raise ConfigError(files.key, files.files, f"files unchanged since their length index was built: "
+                                  f"document {document.cursor % self.plan.train_documents[document.source]} now has "
+                                  f"{len(ids) - 1} tokens, the index says {document.end - document.start - 1}")
+            found[document.draw] = ids
+            self.tokenised_tokens += len(ids)
+        self.tokenised += len(missing)
+        self._kept = found
+        return found
 
 
-class _SourceReader:
-    """Sequential reads of one source's training documents, reopened only when a read does not follow the last."""
-
-    def __init__(self, source: SourceFiles, documents: int) -> None:
-        self.source, self.documents = source, documents
-        self._next: int | None = None
-        self._texts: Iterator[str] = iter(())
-
-    def read(self, cursor: int) -> str:
-        """The text of document ``cursor % documents`` (a cursor past the end has wrapped)."""
-        index = cursor % self.documents
-        if index != self._next:
-            self._texts = self.source.documents(index, self.documents)
-        self._next = index + 1
-        return next(self._texts)
+def cut_window(position: int, size: int, placed: list[Placed], ids: dict[int, np.ndarray],
+               train_documents: tuple[int, ...]) -> tuple[np.ndarray, list[Piece]]:
+    """The ``size + 1`` tokens from ``position`` (a window's inputs and its last target) and the pieces of the
+    documents its inputs hold, from the documents ``placed`` there and their ids."""
+    parts, pieces = [], []
+    for document in placed:
+        first, last = max(position, document.start), min(document.end, position + size + 1)
+        parts.append(ids[document.draw][first - document.start:last - document.start])
+        inputs_end = min(document.end, position + size)
+        if inputs_end > first:
+            count = train_documents[document.source]
+            pieces.append((document.source, document.cursor % count, document.cursor // count,
+                           first - document.start, inputs_end - document.start))
+    return np.concatenate(parts), pieces
 
 
 class MixtureStream:
@@ -135,90 +94,35 @@ class MixtureStream:
     starts."""
 
     def __init__(self, plan: MixturePlan, state: StreamState) -> None:
-        from disttrain.data.token_cache import load_tokenizer
-
         self.plan = plan
-        self.tokenizer = load_tokenizer(plan.tokenizer)
-        self.readers = [_SourceReader(source, count) for source, count in zip(plan.sources, plan.train_documents,
-                                                                             strict=True)]
-        self._pending: deque[_Document] = deque()
-        self._draws, self._cursors = state.draws, list(state.cursors)
-        self._ended = False
-        self._offset = state.offset
-        self._counts = (state.window, list(state.tokens), list(state.documents))
-        self._epoch = state.epoch
+        self.layout = StreamLayout(plan, state)
+        self.tokens = DocumentTokens(plan)
 
     @property
     def state(self) -> StreamState:
         """Where the next window starts."""
-        window, tokens, documents = self._counts
-        if not self._fill(1):
-            return StreamState(self._epoch, self._draws, tuple(self._cursors), 0, window, tuple(tokens),
-                               tuple(documents))
-        head = self._pending[0]
-        return StreamState(self._epoch, head.draws, head.cursors, self._offset, window, tuple(tokens),
-                           tuple(documents))
+        return self.layout.state
 
-    def next_window(self) -> tuple[np.ndarray, list[tuple[int, int, int, int, int]]] | None:
+    def next_window(self) -> tuple[np.ndarray, list[Piece]] | None:
         """The next window's ``T + 1`` tokens and its pieces, ``(source, document, pass, first, last)`` per
         document it holds (``last`` exclusive, in the document's tokens with its end token); None at the end."""
-        size = self.plan.block_size
-        if not self._fill(size + 1):
+        window = self.layout.window
+        if not self.layout.holds(window):
             return None
-        window, tokens, documents = self._counts
-        parts, pieces, offset, taken = [], [], self._offset, 0
-        for document in self._pending:
-            if taken > size:
-                break
-            part = document.ids[offset:offset + size + 1 - taken]
-            parts.append(part)
-            inputs = min(len(part), size - taken)
-            if inputs > 0:
-                count = self.plan.train_documents[document.source]
-                pieces.append((document.source, document.index % count, document.index // count, offset,
-                               offset + inputs))
-                tokens[document.source] += inputs
-                documents[document.source] += offset == 0
-            taken += len(part)
-            offset = 0
-        self._advance(size)
-        self._counts = (window + 1, tokens, documents)
-        return np.concatenate(parts), pieces
+        got = read_windows(self.layout, self.tokens, [window])[0]
+        self.layout.move_to(window + 1)
+        return got
 
-    def _advance(self, count: int) -> None:
-        """Move the position ``count`` tokens on, dropping the documents read to their end."""
-        self._offset += count
-        while self._pending and self._offset >= len(self._pending[0].ids):
-            self._offset -= len(self._pending.popleft().ids)
 
-    def _fill(self, tokens: int) -> bool:
-        """Draw until at least ``tokens`` tokens wait from the position on; False if the stream ends first."""
-        while sum(len(document.ids) for document in self._pending) - self._offset < tokens:
-            if self._ended or not self._draw():
-                return False
-        return True
-
-    def _draw(self) -> bool:
-        """Draw, read and tokenise the next ``DRAWS_AT_ONCE`` documents; False if the stream has ended."""
-        plan = self.plan
-        sources = plan.source_of(self._epoch, np.arange(self._draws, self._draws + DRAWS_AT_ONCE))
-        drawn: list[_Document] = []
-        texts: list[str] = []
-        for source in sources.tolist():
-            cursor = self._cursors[source]
-            if not plan.wrap and cursor >= plan.train_documents[source]:
-                self._ended = True
-                break
-            texts.append(self.readers[source].read(cursor))
-            drawn.append(_Document(self._draws, source, cursor, tuple(self._cursors), np.empty(0, np.int64)))
-            self._cursors[source] += 1
-            self._draws += 1
-        end = [plan.eos_id]
-        for document, encoding in zip(drawn, self.tokenizer.encode_batch(texts, add_special_tokens=False),
-                                      strict=True):
-            document.ids = np.asarray(encoding.ids + end, dtype=np.int64)
-        self._pending.extend(drawn)
-        return bool(drawn)
+def read_windows(layout: StreamLayout, tokens: DocumentTokens,
+                 windows: list[int]) -> list[tuple[np.ndarray, list[Piece]]]:
+    """The tokens and pieces of ``windows`` (at or after the layout's current window, held by the stream), their
+    documents tokenised in one call."""
+    placed = [layout.documents_in(window) for window in windows]
+    ids = tokens.ids([document for documents in placed for document in documents])
+    plan = layout.plan
+    return [cut_window(layout.position(window), plan.block_size, documents, ids, plan.train_documents)
+            for window, documents in zip(windows, placed, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -241,7 +145,7 @@ class RankShare:
     def window(self, base: int, batch: int, sample: int) -> int:
         """Global window of sample ``sample`` of this rank's micro-batch ``batch``, in an epoch starting at
         ``base``."""
-        return base + (batch * self.micro_size + sample) * self.replicas + self.rank
+        return base + (batch * self.replicas + self.rank) * self.micro_size + sample
 
     def after(self, base: int, batch: int) -> int:
         """The global window every rank has reached once each has read micro-batches up to ``batch``."""
@@ -266,35 +170,22 @@ class MixtureWindows(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        share = self.share
-        mine = range(share.first_batch + worker, share.batches, workers)
-        if not mine:
-            return
-        base = self.start.window - share.first_batch * share.micro_size * share.replicas
-        wanted = {share.window(base, batch, sample): (batch, sample) for batch in mine
-                  for sample in range(share.micro_size)}
-        afters = {share.after(base, batch): batch for batch in mine}
-        stream = MixtureStream(self.plan, self.start)
-        rows: dict[int, list[Any]] = {batch: [None] * share.micro_size for batch in mine}
-        states: dict[int, StreamState] = {}
-        for batch in mine:
-            while stream.state.window < share.step_end(base, batch):
-                self._note_state(stream.state, afters, states)
-                window = stream.state.window
-                got = stream.next_window()
-                if got is None:
-                    return  # the epoch ended with a source, before this micro-batch's step was whole
-                if window in wanted:
-                    owner, sample = wanted.pop(window)
-                    rows[owner][sample] = got
-            self._note_state(stream.state, afters, states)
-            yield self._batch(batch, rows.pop(batch), states.pop(batch))
+        return self.batches(worker, workers, DocumentTokens(self.plan))
 
-    @staticmethod
-    def _note_state(state: StreamState, afters: dict[int, int], states: dict[int, StreamState]) -> None:
-        """Keep ``state`` as the state after a micro-batch of this worker's that ends there."""
-        if state.window in afters:
-            states[afters[state.window]] = state
+    def batches(self, worker: int, workers: int,
+                tokens: DocumentTokens) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """The micro-batches loader worker ``worker`` of ``workers`` builds, its documents read and tokenised by
+        ``tokens``: only those of its own windows."""
+        share = self.share
+        base = self.start.window - share.first_batch * share.micro_size * share.replicas
+        layout = StreamLayout(self.plan, self.start)
+        for batch in range(share.first_batch + worker, share.batches, workers):
+            if not layout.holds(share.step_end(base, batch) - 1):
+                return  # the epoch ended with a source, before this micro-batch's step was whole
+            windows = [share.window(base, batch, sample) for sample in range(share.micro_size)]
+            rows = read_windows(layout, tokens, windows)
+            layout.move_to(share.after(base, batch))
+            yield self._batch(batch, rows, layout.state)
 
     def _batch(self, batch: int, rows: list[Any], after: StreamState) -> tuple[torch.Tensor, torch.Tensor,
                                                                                   dict[str, Any]]:
@@ -309,8 +200,11 @@ def held_out_tokens(plan: MixturePlan, source: int) -> np.ndarray:
     from disttrain.data.token_cache import load_tokenizer
 
     tokenizer = load_tokenizer(plan.tokenizer)
-    files = plan.sources[source]
-    texts = list(files.documents(plan.train_documents[source], files.num_documents))
+    indexed, reader = plan.sources[source], plan.sources[source].reader()
+    try:
+        texts = [reader.text(index) for index in range(plan.train_documents[source], indexed.num_documents)]
+    finally:
+        reader.close()
     encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
     return np.asarray([token for encoding in encoded for token in (*encoding.ids, plan.eos_id)], dtype=np.int64)
 

@@ -1,19 +1,24 @@
 """One source of a mixture: a path or glob of ``.parquet``, ``.arrow``, ``.jsonl`` and ``.txt`` files, or a folder
 written by ``datasets.Dataset.save_to_disk``, read as a sequence of documents (the strings of one field).
 
-Documents are numbered across the source's files in sorted order. Counting them reads only metadata (Parquet
-footers, Arrow record-batch headers through a memory map) or lines (JSON lines, not parsed); reading them streams
-record batches or lines from the requested document on, so no source is ever held whole in memory. Files are
-read with pyarrow and the standard library alone: no pickle, no code from the files.
+Documents are numbered across the source's files in sorted order. ``scan_file`` reads every document of a file once,
+checking each (every Parquet page, every JSON line), for the source's length index; ``DocumentReader`` then reads
+any document by its number: a JSON line by its byte offset, a Parquet row from its row group, an Arrow row from its
+record batch of a memory map. No source is ever held whole in memory. Files are read with pyarrow and the standard
+library alone: no pickle, no code from the files.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
 
 from disttrain.errors import ConfigError
 
@@ -45,40 +50,19 @@ class SourceFiles:
         """Documents in the whole source."""
         return sum(self.counts)
 
-    def documents(self, start: int, stop: int) -> Iterator[str]:
-        """Documents ``start`` to ``stop - 1`` of the source, streamed (record batches or lines)."""
-        offset = 0
-        for path, count in zip(self.files, self.counts, strict=True):
-            if start < offset + count and stop > offset:
-                yield from _read_file(path, self.field, max(start - offset, 0), min(stop - offset, count), self.key)
-            offset += count
-            if offset >= stop:
-                return
 
-
-def resolve_source(key: str, pattern: str, field: str) -> SourceFiles:
-    """The files a source's ``path`` names, each checked (readable, holding ``field``) and counted; ConfigError
-    naming ``key`` and the file otherwise, and for a source without any document."""
-    files = _expand(key, pattern)
-    counts = tuple(_count(path, field, key) for path in files)
-    source = SourceFiles(key, field, tuple(files), counts)
-    if source.num_documents == 0:
-        raise ConfigError(key, pattern, f"a source holding documents; its {len(files)} file(s) hold none")
-    return source
-
-
-def _expand(key: str, pattern: str) -> list[str]:
-    """The files of a path, glob or saved dataset folder, sorted; ConfigError when there are none."""
+def source_files(key: str, pattern: str) -> tuple[str, ...]:
+    """The files of a path, glob or saved dataset folder, sorted; ConfigError naming ``key`` when there are none."""
     path = os.path.abspath(os.path.expanduser(pattern))
     if os.path.isdir(path):
-        return _saved_dataset_files(key, path)
+        return tuple(_saved_dataset_files(key, path))
     names = sorted(glob.glob(path)) if glob.has_magic(path) else [path] if os.path.exists(path) else []
     if not names:
         raise ConfigError(key, pattern, f"{SOURCE_ALLOWED}; nothing exists there")
     for name in names:
         if not name.endswith(EXTENSIONS) or not os.path.isfile(name):
             raise ConfigError(key, pattern, f"{SOURCE_ALLOWED}; {name} is not one")
-    return names
+    return tuple(names)
 
 
 def _saved_dataset_files(key: str, folder: str) -> list[str]:
@@ -100,53 +84,84 @@ def _saved_dataset_files(key: str, folder: str) -> list[str]:
     return files
 
 
-def _count(path: str, field: str, key: str) -> int:
-    """Documents in one file, after checking that it can be read and holds ``field``."""
+def scan_file(path: str, field: str, key: str) -> Iterator[tuple[str, int]]:
+    """Every document of one file with the byte offset of its line (JSON lines; 0 for other kinds), each read and
+    checked: ConfigError naming ``key`` and the file for a page that does not decode, a line that is not a JSON
+    object holding a string under ``field`` (the key ``data.sources[i].field`` then), or text that is not UTF-8."""
     if path.endswith(".txt"):
-        return 1
+        try:
+            with open(path, encoding="utf-8", errors="strict") as handle:
+                yield handle.read(), 0
+        except UnicodeDecodeError as err:
+            raise ConfigError(key, path, f"UTF-8 text: {err}") from None
+        return
     if path.endswith(".jsonl"):
-        return _count_lines(path, field, key)
-    schema, rows = _arrow_schema_and_rows(path, key)
-    if field not in schema.names:
-        raise ConfigError(f"{key.rsplit('.', 1)[0]}.field", field,
-                          f"a column of {path}; its columns: {schema.names[:10]}")
+        yield from _scan_lines(path, field, key)
+        return
+    _check_column(path, field, key)
     import pyarrow as pa
 
+    try:
+        for batch in _record_batches(path, field):
+            for value in batch.column(batch.schema.get_field_index(field)).to_pylist():
+                yield value or "", 0
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:
+        kind = "Parquet" if path.endswith(".parquet") else "Arrow"
+        raise ConfigError(key, path, f"a readable {kind} file whose every page decodes: {err}") from None
+
+
+def _scan_lines(path: str, field: str, key: str) -> Iterator[tuple[str, int]]:
+    """The ``field`` string of every non-blank line of a JSON-lines file, with the line's byte offset."""
+    offset = 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(key, path, f"UTF-8 text; line {number}: {err}") from None
+            if line.strip():
+                yield _line_text(line, field, path, f"line {number}", key), offset
+            offset += len(raw)
+
+
+def _check_column(path: str, field: str, key: str) -> None:
+    """A Parquet file's footer or an Arrow file's schema names ``field`` as a string column."""
+    import pyarrow as pa
+
+    schema = _arrow_schema(path, key)
+    field_key = f"{key.rsplit('.', 1)[0]}.field"
+    if field not in schema.names:
+        raise ConfigError(field_key, field, f"a column of {path}; its columns: {schema.names[:10]}")
     column_type = schema.field(field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise ConfigError(f"{key.rsplit('.', 1)[0]}.field", field, f"a string column of {path}; it holds {column_type}")
-    return rows
+        raise ConfigError(field_key, field, f"a string column of {path}; it holds {column_type}")
 
 
-def _count_lines(path: str, field: str, key: str) -> int:
-    """Non-blank lines of a JSON-lines file; the first is parsed to check that it holds ``field``."""
-    count = 0
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                if line.strip():
-                    if count == 0:
-                        _line_text(line, field, path, 1, key)
-                    count += 1
-    except UnicodeDecodeError as err:
-        raise ConfigError(key, path, f"UTF-8 text: {err}") from None
-    return count
-
-
-def _arrow_schema_and_rows(path: str, key: str):  # noqa: ANN202 (pyarrow's types are imported lazily)
-    """Schema and row count of a Parquet file (its footer) or an Arrow file (its record-batch headers)."""
+def _arrow_schema(path: str, key: str) -> Any:
+    """Schema of a Parquet file (its footer) or an Arrow file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         if path.endswith(".parquet"):
-            metadata = pq.ParquetFile(path).metadata
-            return metadata.schema.to_arrow_schema(), metadata.num_rows
+            return pq.ParquetFile(path).metadata.schema.to_arrow_schema()
         with _open_arrow(path) as reader:
-            return reader.schema, sum(batch.num_rows for batch in _arrow_batches(reader))
+            return reader.schema
     except (pa.ArrowException, OSError) as err:
         kind = "Parquet" if path.endswith(".parquet") else "Arrow"
         raise ConfigError(key, path, f"a readable {kind} file: {err}") from None
+
+
+def _record_batches(path: str, field: str) -> Iterator[Any]:
+    """The record batches of ``field`` in a Parquet file (pages checked against their checksums where the file
+    has them) or an Arrow file."""
+    import pyarrow.parquet as pq
+
+    if path.endswith(".parquet"):
+        yield from pq.ParquetFile(path, page_checksum_verification=True).iter_batches(columns=[field])
+        return
+    with _open_arrow(path) as reader:
+        yield from _arrow_batches(reader)
 
 
 class _open_arrow:  # noqa: N801 (a context manager read like a function)
@@ -176,78 +191,81 @@ def _arrow_batches(reader) -> Iterator:  # noqa: ANN001
     return iter(reader)
 
 
-def _read_file(path: str, field: str, start: int, stop: int, key: str) -> Iterator[str]:
-    """Documents ``start`` to ``stop - 1`` of one file."""
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8", errors="strict") as handle:
-            yield handle.read()
-        return
-    if path.endswith(".jsonl"):
-        yield from _read_lines(path, field, start, stop, key)
-        return
-    yield from _read_columns(path, field, start, stop)
+class DocumentReader:
+    """Any document of a source by its number, reading only what holds it: a JSON line from its byte offset
+    (``line_offsets``: per document of the source, from its length index), a Parquet row group's column (the last
+    one read is kept), a record batch of a memory-mapped Arrow file, a text file."""
+
+    def __init__(self, source: SourceFiles, line_offsets: np.ndarray) -> None:
+        self.source, self.line_offsets = source, line_offsets
+        self._firsts = np.cumsum((0, *source.counts)).tolist()
+        self._lines: dict[int, BinaryIO] = {}
+        self._columnar: dict[int, tuple[Any, list[int]]] = {}
+        self._column: tuple[tuple[int, int], Any] | None = None
+        """The last Parquet row group read: ``((file, group), its column)``."""
+
+    def text(self, index: int) -> str:
+        """The text of document ``index`` of the source."""
+        number = bisect.bisect_right(self._firsts, index) - 1
+        path, row = self.source.files[number], index - self._firsts[number]
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8", errors="strict") as handle:
+                return handle.read()
+        if path.endswith(".jsonl"):
+            if number not in self._lines:
+                self._lines[number] = open(path, "rb")  # noqa: SIM115 (kept open while the reader lives)
+            handle = self._lines[number]
+            handle.seek(int(self.line_offsets[index]))
+            return _line_text(handle.readline().decode("utf-8"), self.source.field, path, f"document {row}",
+                              self.source.key)
+        opened, firsts = self._opened(number)
+        part = bisect.bisect_right(firsts, row) - 1
+        if path.endswith(".parquet"):
+            if self._column is None or self._column[0] != (number, part):
+                self._column = ((number, part), opened.read_row_group(part, columns=[self.source.field]).column(0))
+            column = self._column[1]
+        else:
+            batch = opened[1][part]
+            column = batch.column(batch.schema.get_field_index(self.source.field))
+        return column[row - firsts[part]].as_py() or ""
+
+    def _opened(self, number: int) -> tuple[Any, list[int]]:
+        """A columnar file kept open: the ``ParquetFile``, or the Arrow memory map and its record batches; and the
+        first row of each row group or batch."""
+        if number not in self._columnar:
+            import pyarrow.parquet as pq
+
+            path = self.source.files[number]
+            if path.endswith(".parquet"):
+                opened: Any = pq.ParquetFile(path, page_checksum_verification=True)
+                rows = [opened.metadata.row_group(group).num_rows for group in range(opened.num_row_groups)]
+            else:
+                mapped = _open_arrow(path)
+                batches = list(_arrow_batches(mapped.reader))  # views of the memory map, not copies
+                opened, rows = (mapped, batches), [batch.num_rows for batch in batches]
+            self._columnar[number] = (opened, np.cumsum((0, *rows)).tolist())
+        return self._columnar[number]
+
+    def close(self) -> None:
+        """Close the files held open."""
+        for handle in self._lines.values():
+            handle.close()
+        for opened, _ in self._columnar.values():
+            if isinstance(opened, tuple):
+                opened[0].source.close()
+        self._lines, self._columnar, self._column = {}, {}, None
 
 
-def _read_lines(path: str, field: str, start: int, stop: int, key: str) -> Iterator[str]:
-    """The ``field`` strings of non-blank lines ``start`` to ``stop - 1`` (earlier lines are skipped unparsed)."""
-    index = 0
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            if index >= start:
-                yield _line_text(line, field, path, number, key)
-            index += 1
-            if index >= stop:
-                return
-
-
-def _read_columns(path: str, field: str, start: int, stop: int) -> Iterator[str]:
-    """Rows ``start`` to ``stop - 1`` of a column, one record batch at a time; Parquet row groups and Arrow
-    batches before ``start`` are skipped by their row counts alone."""
-    import pyarrow.parquet as pq
-
-    if path.endswith(".parquet"):
-        parquet = pq.ParquetFile(path)
-        offset, groups = 0, []
-        for group in range(parquet.num_row_groups):
-            rows = parquet.metadata.row_group(group).num_rows
-            if offset + rows > start and offset < stop:
-                groups.append(group)
-            elif not groups:
-                offset += rows
-        batches = parquet.iter_batches(columns=[field], row_groups=groups) if groups else iter(())
-        yield from _rows(batches, field, start - offset, stop - offset)
-        return
-    with _open_arrow(path) as reader:
-        yield from _rows(_arrow_batches(reader), field, start, stop)
-
-
-def _rows(batches: Iterator, field: str, start: int, stop: int) -> Iterator[str]:
-    """Rows ``start`` to ``stop - 1`` of ``field`` over consecutive record batches (a missing value reads as "")."""
-    offset = 0
-    for batch in batches:
-        rows = batch.num_rows
-        if offset + rows > start:
-            column = batch.column(batch.schema.get_field_index(field))
-            first, last = max(start - offset, 0), min(stop - offset, rows)
-            for value in column.slice(first, last - first).to_pylist():
-                yield value or ""
-        offset += rows
-        if offset >= stop:
-            return
-
-
-def _line_text(line: str, field: str, path: str, number: int, key: str) -> str:
+def _line_text(line: str, field: str, path: str, where: str, key: str) -> str:
     """The string under ``field`` of one JSON line; ConfigError naming the source's field or path otherwise."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ConfigError(key, path, f"one JSON object per line; line {number}: {err}") from None
+        raise ConfigError(key, path, f"one JSON object per line; {where}: {err}") from None
     text = record.get(field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         found = (f"holds a {type(record).__name__}" if not isinstance(record, dict) else
                  "holds no such key" if field not in record else f"holds a {type(text).__name__} there")
         raise ConfigError(f"{key.rsplit('.', 1)[0]}.field", field,
-                          f"a key whose value is a string on every line of {path}; line {number} {found}")
+                          f"a key whose value is a string on every line of {path}; {where} {found}")
     return text

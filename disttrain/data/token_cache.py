@@ -40,6 +40,8 @@ FORMAT = 1
 END_OF_TEXT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 """Special tokens taken as the document separator when neither ``data.eos_token`` nor the tokenizer's
 config names one."""
+DEFAULT_CACHE = ".disttrain-tokens"
+"""Name of the cache folder made beside the data when ``data.cache_dir`` is not set."""
 ENCODE_BATCH = 256
 """Documents handed to the tokenizer at once (it encodes a batch on several threads)."""
 
@@ -131,12 +133,17 @@ def _configured_eos(folder: str) -> str | None:
 def cache_key(sources: TextSources, eos_id: int | None) -> str:
     """Hash of what the tokens depend on: the files' paths, sizes and modification times, the tokenizer
     file's contents, the text key and the separator id."""
-    with open(os.path.join(sources.tokenizer, TOKENIZER_FILE), "rb") as handle:
-        tokenizer_hash = hashlib.sha256(handle.read()).hexdigest()
+    tokenizer_hash = tokenizer_digest(sources.tokenizer)
     stats = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in sources.files]
     described = json.dumps({"format": FORMAT, "files": stats, "tokenizer": tokenizer_hash,
                             "text_key": sources.text_key, "eos_id": eos_id})
     return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+def tokenizer_digest(folder: str) -> str:
+    """SHA-256 of the tokenizer file in ``folder``: what every cache of its tokens is keyed by."""
+    with open(os.path.join(folder, TOKENIZER_FILE), "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
 
 
 def ensure_token_cache(sources: TextSources) -> tuple[TokenCache, bool]:
@@ -146,14 +153,20 @@ def ensure_token_cache(sources: TextSources) -> tuple[TokenCache, bool]:
     folder = os.path.join(sources.cache_dir, cache_key(sources, eos_id))
     if os.path.isfile(os.path.join(folder, META_FILE)):
         return open_token_cache(folder), False
-    try:
-        os.makedirs(sources.cache_dir, exist_ok=True)
-    except OSError as err:
-        raise ConfigError("data.cache_dir", sources.cache_dir, f"a folder this process can create: {err}") from None
-    if not os.access(sources.cache_dir, os.W_OK):
-        raise ConfigError("data.cache_dir", sources.cache_dir, "a writable folder (the token cache is built there)")
+    make_cache_dir(sources.cache_dir, "the token cache")
     _build(sources, tokenizer, eos_id, folder)
     return open_token_cache(folder), True
+
+
+def make_cache_dir(cache_dir: str, what: str) -> None:
+    """Create ``cache_dir`` if needed; ConfigError naming ``data.cache_dir`` when it cannot be created or written
+    (``what`` is built there)."""
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as err:
+        raise ConfigError("data.cache_dir", cache_dir, f"a folder this process can create: {err}") from None
+    if not os.access(cache_dir, os.W_OK):
+        raise ConfigError("data.cache_dir", cache_dir, f"a writable folder ({what} is built there)")
 
 
 def open_token_cache(folder: str) -> TokenCache:

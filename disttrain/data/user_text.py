@@ -13,12 +13,9 @@ from disttrain.data.base import DataModule
 from disttrain.data.documents import check_files
 from disttrain.data.registry import DATA
 from disttrain.data.spec import DataSpec
-from disttrain.data.token_cache import TextSources, TokenCache, ensure_token_cache
+from disttrain.data.token_cache import DEFAULT_CACHE, TextSources, TokenCache, ensure_token_cache
 from disttrain.data.windows import train_val_windows
 from disttrain.errors import ConfigError
-
-DEFAULT_CACHE = ".disttrain-tokens"
-"""Name of the cache folder made beside the first file when ``data.cache_dir`` is not set."""
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The steps of ``mode=dryrun``: forward, backward and the optimiser step of one rank's micro-batches, with the
-bytes alive at the moments the plan names (``disttrain.plan.measure.LiveStorages``)."""
+bytes alive at the moments the plan names (``disttrain.observe.tensor_bytes.LiveStorages``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from torch import nn
 
 from disttrain.loss import token_cross_entropy
 from disttrain.models.protocol import logits_of
+from disttrain.observe.tensor_bytes import LiveStorages
 from disttrain.parallel.apply import backward_sync_disabled
 from disttrain.parallel.pipeline.runtime import PipelineSlot
 from disttrain.plan.layout import Layout
-from disttrain.plan.measure import LiveStorages
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules a dry run replays on one stage: torch's schedules cannot run under the fake process group (their

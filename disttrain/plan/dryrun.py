@@ -8,7 +8,7 @@ shards), data of the real shapes and a few real steps (forward, backward, the op
 The values of a dry run mean nothing; the sizes and lifetimes of its tensors are real. Communication is absent by
 construction.
 
-Memory is the framework's tensor-byte counter (``disttrain.plan.measure.LiveStorages``, the one the planner's
+Memory is the framework's tensor-byte counter (``disttrain.observe.tensor_bytes.LiveStorages``, the one the planner's
 measurements use), from the laid-out model's state to the end of the last step; on a GPU also
 ``torch.cuda.max_memory_allocated``.
 """

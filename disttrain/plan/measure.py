@@ -2,98 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
-
-def _plain_tensors(tree: Any) -> list[Any]:
-    """The leaves of ``tree``, with each tensor subclass that wraps others (a DTensor) replaced by the tensors it
-    wraps: a mode sees a DTensor operator whole, and a DTensor's own storage has the size of the whole tensor,
-    not of the shard it holds."""
-    leaves = []
-    for leaf in tree_leaves(tree):
-        if is_traceable_wrapper_subclass(leaf):
-            names, _ = leaf.__tensor_flatten__()
-            leaves += _plain_tensors([getattr(leaf, name) for name in names])
-        else:
-            leaves.append(leaf)
-    return leaves
-
-
-def _is_counted(value: Any, meta: bool) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_meta == meta
-
-
-class LiveStorages(TorchDispatchMode):
-    """Bytes of the tensor storages that operators create inside this mode and that are still alive, and their
-    peak. Each storage is counted once (views share it; what an operator returns in an input's storage is not
-    new) and leaves the count when its last reference goes, on
-    whatever thread that happens: a storage a gloo collective wrote into is released on gloo's worker thread,
-    which torch's profiler memory events never see (they showed such buffers as held for good).
-
-    ``meta``: count meta tensors instead (the planner's pass: their storages have sizes and lifetimes, no data).
-    ``follow_resizes``: also follow storages that change size in place, at every operator: FSDP2 frees a unit's
-    gathered parameters and its all-gather buffers by resizing their storages to nothing and allocates them again
-    the same way, which no operator shows (without it a storage keeps the size it was counted at)."""
-
-    def __init__(self, meta: bool = False, follow_resizes: bool = False) -> None:
-        super().__init__()
-        self.meta = meta
-        self.follow_resizes = follow_resizes
-        self.live = 0
-        """Bytes alive now."""
-        self.peak = 0
-        """The most bytes alive at once."""
-        self._refs: dict[int, weakref.ref] = {}
-        self._sizes: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.follow_resizes:
-            self.resync()
-        out = func(*args, **(kwargs or {}))
-        # views and in-place results share an input's storage (a weight's transpose is the weight's memory)
-        inputs = {t.untyped_storage()._cdata for t in _plain_tensors((args, kwargs)) if _is_counted(t, self.meta)}
-        for leaf in _plain_tensors(out):
-            if _is_counted(leaf, self.meta) and leaf.untyped_storage()._cdata not in inputs:
-                self.count(leaf.untyped_storage())
-        if self.follow_resizes:
-            self.resync()
-        return out
-
-    def count(self, storage: torch.UntypedStorage) -> None:
-        """Count ``storage`` (made outside the mode) until its release, as if an operator inside had made it."""
-        key = storage._cdata
-        if key in self._refs or (storage.nbytes() == 0 and not self.follow_resizes):
-            return
-        self._sizes[key] = storage.nbytes()
-
-        def release(_: Any, key: int = key) -> None:
-            self._refs.pop(key, None)
-            self.live -= self._sizes.pop(key, 0)
-
-        # torch keeps a storage's Python object as long as its C++ storage lives, so the weak reference dies
-        # exactly when the memory is freed
-        self._refs[key] = weakref.ref(storage, release)
-        self.live += self._sizes[key]
-        self.peak = max(self.peak, self.live)
-
-    def resync(self) -> None:
-        """Take the current size of every counted storage (``follow_resizes``)."""
-        for key, ref in list(self._refs.items()):
-            storage = ref()
-            if storage is None or key not in self._sizes:
-                continue
-            size = storage.nbytes()
-            if size != self._sizes[key]:
-                self.live += size - self._sizes[key]
-                self._sizes[key] = size
-        self.peak = max(self.peak, self.live)
+from disttrain.observe.tensor_bytes import LiveStorages
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

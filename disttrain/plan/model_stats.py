@@ -46,10 +46,11 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.models.documents import documents_of
+from disttrain.observe.tensor_bytes import LiveStorages
 from disttrain.plan.autocast import MetaAutocast
 from disttrain.plan.data_checks import WholeSequences
 from disttrain.plan.experts import BalancedRouting, ExpertCall, expert_parameters
-from disttrain.plan.measure import LiveStorages, cross_entropy
+from disttrain.plan.measure import cross_entropy
 from disttrain.plan.ops import FLOP_REGISTRY, FusedAttention, Op, OpCounter
 from disttrain.plan.recorder import ROOT, PassRecorder, nbytes
 

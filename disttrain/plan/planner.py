@@ -225,6 +225,15 @@ def plan_of_run(run: Any) -> tuple[Estimate, HardwareProfile, PlanInputs]:
     return inputs.estimate(layout_of(run.layout, cfg.parallel, run.batch)), profile, inputs
 
 
+def planned_moments(run: Any) -> dict[str, float] | None:
+    """The bytes the plan of a validated run predicts on its most loaded rank at the moments memory peaks
+    (``Estimate.phases``); None for a run the planner cannot plan (it says why in a ConfigError)."""
+    try:
+        return dict(plan_of_run(run)[0].phases)
+    except ConfigError:
+        return None
+
+
 def print_plan(run: Any) -> Estimate:
     """``mode=plan``: print the plan of a validated run, write plan.json (and its pictures: with
     ``parallel=auto``, the layouts it weighed too); return it."""

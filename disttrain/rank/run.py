@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,8 +28,10 @@ from disttrain.fault.watchdog import RankWatchdog
 from disttrain.models import build_model
 from disttrain.observe.collectives import RECORDER
 from disttrain.observe.hang import REPORTS_FOLDER
+from disttrain.observe.memory_callback import recorded_step
 from disttrain.observe.stragglers import StragglerDetector
 from disttrain.parallel.process_group import shutdown_process_group
+from disttrain.plan.planner import planned_moments
 from disttrain.rank.callbacks import ThroughputMeter
 from disttrain.rank.elastic import ElasticResume
 from disttrain.rank.energy import EnergyMeter
@@ -97,6 +100,9 @@ def run_rank(run: RunConfig) -> float | None:
                               *([batch_balance] if batch_balance else []),
                               *kind.callbacks(trainer.strategy),
                               ExchangeStateCheckpoint(trainer.strategy.comm_state)]
+        memory = recorded_step(trainer.callbacks)
+        if memory is not None:  # rank 0 draws the plan's moments beside its own
+            memory.planned, memory.draw = partial(planned_moments, run), cfg.plots
         restart = restart_count()
         resume = kind.resume_from(trainer) or resume_path("auto" if restart else cfg.resume, Path(cfg.run_dir),
                                                           announce=trainer.is_global_zero)
@@ -117,6 +123,8 @@ def run_rank(run: RunConfig) -> float | None:
             results["eval"] = scores.result
         if stragglers and stragglers.active:
             results["stragglers"] = stragglers.result()
+        if memory is not None and memory.result is not None:  # on a CPU torch counts no peak of its own
+            results["memory"] = {**(results["memory"] or {}), "recorded_step": memory.result}
         sections = kind.results(trainer)
         results.update(sections)
         results["fault_tolerance"] = {"restarts": restart, "restart_causes": restart_causes(Path(cfg.run_dir)),
