@@ -209,6 +209,17 @@ class PlanConfig:
     predicts above it is refused before ranks start, with what would fit."""
     alternatives: int = 3
     """Runner-up layouts ``parallel=auto`` prints beside its choice."""
+    objective: str = "time"
+    """What ``parallel=auto`` minimises among the layouts that fit: time (the predicted step time) or energy (the
+    predicted joules per token: the profile's power while the busiest rank computes, its idle power, where stated,
+    while the devices wait). Its choice line says what the other would have picked."""
+    watts: float | None = None
+    """Power per device under load in watts, in place of the profile's (what-if plans; a CPU profile's device is
+    one core). None: the profile's."""
+    idle_watts: float | None = None
+    """Power per device while it waits (communication compute does not hide, a pipeline's bubble), in watts, at
+    most the power under load. None: the profile's (no stated profile has one: a device then draws its power under
+    load for the whole step, and energy per token follows the step time)."""
 
 
 @dataclass

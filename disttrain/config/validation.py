@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
+from disttrain.config.plan_checks import check_plan_options
 from disttrain.config.precision import resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
 from disttrain.config.resume import check_resume_fits, checkpoint_folder
@@ -224,6 +225,7 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
                           "one rank of the layout here and hold it against the plan)")
     if top.dryrun.steps < 1:
         raise ConfigError("dryrun.steps", top.dryrun.steps, "1 or more optimiser steps")
+    check_plan_options(top.plan)
     return notices
 
 
@@ -307,16 +309,16 @@ def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world:
     """``parallel=auto``: run the planner, put the chosen degrees, options and micro-batch into ``top`` and return
     what it weighed (``disttrain.plan.auto.Choice``) and the notice that says why."""
     from disttrain.data import build_datamodule
-    from disttrain.plan.hardware import resolve_profile
+    from disttrain.plan.hardware import profile_of_plan
     from disttrain.plan.planner import apply_layout, chosen_layout, weigh_layouts
 
     if top.batch.global_size is None:
         raise ConfigError("batch.global_size", None, "a number of samples per step with parallel=auto (it picks the "
                           "micro-batch and accumulation)")
     spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
-    profile = resolve_profile(top.plan.profile, top.plan.memory_gb)
+    profile = profile_of_plan(top.plan)
     choice = weigh_layouts(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel, optim,
-                           top.trainer.precision, profile)
+                           top.trainer.precision, profile, top.plan.objective)
     layout, notice = chosen_layout(choice, world, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation

@@ -6,14 +6,14 @@ than the pipeline units), each data-parallel way (replicas, ZeRO-1/2/3, and hybr
 ZeRO-2/3 only with cp and tp or pp), for a model with experts each expert-parallel degree under ZeRO-2/3 (a
 divisor of dp_shard dividing every layer's experts), each activation-checkpointing policy (none, full,
 selective, on every block), and micro-batches from the largest that divides the batch down; pipelines with 1F1B
-and 2 or 4 microbatches per stage. Predictions within ``TIE`` of the fastest count as a tie, which goes to the simplest
-layout.
+and 2 or 4 microbatches per stage. The objective (``plan.objective``) is the predicted step time or the predicted
+energy per token; predictions within ``TIE`` of the best count as a tie, which goes to the simplest layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
@@ -22,7 +22,14 @@ from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.units import human_bytes
 
 TIE = 0.03
-"""Relative step-time difference below which two layouts count as equally fast."""
+"""Relative difference of the objective below which two layouts count as equally good."""
+
+OBJECTIVES: dict[str, Callable[[Estimate], float]] = {
+    "time": lambda e: e.step_s,
+    "energy": lambda e: e.joules_per_token,
+}
+"""What ``parallel=auto`` can minimise (``plan.objective``): the predicted step time, or the predicted joules per
+token (``Estimate.joules_per_token``; only on a profile with a power figure)."""
 
 
 @dataclass
@@ -35,24 +42,46 @@ class Choice:
     """Layouts that fit, best first."""
     too_big: list[Estimate]
     """Layouts that do not fit (each at its smallest micro-batch), smallest first."""
+    objective: str = "time"
+    """What the choice minimised (``OBJECTIVES``)."""
+    by_objective: dict[str, Estimate | None] = field(default_factory=dict)
+    """Objective -> the layout it picks among those that fit (None: energy on a profile without a power figure)."""
 
     def reason(self, alternatives: int = 3) -> str:
-        """Why: the chosen prediction, the runners-up, and the smallest layout that did not fit."""
+        """Why: the chosen prediction and what the other objective would have picked, the runners-up, and the
+        smallest layout that did not fit."""
         if self.best is None:
             if not self.too_big:
                 return "no layout fits"
             closest = self.too_big[0]
             return f"no layout fits; closest: {closest.layout.describe()}: {closest.overflow()}"
-        lines = [f"chose {_line(self.best)}"]
+        lines = [f"chose {_line(self.best)} ({self.objectives_line()})"]
         lines += [f"  also fits: {_line(e)}" for e in self.ranked[1:1 + alternatives]]
         if self.too_big:
             lines.append(f"  does not fit: {self.too_big[0].layout.describe()}: {self.too_big[0].overflow()}")
         return "\n".join(lines)
 
 
+    def objectives_line(self) -> str:
+        """``objective time; energy would pick ...``: the objective chosen by and what each other one picks."""
+        parts = [f"objective {self.objective}"]
+        for name, pick in self.by_objective.items():
+            if name == self.objective:
+                continue
+            if pick is None:
+                parts.append(f"{name}: unknown, the profile has no power figure")
+            elif pick is self.best:
+                parts.append(f"{name} would pick the same")
+            else:
+                parts.append(f"{name} would pick {_line(pick)}")
+        return "; ".join(parts)
+
+
 def _line(e: Estimate) -> str:
-    return (f"{e.layout.describe()}: {e.step_s * 1e3:.3g} ms/step predicted, {human_bytes(e.total_bytes)} of "
-            f"{human_bytes(e.capacity)} per rank")
+    energy = e.joules_per_token
+    return (f"{e.layout.describe()}: {e.step_s * 1e3:.3g} ms/step predicted"
+            + (f", {energy * 1e3:.3g} mJ/token" if energy is not None else "")
+            + f", {human_bytes(e.total_bytes)} of {human_bytes(e.capacity)} per rank")
 
 
 SIMPLICITY = {"none": 0, "full": 1, "selective": 2}
@@ -145,9 +174,19 @@ def _data_parallel_ways(dp: int, tp: int, cp: int, devices_per_node: int, pp: in
     return ways
 
 
+def pick(fitting: list[Estimate], objective: str) -> Estimate:
+    """The layout of ``fitting`` with the least ``objective`` (within ``TIE`` of it: the simplest)."""
+    value = OBJECTIVES[objective]
+    least = min(value(e) for e in fitting)
+    ties = [e for e in fitting if value(e) <= least * (1 + TIE)]
+    return min(ties, key=lambda e: (complexity(e.layout), value(e)))
+
+
 def choose(inputs: PlanInputs, world: int, global_batch: int, pipeline_units: int,
-           valid: Callable[[Layout], bool] = lambda layout: True, accumulate_grads: str = "auto") -> Choice:
-    """The fastest layout that fits (ties to the simplest), from ``candidate_layouts`` that ``valid`` accepts."""
+           valid: Callable[[Layout], bool] = lambda layout: True, accumulate_grads: str = "auto",
+           objective: str = "time") -> Choice:
+    """The layout that fits with the least ``objective`` (``OBJECTIVES``; ties to the simplest), from
+    ``candidate_layouts`` that ``valid`` accepts; what each objective would pick beside it."""
     fitting, too_big = [], []
     for group in candidate_layouts(world, global_batch, inputs, pipeline_units, inputs.profile.devices_per_node,
                                    accumulate_grads):
@@ -163,9 +202,9 @@ def choose(inputs: PlanInputs, world: int, global_batch: int, pipeline_units: in
                 too_big.append(last)
     too_big.sort(key=lambda e: e.total_bytes - e.capacity)
     if not fitting:
-        return Choice(None, [], too_big)
-    fastest = min(e.step_s for e in fitting)
-    ties = [e for e in fitting if e.step_s <= fastest * (1 + TIE)]
-    best = min(ties, key=lambda e: (complexity(e.layout), e.step_s))
-    ranked = [best] + sorted((e for e in fitting if e is not best), key=lambda e: e.step_s)
-    return Choice(best, ranked, too_big)
+        return Choice(None, [], too_big, objective)
+    powered = inputs.profile.watts is not None
+    by_objective = {name: pick(fitting, name) if name == "time" or powered else None for name in OBJECTIVES}
+    best = by_objective[objective]
+    ranked = [best] + sorted((e for e in fitting if e is not best), key=OBJECTIVES[objective])
+    return Choice(best, ranked, too_big, objective, by_objective)

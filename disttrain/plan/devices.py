@@ -48,6 +48,9 @@ class HardwareProfile:
     its memory (``memory_bytes`` is per core)."""
     memory_per_rank: bool = False
     """``memory_bytes`` is what each rank may use (a stated budget, ``plan.memory_gb``), also on a CPU."""
+    idle_watts: float | None = None
+    """Power per device while it waits (communication that compute does not hide, a pipeline's bubble), for
+    predicted energy; None: ``watts`` for the whole step (no stated profile publishes an idle figure)."""
 
 
 def native_bf16(uses_gpu: bool) -> tuple[bool, str]:

@@ -4,7 +4,8 @@ bytes alive at the moments the plan names (``disttrain.observe.tensor_bytes.Live
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ class StepMemory:
     """Bytes alive after the last counted step's forward, backward and optimiser step."""
     step_s: list[float] = field(default_factory=list)
     """Wall time of each step after the counted ones (of the counted ones where no other step ran)."""
+    counted_only: bool = False
+    """No step ran outside the byte counter: ``step_s`` are the counted steps, slowed by the counter."""
 
 
 def count_model_state(live: LiveStorages, net: nn.Module) -> None:
@@ -49,20 +52,29 @@ def count_model_state(live: LiveStorages, net: nn.Module) -> None:
 
 def run_steps(net: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
               layout: Layout, steps: int, autocast: bool, pipeline: PipelineSlot | None = None,
-              pp_rank: int = 0) -> StepMemory:
+              pp_rank: int = 0, recorder: AbstractContextManager | None = None,
+              after_timed_step: Callable[[], None] | None = None) -> StepMemory:
     """``steps`` optimiser steps of ``layout.accumulation`` micro-batches of ``batch`` on ``net`` (a pipeline
     stage's microbatches with ``pipeline``, the ``disttrain.parallel.pipeline.runtime.PipelineSlot`` the stages were
     built into), the first ``COUNTED_STEPS`` under the byte counter; ``autocast``: bf16 autocast of forward and the
-    loss, as a bf16-mixed run has it. Gradients are freed by the optimiser's zeroing."""
+    loss, as a bf16-mixed run has it. Gradients are freed by the optimiser's zeroing. ``recorder``: a mode the last
+    counted step runs under (``rank_matmuls.MatmulRecorder``: an untimed step); ``after_timed_step``: called after
+    each timed step (a calibration interleaved with the steps meets the same load they do)."""
     result = StepMemory()
     counted = min(steps, COUNTED_STEPS)
     with LiveStorages(follow_resizes=True) as live:
         count_model_state(live, net)
-        counted_s = [_step(net, optimizer, batch, layout, autocast, pipeline, pp_rank, live, result)
-                     for _ in range(counted)]
+        counted_s = []
+        for index in range(counted):
+            with recorder if recorder is not None and index == counted - 1 else nullcontext():
+                counted_s.append(_step(net, optimizer, batch, layout, autocast, pipeline, pp_rank, live, result))
         result.peak = live.peak
-    result.step_s = [_step(net, optimizer, batch, layout, autocast, pipeline, pp_rank, None, result)
-                     for _ in range(steps - counted)] or counted_s
+    for _ in range(steps - counted):
+        result.step_s.append(_step(net, optimizer, batch, layout, autocast, pipeline, pp_rank, None, result))
+        if after_timed_step is not None:
+            after_timed_step()
+    if not result.step_s:
+        result.step_s, result.counted_only = counted_s, True
     return result
 
 

@@ -26,6 +26,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.errors import ConfigError
+from disttrain.plan.dry_compute import (
+    COMPUTE_ERROR,
+    ComputeHere,
+    InterleavedCalibration,
+    base_machine_profile,
+    compute_here,
+)
 from disttrain.plan.dry_steps import PIPELINE_SCHEDULES, StepMemory, run_steps
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.layout import Layout
@@ -94,8 +101,14 @@ def dry_run(run: Any) -> dict[str, Any]:
     whole = 0.0 if layout.wrapper == "fsdp" else inputs.stats.params * 4
     check_runs_here(est, whole, rank, machine_memory_bytes())
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
-    measured, _ = _run_rank(run, layout, rank, device)
-    result = _result(est, profile, layout, rank, measured, device, planned_compute_here(inputs, layout))
+    # on a CPU this machine is measured after each timed step (the rank's own products, recorded in an untimed
+    # step, replayed; bandwidth; overhead per operator): the plan priced on it is held against the steps
+    calibration = InterleavedCalibration() if device.type == "cpu" else None
+    measured, _ = _run_rank(run, layout, rank, device, calibration)
+    here = None
+    if calibration is not None and calibration.replay_s:
+        here = compute_here(run, layout, calibration, base_machine_profile())
+    result = _result(est, profile, layout, rank, measured, device, here)
     print(render_dry_run(result, run.model.name), flush=True)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,21 +120,11 @@ def dry_run(run: Any) -> dict[str, Any]:
     return result
 
 
-def planned_compute_here(inputs: Any, layout: Layout) -> float:
-    """The plan's compute time per step of one rank of ``layout`` computing as this process does: on a CPU
-    profile with this process's threads (a plan's CPU ranks share the machine's cores; a dry run's one rank has
-    them), on another profile its own compute time."""
-    from dataclasses import replace
-
-    profile = inputs.profile
-    if not profile.cpu:
-        return inputs.estimate(layout).compute_s
-    alone = replace(profile, devices_per_node=torch.get_num_threads() * layout.world_size)
-    return replace(inputs, profile=alone, _cache=inputs._cache).estimate(layout).compute_s
-
-
-def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device) -> tuple[StepMemory, int]:
-    """Join a fake group as ``rank``, lay the model out as that rank does and run its steps."""
+def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
+              calibration: InterleavedCalibration | None = None) -> tuple[StepMemory, int]:
+    """Join a fake group as ``rank``, lay the model out as that rank does and run its steps (with
+    ``calibration``: its matrix products recorded in the last counted step, the machine measured after each timed
+    one)."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -164,7 +167,8 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device) -> tupl
         pp_rank = mesh.get_local_rank("pp")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        measured = run_steps(laid_out, optimizer, batch, layout, cfg.dryrun.steps, autocast, slot, pp_rank)
+        measured = run_steps(laid_out, optimizer, batch, layout, cfg.dryrun.steps, autocast, slot, pp_rank,
+                             calibration.recorder if calibration is not None else None, calibration)
         if device.type == "cuda":
             measured.moments["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         return measured, pp_rank
@@ -199,19 +203,53 @@ def _materializer(net: nn.Module) -> Any:
 
 
 def _result(est: Estimate, profile: Any, layout: Layout, rank: int, measured: StepMemory,
-            device: torch.device, planned_compute_s: float) -> dict[str, Any]:
-    """``dryrun.json``'s content (``planned_compute_s``: ``planned_compute_here``)."""
+            device: torch.device, here: ComputeHere | None) -> dict[str, Any]:
+    """``dryrun.json``'s content (``here``: the plan priced on this CPU, None on a GPU or without timed steps)."""
     step_s = statistics.median(measured.step_s)
     fits = measured.peak <= est.capacity
+    compute_here_fields: dict[str, Any] = {"planned_compute_s": None, "compute_ratio": None}
+    if here is not None:
+        compute_here_fields = {
+            "planned_compute_s": here.planned_s, "compute_ratio": step_s / here.planned_s if here.planned_s else None,
+            "compute_profile": here.profile.name, "compute_profile_source": here.profile.source,
+            "threads": here.threads, "matmul_flops_per_s": here.matmul_flops_per_s, "matmul_replays": here.replays,
+            "matmul_share": here.matmul_share, "compute_error": list(COMPUTE_ERROR), "compute_unstated": here.unstated,
+            "planned_flops": here.planned_flops, "run_flops": here.run_flops,
+            "compute_within_error": here.within_error(step_s)}
     return {"rank": rank, "world_size": layout.world_size, "layout": layout.describe(), "device": device.type,
             "measured_peak_bytes": measured.peak, "planned_peak_bytes": est.total_bytes,
             "peak_ratio": measured.peak / est.total_bytes if est.total_bytes else None,
             "measured_moments_bytes": measured.moments, "planned_moments_bytes": est.phases,
             "planned_memory_bytes": est.memory,
-            "measured_step_s": step_s, "measured_steps_s": measured.step_s, "planned_compute_s": planned_compute_s,
-            "compute_ratio": step_s / planned_compute_s if planned_compute_s else None,
+            "measured_step_s": step_s, "measured_steps_s": measured.step_s,
+            "steps_under_counter": measured.counted_only, **compute_here_fields,
+            "planned_compute_s_on_profile": est.compute_s,
             "capacity_bytes": est.capacity, "fits": fits, "profile": profile.name,
             "communication": "absent by construction (fake process group: collectives return at once)"}
+
+
+def compute_lines(result: dict[str, Any]) -> list[str]:
+    """The dry run's compute as text: measured against the plan priced on this machine, with the planner's stated
+    error, the FLOPs both count, then the plan on the named profile."""
+    measured = f"{result['measured_step_s'] * 1e3:.3g} ms"
+    named = (f"compute per step planned on {result['profile']}: {result['planned_compute_s_on_profile'] * 1e3:.3g} "
+             f"ms; communication: {result['communication']}")
+    if result["steps_under_counter"]:
+        return [f"compute per step: measured {measured} under the byte counter, which slows every operator "
+                "(dryrun.steps=3 or more times a step outside it)", named]
+    if result["planned_compute_s"] is None:
+        return [f"compute per step: measured {measured} on {result['device']}", named]
+    low, high = result["compute_error"]
+    verdict = {True: "within it", False: "OUTSIDE it",
+               None: f"not stated here: {result['compute_unstated']}"}[result["compute_within_error"]]
+    run_flops, planned_flops = result["run_flops"], result["planned_flops"]
+    return [f"compute per step: measured {measured}, planned {result['planned_compute_s'] * 1e3:.3g} ms on "
+            f"{result['compute_profile']}, matrix products at {result['matmul_flops_per_s'] / 1e9:.3g} GFLOP/s (this "
+            f"rank's own, median of {result['matmul_replays']} replays between its steps); measured / planned "
+            f"{result['compute_ratio']:.2f}, the planner's stated compute error {low} to {high}: {verdict}",
+            f"FLOPs per step: this rank ran {run_flops / 1e9:.4g} G, the plan counts {planned_flops / 1e9:.4g} G"
+            + (f" (plan / run {planned_flops / run_flops:.3f})" if run_flops else ""),
+            named]
 
 
 def render_dry_run(result: dict[str, Any], model: str) -> str:
@@ -226,9 +264,7 @@ def render_dry_run(result: dict[str, Any], model: str) -> str:
                                                   for name, value in moments.items()))
     lines.append("planned moments: " + ", ".join(f"{name.replace('_', ' ')} {human_bytes(value)}"
                                                  for name, value in result["planned_moments_bytes"].items()))
-    lines.append(f"compute per step: measured {result['measured_step_s'] * 1e3:.3g} ms, planned "
-                 f"{result['planned_compute_s'] * 1e3:.3g} ms on {result['profile']} (measured / planned "
-                 f"{result['compute_ratio']:.2f}); communication: {result['communication']}")
+    lines += compute_lines(result)
     verdict = "fits" if result["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict} the profile's {human_bytes(result['capacity_bytes'])} per rank")
     return "\n".join(lines)

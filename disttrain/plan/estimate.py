@@ -42,7 +42,7 @@ from disttrain.plan.memory import (
     transient,
 )
 from disttrain.plan.model_stats import ModelStats
-from disttrain.plan.step_time import bubble_fraction, compute_seconds, power
+from disttrain.plan.step_time import bubble_fraction, compute_seconds, idle_power, power
 from disttrain.plan.units import human_bytes
 
 
@@ -94,6 +94,8 @@ class Estimate:
     """Their time, part of ``compute_s``."""
     watts: float | None = None
     """Power of all the devices the run occupies (a CPU run: every core of the machine), when known."""
+    idle_watts: float | None = None
+    """Their power while they wait (exposed communication, the bubble); None: ``watts`` throughout."""
     notes: list[str] = field(default_factory=list)
     """Assumptions worth printing with the estimate."""
 
@@ -119,10 +121,13 @@ class Estimate:
 
     @property
     def joules_per_token(self) -> float | None:
-        """Predicted energy per token over all devices (None when the profile has no power figure)."""
+        """Predicted energy per token over all devices (None when the profile has no power figure): ``watts`` while
+        the busiest rank computes, ``idle_watts`` (where stated) for the rest of the step."""
         if self.watts is None:
             return None
-        return self.watts * self.step_s / self.tokens_per_step
+        waiting = self.step_s - self.compute_s
+        idle = self.watts if self.idle_watts is None else self.idle_watts
+        return (self.watts * self.compute_s + idle * waiting) / self.tokens_per_step
 
     def overflow(self) -> str:
         """Why it does not fit: how far over and the largest term; empty when it fits."""
@@ -215,7 +220,7 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
                     activations_by_length(stats, ranks[0], layout, scale * act_dtype, copies), capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
                     compute, recompute, exposed, tokens, by_ep, alternative, ns_flops, ns_seconds,
-                    power(profile, layout.world_size))
+                    power(profile, layout.world_size), idle_power(profile, layout.world_size))
 
 
 def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float, experts: float,

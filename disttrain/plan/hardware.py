@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from disttrain.errors import ConfigError
 from disttrain.plan.devices import HardwareProfile, Link
@@ -77,6 +78,23 @@ def resolve_profile(name: str, memory_gb: float | None = None) -> HardwareProfil
         if memory_gb <= 0:
             raise ConfigError("plan.memory_gb", memory_gb, "a positive number of GB per device, or null")
         profile = replace(profile, memory_bytes=memory_gb * GB, memory_per_rank=True)
+    return profile
+
+
+def profile_of_plan(plan: Any) -> HardwareProfile:
+    """The profile a run's ``plan`` options name (``PlanConfig``): ``resolve_profile`` of ``plan.profile`` and
+    ``plan.memory_gb``, with ``plan.watts`` and ``plan.idle_watts`` in place of its power where set."""
+    from dataclasses import replace
+
+    profile = resolve_profile(plan.profile, plan.memory_gb)
+    if plan.watts is not None:
+        profile = replace(profile, watts=plan.watts)
+    if plan.idle_watts is not None:
+        if profile.watts is None or plan.idle_watts > profile.watts:
+            under_load = "none" if profile.watts is None else f"{profile.watts:g} W"
+            raise ConfigError("plan.idle_watts", plan.idle_watts, f"at most the power under load ({under_load} per "
+                              f"device on {profile.name}; plan.watts sets it)")
+        profile = replace(profile, idle_watts=plan.idle_watts)
     return profile
 
 

@@ -279,9 +279,12 @@ def draw_dry_run(result: dict[str, Any], path: Path) -> Picture | None:
     note = scale.off_scale_note(result["measured_peak_bytes"], "the measured peak")
     if note:
         figure.text(0.99, 0.0, note, ha="right", va="top", fontsize=8, style="italic")
-    ratio = result.get("compute_ratio")
+    # the plan priced on this CPU where the dry run priced it (``dry_compute``), else the named profile's
+    ratio, planned = result.get("compute_ratio"), result.get("planned_compute_s")
+    where = result.get("compute_profile") if planned is not None else result.get("profile")
+    planned = planned if planned is not None else result.get("planned_compute_s_on_profile", 0.0)
     compute = (f"compute per step: measured {result['measured_step_s'] * 1e3:.3g} ms, planned "
-               f"{result['planned_compute_s'] * 1e3:.3g} ms" + (f" (measured / planned {ratio:.3g})" if ratio else "") +
+               f"{planned * 1e3:.3g} ms on {where}" + (f" (measured / planned {ratio:.3g})" if ratio else "") +
                "; communication absent (fake process group)")
     verdict = "fits" if result["fits"] else "DOES NOT FIT"
     title = (f"dry run: rank {result['rank']} of {result['world_size']} ({result['layout']}) on {result['device']}\n"

@@ -119,19 +119,25 @@ def _data_and_model_preset(layout: Layout) -> str:
 
 
 def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
-                    precision: str, profile: HardwareProfile, alternatives: int = 3) -> tuple[Layout, str]:
-    """``parallel=auto``: the chosen layout and the lines that say why (ConfigError if nothing fits)."""
-    choice = weigh_layouts(net, spec, world, global_batch, parallel, optim, precision, profile)
+                    precision: str, profile: HardwareProfile, alternatives: int = 3,
+                    objective: str = "time") -> tuple[Layout, str]:
+    """``parallel=auto``: the chosen layout (the least predicted ``objective``: ``auto.OBJECTIVES``) and the lines
+    that say why (ConfigError if nothing fits, or energy is asked of a profile without a power figure)."""
+    choice = weigh_layouts(net, spec, world, global_batch, parallel, optim, precision, profile, objective)
     return chosen_layout(choice, world, profile, alternatives)
 
 
 def weigh_layouts(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
-                  precision: str, profile: HardwareProfile) -> Choice:
-    """``parallel=auto``'s weighing: every candidate layout the model and the run accept, predicted, the fastest
-    that fits chosen (``auto.Choice``: what ``chosen_layout`` reports and ``plan_candidates.png`` draws)."""
+                  precision: str, profile: HardwareProfile, objective: str = "time") -> Choice:
+    """``parallel=auto``'s weighing: every candidate layout the model and the run accept, predicted, the one that
+    fits with the least ``objective`` chosen (``auto.Choice``: what ``chosen_layout`` reports and
+    ``plan_candidates.png`` draws); ConfigError for energy on a profile without a power figure."""
     from disttrain.parallel.dims import ParallelDims
     from disttrain.parallel.model_checks import check_model_plan
 
+    if objective == "energy" and profile.watts is None:
+        raise ConfigError("plan.objective", objective, f"time on {profile.name}, which has no power figure (or "
+                          "plan.watts=W per device; python -m disttrain.plan --calibrate --watts W for this machine)")
     inputs = plan_inputs(net, spec, 1, parallel, optim, planned_precision(precision, profile), profile)
 
     def valid(layout: Layout) -> bool:
@@ -145,7 +151,8 @@ def weigh_layouts(net: nn.Module, spec: Any, world: int, global_batch: int, para
             return False
         return True
 
-    return choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid, parallel.accumulate_grads)
+    return choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid, parallel.accumulate_grads,
+                  objective)
 
 
 def chosen_layout(choice: Choice, world: int, profile: HardwareProfile, alternatives: int = 3) -> tuple[Layout, str]:
@@ -208,10 +215,10 @@ def check_memory_budget(net: nn.Module, spec: Any, dims: Any, parallel: Any, bat
 def plan_of_run(run: Any) -> tuple[Estimate, HardwareProfile, PlanInputs]:
     """The plan of a validated run: its estimate, the profile it is for and what it measured of the model."""
     from disttrain.parallel.model_checks import model_on_meta
-    from disttrain.plan.hardware import resolve_profile
+    from disttrain.plan.hardware import profile_of_plan
 
     cfg = run.train
-    profile = resolve_profile(cfg.plan.profile, cfg.plan.memory_gb)
+    profile = profile_of_plan(cfg.plan)
     net = model_on_meta(run.model, run.datamodule.spec)
     inputs = plan_inputs(net, run.datamodule.spec, run.batch.micro_size, cfg.parallel, run.optim,
                          planned_precision(cfg.trainer.precision, profile), profile)

@@ -69,7 +69,9 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats
                  + (f" / (1 - bubble {e.bubble:.2f})" if e.bubble else "")
                  + f" + exposed communication {e.exposed_comm_s * 1e3:.3g} ms = {e.step_s * 1e3:.3g} ms; "
                  f"{e.tokens_per_s:,.0f} tokens/s over {lay.world_size} rank(s)"
-                 + (f"; {energy * 1e3:.3g} mJ per token at {profile.watts:.0f} W per device" if energy else
+                 + (f"; {energy * 1e3:.3g} mJ per token at {profile.watts:.0f} W per device"
+                    + (f" ({profile.idle_watts:.0f} W while waiting)" if profile.idle_watts is not None else "")
+                    if energy else
                     "; energy per token: unknown (the profile has no power figure)"))
     return "\n".join(lines)
 

@@ -23,13 +23,20 @@ def bubble_fraction(pp: int, microbatches: int, schedule: str, stages_per_rank: 
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-def power(profile: HardwareProfile, world: int) -> float | None:
-    """Watts of the devices a run of ``world`` ranks occupies (CPU ranks share all the cores of a machine)."""
-    if profile.watts is None:
+def power(profile: HardwareProfile, world: int, per_device: float | None = None) -> float | None:
+    """Watts of the devices a run of ``world`` ranks occupies (CPU ranks share all the cores of a machine), at
+    ``per_device`` watts each (default: the profile's power under load)."""
+    per_device = profile.watts if per_device is None else per_device
+    if per_device is None:
         return None
     if profile.cpu:
-        return profile.watts * profile.devices_per_node * -(-world // profile.devices_per_node)
-    return profile.watts * world
+        return per_device * profile.devices_per_node * -(-world // profile.devices_per_node)
+    return per_device * world
+
+
+def idle_power(profile: HardwareProfile, world: int) -> float | None:
+    """Watts of the devices of ``power`` while they wait; None where the profile states no idle figure."""
+    return None if profile.idle_watts is None else power(profile, world, profile.idle_watts)
 
 
 def threads_per_rank(profile: HardwareProfile, world: int) -> float:
