@@ -38,7 +38,8 @@ MOVES = [("zero3", "tp"), ("tp", "zero3"), ("pipeline", "ddp"), ("hybrid", "pipe
 MORE_MOVES = [("zero3", "single"), ("zero3", "ddp"), ("zero3", "pipeline"), ("tp", "hybrid"), ("pipeline", "zero3"),
               ("hybrid", "zero3")]
 """Each saving layout resumed under at least two others over both lists (the second runs with ``-m slow``)."""
-# measured at 8 steps saved at 4 (fp32, gloo): the resumed steps within 1.9e-7 relative of the saving run's (0 for zero3 -> ddp)
+# measured at 8 steps saved at 4 (fp32, gloo): the resumed steps within 1.9e-7 relative of the saving run's
+# (0 for zero3 -> ddp)
 LOSS_RTOL = 1e-6
 
 
