@@ -24,7 +24,7 @@ from disttrain.parallel.context import SequenceSplit, apply_context_parallel
 from disttrain.plan.measure import measured_activations
 from disttrain.plan.planner import predicted_activation_bytes
 from tests.dist_utils import run_on_ranks
-from tests.test_parity import CLIP, LOSS_RTOL, WEIGHT_ATOL, check_against, run_summary
+from tests.test_parity import CLIP, LOSS_RTOL, STEPS, WEIGHT_ATOL, check_against, run_summary
 
 T = 32
 
@@ -78,9 +78,9 @@ def test_split_attention_and_its_gradients_equal_whole_sequence_attention(ranks,
 
 
 LLAMA = ["model=llama", "model.flavour=micro", "data=pydocs", "data.block_size=32", "batch.global_size=8",
-         "trainer.max_steps=10", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2",
+         f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2",
          "trainer.limit_test_batches=2", "trainer.run_test=false", "scheduler.warmup_fraction=0.1", "logger=csv",
-         "callbacks=none", "trainer.val_check_interval=10", "trainer.check_val_every_n_epoch=null", "optim=sgd",
+         "callbacks=none", f"trainer.val_check_interval={STEPS}", "trainer.check_val_every_n_epoch=null", "optim=sgd",
          "optim.momentum=0", "optim.nesterov=false", "optim.lr=0.5", f"trainer.gradient_clip_val={CLIP}"]
 
 
