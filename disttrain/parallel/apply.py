@@ -54,8 +54,9 @@ def apply_parallelism(
     ``parallel``: the config's model-plan overrides (tp_plan, shard_units, min_params_per_unit) and DDP's options
     (None: the defaults); what the layout decides is read from ``layout`` only. ``comm``: what data-parallel
     gradients are sent as, with the bytes counted in ``counter`` and what carries over between steps kept in
-    ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this mode; None: eager. ``float8``: the
-    layers already swapped for float8 ones, whose tensor-parallel styles are torchao's float8 ones (None: none)."""
+    ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this mode; None: eager.
+    ``float8``: the layers already swapped for float8 ones, whose tensor-parallel styles are torchao's float8 ones
+    (None: none)."""
     parallel = parallel or ParallelConfig()
     if layout.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), layout.sequence_parallel, float8)

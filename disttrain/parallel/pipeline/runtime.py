@@ -149,8 +149,9 @@ def build_pipeline(
 ) -> tuple[nn.Module, Pipeline]:
     """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, its blocks checkpointed as the layout
     says, sharded over dp_shard x cp under ZeRO-2/3), and build the schedule ``parallel.pipeline`` names (the config
-    gives also the model-plan overrides; ``float8``: the layers swapped for float8 ones, given float8 tp styles). Returns a module holding exactly this rank's parameters under the full
-    model's names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
+    gives also the model-plan overrides; ``float8``: the layers swapped for float8 ones, given float8 tp styles).
+    Returns a module holding exactly this rank's parameters under the full model's names (so checkpoints of all
+    stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
     num_stages = layout.pp * options.stages_per_rank
     units = pipeline_units_of(model, parallel.pipeline_units)
