@@ -123,3 +123,18 @@ def test_rowwise_float8_under_tp_keeps_plain_styles_and_trains_as_one_float8_pro
     # a row-wise split layer's rows of input are halves on each rank, each scaled by its own half's largest value:
     # measured losses 1.1e-5 and pre-clip norms 5.8e-4 relative, weights 3.8e-4 and biases 6.1e-4 absolute
     assert_matches(ranks[0], reference, float8_gpt("rowwise")[1].modules, "rowwise tp=2", float8_styles=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", ["false", "true"])
+def test_a_tp_float8_run_follows_the_one_process_float8_run(make_config, tmp_path, sequence_parallel):
+    from tests.test_float8 import fp8_curve
+
+    one = fp8_curve(make_config, tmp_path / "single", "trainer.fp8=tensorwise")
+    tp = fp8_curve(make_config, tmp_path / "tp", "trainer.fp8=tensorwise", "parallel=tp", "trainer.devices=2",
+                   f"parallel.sequence_parallel={sequence_parallel}")
+    gap = ((tp - one).abs() / one).amax(dim=1)
+    # measured over 8 steps (the runner's AdamW and clipping): losses 1.5e-5 / 1.8e-5, pre-clip norms 3.0e-3 / 8.6e-4
+    # relative (tp / tp+sp)
+    print(f"runner tp=2 sp={sequence_parallel}: losses {gap[0]:.2e}, pre-clip norms {gap[1]:.2e}")
+    assert torch.isfinite(tp).all() and gap[0] < LOSS_RTOL and gap[1] < NORM_RTOL, gap
