@@ -48,8 +48,9 @@ class Float8Layers:
 
     def tensor_parallel_float8(self, name: str) -> bool:
         """Whether the layer ``name`` takes torchao's float8 tensor-parallel styles, which cast its activations and
-        gradients to float8 with the amax of the whole tensor across the tp ranks (tensorwise recipe only; a
-        rowwise layer's scales are per row, which a tp split does not cut, so it keeps torch's plain styles)."""
+        gradients to float8 with the amax of the whole tensor across the tp ranks (torchao's styles take the
+        tensorwise recipe only; a rowwise layer keeps torch's plain styles, each rank scaling the rows of the slice
+        it multiplies)."""
         return self.recipe == "tensorwise" and name in self.modules
 
 

@@ -1,16 +1,16 @@
 """The tensor-parallel styles of float8 layers (``trainer.fp8`` under ``parallel.tp``): torchao's
-``Float8ColwiseParallel``, ``Float8RowwiseParallel`` and ``PrepareFloat8ModuleInput``.
+``Float8ColwiseParallel`` and ``Float8RowwiseParallel``.
 
-They split a layer's weight exactly as torch's plain styles do; what differs is where the activation is cast. A
-float8 layer's input is cast to float8 before the layer's own redistribution, with the amax of the whole
-activation (a DTensor reduction over the tp ranks), and the gradient flowing back into its output is cast the same
-way: every tp rank then scales by the same amax as one process would. A plain style on a float8 layer hands the
-layer a local slice and the layer scales it by that slice's amax alone (what went wrong in torchtitan's "NaN with TP
->= 2"). Under sequence parallelism a module whose split layers are all float8 gathers its input already in float8
-(``PrepareFloat8ModuleInput``), half the bytes of a bf16 gather.
+They split a layer's weight exactly as torch's plain styles do; what differs is where the float8 casts happen. The
+layer's input is cast before the style's own redistribution and the gradient reaching its output is cast as it
+leaves the style, each scaled by the amax of the whole DTensor (a reduction over the tp ranks), so a collective
+between them can carry float8 (on a GPU, under sequence parallelism). Every tp rank scales as one process would;
+the gradient is cast before the layer's bias reads it, so biases get their gradients from e5m2 values.
 
-torchao's styles take the tensorwise recipe only: a rowwise layer keeps torch's plain styles, its scales taken per
-row of the local slice it multiplies, rows a tp split never cuts in two (``Float8Layers.tensor_parallel_float8``).
+Where a style would gather a float8 tensor along the sequence (a row-wise layer's gradient, a ``sequence_gather``
+module's input under sequence parallelism), the layer keeps torch's plain style: torch's CPU kernels cannot
+concatenate float8 tensors, so that path could not be checked where the suite runs (``disttrain.parallel.tp``'s
+``float8_styled``). torchao's styles take the tensorwise recipe only: a rowwise layer keeps the plain styles.
 """
 
 from __future__ import annotations
