@@ -68,8 +68,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequen
         if parts is not None and style in SPLIT_STYLES:
             styles.update(adapter_styles(name, parts, style, sequence_parallel))
         elif name in in_float8:
-            styles[name] = float8_style(style, issubclass(type(module), nn.Embedding)
-                                        or style == "rowwise_whole_input", sequence_parallel)
+            styles[name] = float8_style(style, style == "rowwise_whole_input", sequence_parallel)
         else:
             styles[name] = style_of(style, type(module), sequence_parallel, _rope_width(model, name))
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
