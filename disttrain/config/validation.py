@@ -232,8 +232,8 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
 def _decide_float8(top: TrainConfig, model: Any, net: Any, layout: Layout) -> list[str]:
     """``trainer.fp8``: the linear layers that train in float8 and whether FSDP2 gathers them in float8, decided
     here on the model on the meta device and written into ``top.trainer`` (what the ranks convert); the line that
-    says so. A ConfigError where float8 cannot run: no torchao, a GPU without float8 products, tensor parallelism
-    (its float8 layer styles are not wired), adapters."""
+    says so. A ConfigError where float8 cannot run: no torchao, a GPU without float8 products, adapters. Under tensor
+    parallelism the float8 layers take float8 styles (``disttrain.parallel.float8_tp``)."""
     t = top.trainer
     if t.fp8 == "none":
         return []
@@ -242,9 +242,6 @@ def _decide_float8(top: TrainConfig, model: Any, net: Any, layout: Layout) -> li
     require_torchao()
     gpu = _uses_gpu(t.accelerator)
     check_float8_device(gpu, _gpu_capability() if gpu else None)
-    if layout.tp_enabled:
-        raise ConfigError("trainer.fp8", t.fp8, f"none with parallel.tp={layout.tp} (float8 tensor-parallel layer "
-                          "styles are not wired yet); ZeRO, HSDP, DDP, pipelines and context parallelism take it")
     lora = getattr(model, "lora", None)
     if lora is not None and lora.enabled:
         raise ConfigError("trainer.fp8", t.fp8, "none with model.lora (the frozen base's layers are not float8 "

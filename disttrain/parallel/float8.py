@@ -46,6 +46,13 @@ class Float8Layers:
     all_gather: bool
     """FSDP2 gathers these weights in float8 (tensorwise recipe, sharded parameters)."""
 
+    def tensor_parallel_float8(self, name: str) -> bool:
+        """Whether the layer ``name`` takes torchao's float8 tensor-parallel styles, which cast its activations and
+        gradients to float8 with the amax of the whole tensor across the tp ranks (torchao's styles take the
+        tensorwise recipe only; a rowwise layer keeps torch's plain styles, each rank scaling the rows of the slice
+        it multiplies)."""
+        return self.recipe == "tensorwise" and name in self.modules
+
 
 def float8_layer_choice(net: nn.Module, patterns: list[str] | None) -> tuple[list[str], list[tuple[str, str]]]:
     """``(swapped, left)``: the linear layers of ``net`` that train in float8, and each other linear layer with why it
@@ -100,7 +107,7 @@ def check_float8_device(uses_gpu: bool, capability: tuple[int, int] | None) -> N
 
 
 @contextmanager
-def _quiet_import() -> Generator[None, None, None]:
+def quiet_import() -> Generator[None, None, None]:
     """torchao logs a warning for each of its CUDA kernel libraries a CPU-only torch cannot load, and torch one for
     an enum it registers: neither is the user's to act on."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
@@ -117,7 +124,7 @@ def _quiet_import() -> Generator[None, None, None]:
 def require_torchao() -> None:
     """Raise a ConfigError naming the extra to install when torchao is missing."""
     try:
-        with _quiet_import():
+        with quiet_import():
             import torchao.float8  # noqa: F401
     except ImportError:
         raise ConfigError("trainer.fp8", "tensorwise or rowwise", "none, or install torchao (pip install "
@@ -126,7 +133,7 @@ def require_torchao() -> None:
 
 def convert_to_float8(net: nn.Module, layers: Float8Layers) -> None:
     """Swap ``layers.modules`` of ``net`` for torchao's ``Float8Linear`` in place (before its layout is applied)."""
-    with _quiet_import():
+    with quiet_import():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(layers.recipe)
