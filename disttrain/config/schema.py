@@ -94,9 +94,9 @@ class TrainerConfig:
 
     fp8: str = "none"
     """Float8 training of the linear layers through torchao (``pip install 'disttrain[fp8]'``): tensorwise (one
-    scale per tensor; under ZeRO-2/3 and HSDP FSDP2 gathers those weights in float8, and under parallel.tp the
-    layers take torchao's float8 tensor-parallel styles) or rowwise (one scale per row: closer to bf16, slower;
-    under parallel.tp each rank scales the rows of its slice); none: off. The output head and layers whose
+    scale per tensor; under ZeRO-2/3 and HSDP FSDP2 gathers those weights in float8; under parallel.tp each
+    tensor's scale is its whole DTensor's) or rowwise (one scale per row: closer to bf16, slower; under parallel.tp
+    each rank scales the rows of its slice); none: off. The output head and layers whose
     dimensions are not multiples of 16 stay in the run's precision, as the line printed at start lists. On a GPU it
     needs compute capability 8.9 or more; on a CPU torch's float8 products run, slower than bf16, to check a run
     before it takes a GPU."""

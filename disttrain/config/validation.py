@@ -232,8 +232,7 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
 def _decide_float8(top: TrainConfig, model: Any, net: Any, layout: Layout) -> list[str]:
     """``trainer.fp8``: the linear layers that train in float8 and whether FSDP2 gathers them in float8, decided
     here on the model on the meta device and written into ``top.trainer`` (what the ranks convert); the line that
-    says so. A ConfigError where float8 cannot run: no torchao, a GPU without float8 products, adapters. Under tensor
-    parallelism the float8 layers take float8 styles (``disttrain.parallel.float8_tp``)."""
+    says so. A ConfigError where float8 cannot run: no torchao, a GPU without float8 products, adapters."""
     t = top.trainer
     if t.fp8 == "none":
         return []

@@ -27,7 +27,6 @@ from disttrain.parallel.buffers import step_broadcast_needed
 from disttrain.parallel.compile import compile_model
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
-from disttrain.parallel.float8 import Float8Layers
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.local_sgd import broadcast_module
@@ -47,19 +46,16 @@ def apply_parallelism(
     counter: ByteCounter | None = None,
     exchange: ExchangeState | None = None,
     compile_mode: str | None = None,
-    float8: Float8Layers | None = None,
 ) -> nn.Module:
     """Lay ``model`` out as ``layout`` says (``model`` is already split by sequence under context parallelism, see
     ``disttrain.parallel.context``); returns the module to train (maybe a wrapper, ``layout.wrapper``).
     ``parallel``: the config's model-plan overrides (tp_plan, shard_units, min_params_per_unit) and DDP's options
     (None: the defaults); what the layout decides is read from ``layout`` only. ``comm``: what data-parallel
     gradients are sent as, with the bytes counted in ``counter`` and what carries over between steps kept in
-    ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this mode; None: eager.
-    ``float8``: the layers already swapped for float8 ones, whose tensor-parallel styles are torchao's float8 ones
-    (None: none)."""
+    ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this mode; None: eager."""
     parallel = parallel or ParallelConfig()
     if layout.tp_enabled:
-        apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), layout.sequence_parallel, float8)
+        apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), layout.sequence_parallel)
     experts = apply_expert_parallel(model, layout.expert_meshes(mesh)[0]) if layout.ep_enabled else []
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if layout.activation_checkpoint != "none":

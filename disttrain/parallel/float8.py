@@ -46,13 +46,6 @@ class Float8Layers:
     all_gather: bool
     """FSDP2 gathers these weights in float8 (tensorwise recipe, sharded parameters)."""
 
-    def tensor_parallel_float8(self, name: str) -> bool:
-        """Whether the layer ``name`` takes torchao's float8 tensor-parallel styles, which cast its activations and
-        gradients to float8 with the amax of the whole tensor across the tp ranks (torchao's styles take the
-        tensorwise recipe only; a rowwise layer keeps torch's plain styles, each rank scaling the rows of the slice
-        it multiplies)."""
-        return self.recipe == "tensorwise" and name in self.modules
-
 
 def float8_layer_choice(net: nn.Module, patterns: list[str] | None) -> tuple[list[str], list[tuple[str, str]]]:
     """``(swapped, left)``: the linear layers of ``net`` that train in float8, and each other linear layer with why it

@@ -37,9 +37,9 @@ def lay_out(net: nn.Module, mesh: DeviceMesh, layout: Layout, parallel: Parallel
         apply_context_parallel(net, sequence_split)
     if pipeline is not None:
         net, pipeline.pipeline = build_pipeline(net, mesh, layout, parallel, device, pipeline.loss_fn,
-                                                pipeline.example_input, float8)
+                                                pipeline.example_input)
     else:
-        net = apply_parallelism(net, mesh, layout, device, parallel, float8=float8, **apply_options)
+        net = apply_parallelism(net, mesh, layout, device, parallel, **apply_options)
     if materialize is not None and shards_on_meta:
         materialize(device)
     return net

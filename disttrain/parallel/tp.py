@@ -39,8 +39,6 @@ from torch.distributed.tensor.parallel import (
 from disttrain.errors import ConfigError
 from disttrain.models.lora import adapter_parts, uses_dora
 from disttrain.models.protocol import TP_STYLES
-from disttrain.parallel.float8 import Float8Layers
-from disttrain.parallel.float8_tp import float8_style
 from disttrain.parallel.model_plan import matching_modules
 from disttrain.parallel.tp_styles import ExpertsParallel, MlaKvAParallel
 
@@ -50,27 +48,22 @@ SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_whole_input")
 """Styles that split a linear layer's weight (a LoRA layer wrapping one gets ``adapter_styles``)."""
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool = False,
-             float8: Float8Layers | None = None) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequence_parallel: bool = False
+             ) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` by ``plan`` and return it; build the optimiser after.
-    ``float8``: the run's float8 layers (already swapped); those it says take float8 styles get torchao's
-    (``disttrain.parallel.float8_tp``).
 
     Patterns that match no module are skipped, so the plan of a whole model also applies to a pipeline
     stage that holds part of it (under the same names).
     """
-    entries = {name: style for pattern, style in plan.items() for name in matching_modules(model, pattern)}
-    in_float8 = float8_styled(entries, float8, sequence_parallel)
     styles: dict[str, ParallelStyle | None] = {}
-    for name, style in entries.items():
-        module = model.get_submodule(name)
-        parts = adapter_parts(module)
-        if parts is not None and style in SPLIT_STYLES:
-            styles.update(adapter_styles(name, parts, style, sequence_parallel))
-        elif name in in_float8:
-            styles[name] = float8_style(style, style == "rowwise_whole_input", sequence_parallel)
-        else:
-            styles[name] = style_of(style, type(module), sequence_parallel, _rope_width(model, name))
+    for pattern, style in plan.items():
+        for name in matching_modules(model, pattern):
+            module = model.get_submodule(name)
+            parts = adapter_parts(module)
+            if parts is not None and style in SPLIT_STYLES:
+                styles.update(adapter_styles(name, parts, style, sequence_parallel))
+            else:
+                styles[name] = style_of(style, type(module), sequence_parallel, _rope_width(model, name))
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, {name: style for name, style in styles.items() if style is not None})
     # torch's SequenceParallel registers its replicated parameters as new trainable ones: frozen ones stay frozen
@@ -78,18 +71,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], sequen
         if name in frozen:
             param.requires_grad_(False)
     return model
-
-
-def float8_styled(entries: dict[str, str], float8: Float8Layers | None, sequence_parallel: bool) -> frozenset[str]:
-    """The modules of ``entries`` (module name -> plan style) that take torchao's float8 styles: the split layers
-    ``float8`` says do, except, with ``sequence_parallel``, row-wise ones and ``sequence_gather`` modules: torchao's
-    forms of those gather a float8 tensor along the sequence (the gradient, the input), which torch's CPU kernels
-    cannot concatenate, so they keep torch's plain styles and the float8 layer casts the whole DTensor itself."""
-    if float8 is None:
-        return frozenset()
-    split = ("colwise", "colwise_gather") if sequence_parallel else SPLIT_STYLES
-    return frozenset(name for name, style in entries.items()
-                     if style in split and float8.tensor_parallel_float8(name))
 
 
 def adapter_styles(name: str, parts: tuple[str, str, str], style: str, sequence_parallel: bool

@@ -25,7 +25,6 @@ from disttrain.observe.phases import PHASE_MARKS
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
-from disttrain.parallel.float8 import Float8Layers
 from disttrain.parallel.fsdp import apply_fsdp
 from disttrain.parallel.layout import Layout
 from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
@@ -148,13 +147,11 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Any,
     example_input: torch.Tensor,
-    float8: Float8Layers | None = None,
 ) -> tuple[nn.Module, Pipeline]:
     """Cut ``model`` into stages, keep this rank's (tensor-parallel over tp, its blocks checkpointed as the layout
     says, sharded over dp_shard x cp under ZeRO-2/3), and build the schedule ``parallel.pipeline`` names (the config
-    gives also the model-plan overrides; ``float8``: the layers swapped for float8 ones, given float8 tp styles).
-    Returns a module holding exactly this rank's parameters under the full model's names (so checkpoints of all
-    stages merge into one), and the pipeline that runs them."""
+    gives also the model-plan overrides). Returns a module holding exactly this rank's parameters under the full
+    model's names (so checkpoints of all stages merge into one), and the pipeline that runs them."""
     options = parallel.pipeline
     num_stages = layout.pp * options.stages_per_rank
     units = pipeline_units_of(model, parallel.pipeline_units)
@@ -170,7 +167,7 @@ def build_pipeline(
     if layout.tp_enabled:  # stages exchange whole activations: no sequence parallelism across a stage boundary
         plan = tp_plan_of(model, parallel.tp_plan)
         for module in modules:
-            apply_tp(module, mesh["tp"], plan, sequence_parallel=False, float8=float8)
+            apply_tp(module, mesh["tp"], plan, sequence_parallel=False)
     experts = [apply_expert_parallel(module, layout.expert_meshes(mesh)[0]) if layout.ep_enabled else []
                for module in modules]
     checkpoint_stage_blocks(model, modules, layout, parallel)
