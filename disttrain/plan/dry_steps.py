@@ -41,8 +41,9 @@ class StepMemory:
 
 
 def count_model_state(live: LiveStorages, net: nn.Module) -> None:
-    """Count the storages of ``net``'s parameters and buffers (a DTensor's local shard, and the tensor a wrapper such
-    as torchao's float8-casting weight holds: the wrapper's own storage is empty) from now on."""
+    """Count the storages of ``net``'s parameters and buffers (a DTensor's local shard, and the tensors a wrapper
+    such as torchao's float8-casting weight holds: under FSDP2 the wrapper's own storage is not the shard's memory)
+    from now on."""
     for tensor in [*net.parameters(), *net.buffers()]:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         for plain in plain_tensors(local):
