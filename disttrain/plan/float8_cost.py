@@ -91,11 +91,13 @@ def float8_cost(stats: ModelStats, layout: Layout, units: list[str] | None, prof
         unit = stats.param_unit[name]
         if not unit_on_rank(stats, unit, units):
             continue
-        numel = rows * cols
+        # tensor parallelism splits a sharded weight, its products and their casts over the tp ranks
+        split = layout.tp if stats.tp_sharded.get(name) else 1
+        numel = rows * cols / split
         # a fully checkpointed block runs its forward product, and the casts of its input and weight, again
         again = any(within(unit, block) and p == "full" for block, p in policies.items())
         flops += (PRODUCTS + again) * 2 * tokens * numel
-        cast_values += (CASTS_PER_TENSOR + again) * tokens * cols + CASTS_PER_TENSOR * tokens * rows
+        cast_values += ((CASTS_PER_TENSOR + again) * tokens * cols + CASTS_PER_TENSOR * tokens * rows) / split
         # a weight gathered in float8 is cast on its shard before each gather, and used as gathered after
         weight = numel / layout.state_shards if name in gathered else numel
         weight_values += (CASTS_PER_TENSOR + again) * weight
