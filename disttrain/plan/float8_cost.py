@@ -83,9 +83,16 @@ def float8_cost(stats: ModelStats, layout: Layout, units: list[str] | None, prof
     tokens = layout.micro_size / (layout.microbatches if pipelined else 1) * stats.tokens_per_sample / layout.cp
     passes = layout.accumulation * (layout.microbatches if pipelined else 1)
     gathered = gathered_in_float8(stats, layout, float8)
-    cast_bytes = 2 * hp_bytes + FLOAT8_BYTES  # amax read, cast read, float8 write
-    flops = cast_values = weight_values = 0.0
-    casts = 0
+
+    def casts_s(values: float, count: float) -> float:
+        """``count`` casts of ``values`` values each: the amax reduction reads them, the scaled cast reads them
+        and writes one byte each; each operator at least the profile's overhead (on a GPU the launch overlaps
+        the kernels before it, on a CPU it comes on top)."""
+        work = (values * hp_bytes / bandwidth, values * (hp_bytes + FLOAT8_BYTES) / bandwidth)
+        per_op = [max(w, profile.op_overhead) if not profile.cpu else w + profile.op_overhead for w in work]
+        return count * sum(per_op)
+
+    flops = cast_s = 0.0
     mine = 0.0
     for name, (rows, cols) in weight_shapes(stats, float8).items():
         unit = stats.param_unit[name]
@@ -97,13 +104,11 @@ def float8_cost(stats: ModelStats, layout: Layout, units: list[str] | None, prof
         # a fully checkpointed block runs its forward product, and the casts of its input and weight, again
         again = any(within(unit, block) and p == "full" for block, p in policies.items())
         flops += (PRODUCTS + again) * 2 * tokens * numel
-        cast_values += ((CASTS_PER_TENSOR + again) * tokens * cols + CASTS_PER_TENSOR * tokens * rows) / split
         # a weight gathered in float8 is cast on its shard before each gather, and used as gathered after
         weight = numel / layout.state_shards if name in gathered else numel
-        weight_values += (CASTS_PER_TENSOR + again) * weight
-        casts += 3 * CASTS_PER_TENSOR + 2 * again  # input, weight, output gradient
+        cast_s += (casts_s(tokens * cols / split, CASTS_PER_TENSOR + again)  # the input
+                   + casts_s(weight, CASTS_PER_TENSOR + again)
+                   + casts_s(tokens * rows / split, CASTS_PER_TENSOR))  # the output's gradient
         mine += numel if name in gathered else 0.0
     saved = flops * (1 / run_rate - 1 / fp8_rate)
-    # each cast is two operators (the amax reduction, the scaled cast), each at least the profile's overhead
-    cast_s = max((cast_values + weight_values) * cast_bytes / bandwidth, 2 * casts * profile.op_overhead)
     return Float8Cost(saved * passes, cast_s * passes, mine, priced_at)

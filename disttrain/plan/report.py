@@ -71,6 +71,7 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats
                  f"{e.tokens_per_s:,.0f} tokens/s over {lay.world_size} rank(s)"
                  + (f"; {energy * 1e3:.3g} mJ per token at {profile.watts:.0f} W per device" if energy else
                     "; energy per token: unknown (the profile has no power figure)"))
+    lines += [f"note: {note}" for note in e.notes]
     return "\n".join(lines)
 
 
