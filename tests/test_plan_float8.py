@@ -46,6 +46,10 @@ def test_the_plan_prices_the_float8_products_at_the_float8_rate_and_gathers_one_
     assert cost.products_saved_s == pytest.approx(3 * 2 * tokens * weights * (1 / bf16 - 1 / fp8))
     assert cost.casts_s > 0
     assert after.compute_s - before.compute_s == pytest.approx(cost.seconds)
+    # tensor parallelism splits every block's products over its ranks (the plan of torchtitan's Float8 tp rows)
+    tp2 = float8_cost(inputs.stats, replace(layout, tp=2, dp_shard=4), None, profile, run.train.trainer.float8,
+                      "bf16", 2, 1)
+    assert tp2.products_saved_s == pytest.approx(cost.products_saved_s / 2)
     # FSDP2 gathers the swapped weights at one byte per value, not autocast's two
     gathered = [sum(c.buffer_bytes for c in e.collectives if c.kind == "all_gather") for e in (before, after)]
     gathers = layout.accumulation * layout.gathers_per_microbatch
