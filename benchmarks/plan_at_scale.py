@@ -5,8 +5,9 @@ its ratio to the published figure.
 
 Each model is built on the meta device and measured by one forward and backward there (no memory, no GPU), as
 ``mode=plan`` does; the prediction is ``estimate`` of the row's layout on a profile of the hardware the
-publication names. Every row is bf16 autocast with fp32 AdamW state (the planner's model of a run: it has no fp8
-and no compiler).
+publication names. Every row is bf16 autocast with fp32 AdamW state (the planner's model of a run: it has no
+compiler); a row whose run trained its linear layers in Float8 is planned with the float8 decision ``trainer.fp8``
+makes for that model and layout (torchao's tensorwise recipe, weights gathered in float8 where FSDP shards them).
 
     python benchmarks/plan_at_scale.py [--rows tt-8b-fsdp mlm-1.7b ...] [--list]
 """
@@ -31,6 +32,7 @@ from disttrain.config.typed import model_typed  # noqa: E402
 from disttrain.data.spec import DataSpec  # noqa: E402
 from disttrain.models import MODELS, build_model  # noqa: E402
 from disttrain.parallel.config import ParallelConfig  # noqa: E402
+from disttrain.parallel.float8 import choose_float8_layers  # noqa: E402
 from disttrain.plan.devices import HardwareProfile  # noqa: E402
 from disttrain.plan.hardware import PROFILES  # noqa: E402
 from disttrain.plan.inputs import PlanInputs  # noqa: E402
@@ -79,7 +81,9 @@ REASONS = {
     # tag: (which way it moves the tokens/s ratio, which way the memory ratio (-1 below 1, +1 above, 0 neither),
     # why the planner misses the run there)
     "compile": (-1, 0, "torch.compile fuses the element-wise operators the planner times one by one"),
-    "fp8": (-1, 0, "Float8 linears run the matrix products on fp8 tensor cores; the planner times them at bf16"),
+    "fp8": (-1, 0, "Float8 linears: the planner prices their products at the profile's float8 rate and adds "
+                   "their casts to float8 one operator at a time, where the run's compiler fuses those casts "
+                   "into the operators around them"),
     "overlap": (-1, 0, "the run overlaps tensor-parallel collectives with the matrix products (AsyncTP; Megatron's "
                        "--tp-comm-overlap) and Megatron its optimizer's reduce-scatter and parameter gather "
                        "(--overlap-grad-reduce, --overlap-param-gather); the planner leaves tp collectives exposed "
@@ -130,6 +134,12 @@ class Published:
     """Published peak memory per GPU (None: not published)."""
     reasons: tuple[str, ...] = ()
     """Tags of ``REASONS``: what the run does that the planner does not model (empty: nothing known)."""
+
+    @property
+    def float8_recipe(self) -> str | None:
+        """torchao's recipe the run trained its linear layers with (None: none): torchtitan's Float8 rows ran the
+        tensorwise one."""
+        return "tensorwise" if "fp8" in self.reasons else None
 
 
 def _titan(key: str, what: str, model: str, sequence: int, layout: Layout, gpus: int, tps: float, gib: float,
@@ -246,9 +256,9 @@ WITHIN = 0.10
 """The goal: predicted / published within this fraction."""
 
 
-def model_inputs(run: Published) -> PlanInputs:
+def model_inputs(run: Published) -> tuple[PlanInputs, torch.nn.Module]:
     """``run``'s model built on the meta device and measured for a bf16-mixed AdamW plan on its profile, at its
-    sequences per forward (other micro-batches are measured as a layout asks)."""
+    sequences per forward (other micro-batches are measured as a layout asks), and the model."""
     cfg, vocab = MODELS_PUBLISHED[run.model]
     spec = DataSpec("text", vocab_size=vocab, block_size=run.sequence)
     typed = model_typed(OmegaConf.create({**cfg, "block_size": run.sequence, "vocab_size": vocab}), MODELS)
@@ -256,7 +266,7 @@ def model_inputs(run: Published) -> PlanInputs:
         net = build_model(typed, spec)
     per_pass = max(1, run.layout.micro_size // (run.layout.microbatches if run.layout.pp > 1 else 1))
     return plan_inputs(net, spec, per_pass, ParallelConfig(), OmegaConf.create({"name": "adamw"}), "bf16-mixed",
-                       run.profile)
+                       run.profile), net
 
 
 def why(run: Published, aspect: int, ratio: float) -> str:
@@ -287,6 +297,15 @@ def memory_note(run: Published, ratio: float | None) -> str:
     if ratio is None or abs(ratio - 1) <= WITHIN:
         return ""
     return f"memory: {why(run, 1, ratio)}"
+
+
+def float8_inputs(run: Published, inputs: PlanInputs, net: torch.nn.Module) -> PlanInputs:
+    """``inputs`` with the float8 decision ``trainer.fp8`` makes for ``run``'s model and layout (unchanged for a
+    run without Float8)."""
+    if run.float8_recipe is None:
+        return replace(inputs, float8=None)
+    layers, _ = choose_float8_layers(net, run.float8_recipe, None, True, run.layout.shards_parameters, "bf16-mixed")
+    return replace(inputs, float8=layers)
 
 
 def predict(run: Published, inputs: PlanInputs) -> tuple[str, float]:
@@ -320,18 +339,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{run.key}: {run.source} ({run.gpus} GPUs, {run.profile.name})")
         return
     started = time.perf_counter()
-    print(f"CPU: {cpu_model()}; every row bf16 autocast with fp32 AdamW state; figures per GPU; GB = 10^9 bytes\n")
+    print(f"CPU: {cpu_model()}; every row bf16 autocast with fp32 AdamW state, Float8 rows with the float8 decision "
+          "of trainer.fp8=tensorwise; figures per GPU; GB = 10^9 bytes\n")
     print("| row | published run | layout | profile | predicted tokens/s | published tokens/s | ratio "
           "| predicted memory | published memory | ratio | off by >10%: the term, and why |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    measured: dict[tuple[str, int, str], PlanInputs] = {}
+    measured: dict[tuple[str, int, str], tuple[PlanInputs, torch.nn.Module]] = {}
     ratios = []
     for key in args.rows:
         run = ROWS[key]
         which = (run.model, run.sequence, run.profile.name)
         if which not in measured:  # one model on meta per model and sequence; rows in turn share it
             measured = {which: model_inputs(run)}
-        row, ratio = predict(run, measured[which])
+        row, ratio = predict(run, float8_inputs(run, *measured[which]))
         ratios.append((run, ratio))
         print(row, flush=True)
     print()

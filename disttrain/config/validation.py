@@ -249,8 +249,9 @@ def _decide_float8(top: TrainConfig, model: Any, net: Any, layout: Layout) -> li
                                         layout.shards_parameters, t.precision)
     t.fp8_layers, t.fp8_all_gather = list(layers.modules), layers.all_gather
     if top.mode in ("plan", "dryrun"):
-        line += ("; the plan prices these layers as the run's precision (float8's products, casts and gathers are "
-                 "not modelled yet)")
+        line += ("; the plan prices their products at the profile's float8 rate, their casts to float8"
+                 + (" and their float8 gathers" if layers.all_gather else "") + " (a profile without a float8 "
+                 "rate, as a CPU's, prices the products at the run's)")
     return [line]
 
 

@@ -70,12 +70,13 @@ def collective(kind: str, group: str, size: int, buffer: float, calls: int, link
 
 def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
                  ranks: list[list[str] | None], act_scale: float, profile: HardwareProfile,
-                 gather_bf16: bool = False, experts: float = 0.0, row_scale: float | None = None
-                 ) -> list[Collective]:
+                 gather_bf16: bool = False, experts: float = 0.0, row_scale: float | None = None,
+                 float8_elements: float = 0.0) -> list[Collective]:
     """What each rank sends per optimiser step, by group; ``params``: the rank's parameter elements before
     data-parallel sharding, ``experts`` of them experts' (under expert parallelism FSDP gathers and reduces a
     rank's 1/ep of them over their own ranks, dp_shard / ep x cp); ``act_scale``: bytes per measured byte of
-    activations, ``row_scale`` of the rows experts exchange (None: the same)."""
+    activations, ``row_scale`` of the rows experts exchange (None: the same); ``float8_elements``: of the dense
+    parameter elements, those FSDP2 gathers in float8 (one byte each, ``disttrain.plan.float8_cost``)."""
     out: list[Collective] = []
     acc, tp, cp, ds, dr = layout.accumulation, layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
     shards = layout.state_shards
@@ -104,7 +105,9 @@ def collectives(stats: ModelStats, layout: Layout, state: StateBytes, params: fl
                            experts / layout.ep))
         for group, size, elements in groups:
             if size > 1 and elements:
-                out.append(collective("all_gather", group, size, elements * param_bytes * gathers, gathers, link_ds))
+                float8 = float8_elements if group == shard_group else 0.0
+                gathered = (elements - float8) * param_bytes + float8
+                out.append(collective("all_gather", group, size, gathered * gathers, gathers, link_ds))
                 out.append(collective("reduce_scatter", group, size, elements * state.grad * scatters, scatters,
                                       link_ds))
         if dr > 1:  # each rank's shards: its dense and expert ones are 1 / (dp_shard x cp) of their wholes alike

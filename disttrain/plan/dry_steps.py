@@ -13,7 +13,7 @@ from torch import nn
 
 from disttrain.loss import token_cross_entropy
 from disttrain.models.protocol import logits_of
-from disttrain.observe.tensor_bytes import LiveStorages
+from disttrain.observe.tensor_bytes import LiveStorages, plain_tensors
 from disttrain.parallel.apply import backward_sync_disabled
 from disttrain.parallel.pipeline.runtime import PipelineSlot
 from disttrain.plan.layout import Layout
@@ -44,10 +44,13 @@ class StepMemory:
 
 
 def count_model_state(live: LiveStorages, net: nn.Module) -> None:
-    """Count the storages of ``net``'s parameters and buffers (a DTensor's local shard) from now on."""
+    """Count the storages of ``net``'s parameters and buffers (a DTensor's local shard, and the tensors a wrapper
+    such as torchao's float8-casting weight holds: under FSDP2 the wrapper's own storage is not the shard's memory)
+    from now on."""
     for tensor in [*net.parameters(), *net.buffers()]:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        live.count(local.untyped_storage())
+        for plain in plain_tensors(local):
+            live.count(plain.untyped_storage())
 
 
 def run_steps(net: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],

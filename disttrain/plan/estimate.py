@@ -17,9 +17,11 @@ collective in the ring model; time is the alpha-beta model of the profile's link
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from disttrain.plan.communication import Collective, collectives
 from disttrain.plan.devices import HardwareProfile
+from disttrain.plan.float8_cost import float8_cost, gathered_in_float8
 from disttrain.plan.layout import (
     CHECKPOINT_POLICIES,
     Layout,
@@ -42,8 +44,11 @@ from disttrain.plan.memory import (
     transient,
 )
 from disttrain.plan.model_stats import ModelStats
-from disttrain.plan.step_time import bubble_fraction, compute_seconds, idle_power, power
+from disttrain.plan.step_time import bubble_fraction, compute_seconds, idle_power, power, threads_per_rank
 from disttrain.plan.units import human_bytes
+
+if TYPE_CHECKING:
+    from disttrain.parallel.float8 import Float8Layers
 
 
 @dataclass
@@ -168,8 +173,9 @@ def weight_copies(layout: Layout, gather_bf16: bool) -> bool:
 
 
 def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state: StateBytes,
-             bf16: bool = False) -> Estimate:
-    """Predict ``layout`` for the model measured in ``stats`` on ``profile``."""
+             bf16: bool = False, float8: Float8Layers | None = None) -> Estimate:
+    """Predict ``layout`` for the model measured in ``stats`` on ``profile``; ``float8``: the linear layers that
+    train in float8 (``trainer.fp8``; None: none), priced by ``disttrain.plan.float8_cost``."""
     scale = layout.micro_size / stats.micro_size
     act_dtype = activation_dtype(stats, bf16)
     ranks = rank_units(stats, layout)
@@ -185,12 +191,26 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
     policies = {policy: activations(stats, ranks[0], replace(layout, activation_checkpoint=policy), scale * act_dtype,
                                     copies) for policy in CHECKPOINT_POLICIES}
     mine = policies[layout.activation_checkpoint]
-    memory, phases = _memory(stats, layout, state, params, experts, mine)
+    float8_gathered = frozenset(gathered_in_float8(stats, layout, float8))
+    memory, phases = _memory(stats, layout, state, params, experts, mine, float8_gathered)
     # the rows experts exchange are the normalised residual stream, which autocast leaves in fp32 (and on a CPU the
     # grouped product returns fp32 too): the pass's bytes under bf16-mixed as well
+    f8 = None
+    if float8 is not None:
+        threads = threads_per_rank(profile, layout.world_size) if profile.cpu else 1
+        f8 = float8_cost(stats, layout, busiest, profile, float8, "bf16" if bf16 else "fp32",
+                         2 if bf16 else 4, threads)
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
-                          scale)
+                          scale, f8.gathered_elements if f8 else 0.0)
     compute, recompute = compute_seconds(stats, layout, ranks, profile, state, params, bf16)
+    notes = []
+    if f8 is not None:
+        compute += f8.seconds
+        notes.append(f"trainer.fp8={float8.recipe}: {len(float8.modules)} linear layers' products at the "
+                     + (f"profile's float8 rate (saves {f8.products_saved_s * 1e3:.3g} ms a step)" if f8.priced_at
+                        == "fp8" else f"run's {f8.priced_at} rate (the profile states no float8 rate)")
+                     + f", casts to float8 {f8.casts_s * 1e3:.3g} ms a step"
+                     + (", weights gathered in float8" if float8_gathered else ""))
     ns_flops = ns_seconds = 0.0
     if state.matrices is not None:  # a matrix optimiser: its gathers and iteration, once per optimiser step
         traffic += matrix_gathers(stats, layout, busiest, state.matrices, profile)
@@ -220,17 +240,19 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
                     activations_by_length(stats, ranks[0], layout, scale * act_dtype, copies), capacity, traffic,
                     bubble_fraction(layout.pp, layout.microbatches, layout.schedule, layout.stages_per_rank),
                     compute, recompute, exposed, tokens, by_ep, alternative, ns_flops, ns_seconds,
-                    power(profile, layout.world_size), idle_power(profile, layout.world_size))
+                    power(profile, layout.world_size), idle_power(profile, layout.world_size), notes)
 
 
 def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float, experts: float,
-            acts: ActivationBytes) -> tuple[dict[str, float], dict[str, float]]:
+            acts: ActivationBytes, float8_gathered: frozenset[str] = frozenset()
+            ) -> tuple[dict[str, float], dict[str, float]]:
     """Per-rank memory terms and the bytes in use at the moments memory peaks (``Estimate.memory`` and
     ``Estimate.phases``): after forward, when backward reaches the first block (every later unit's gradient
-    exists beside that block's activations) and after backward."""
+    exists beside that block's activations) and after backward. ``float8_gathered``: parameters FSDP2 gathers in
+    float8."""
     memory = model_state(params, layout, state, experts)
     memory["activations"] = acts.peak
-    memory["transient"] = transient(stats, layout, state)
+    memory["transient"] = transient(stats, layout, state, float8_gathered)
     phases = state_peak(params, layout, state, experts)
     # a block's gathered unit comes with its backward, the gathered embedding and head with the head's, and
     # neither with the loss's

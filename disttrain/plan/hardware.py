@@ -24,11 +24,13 @@ GB = 1e9
 # fraction of peak FLOP/s: that of the matrix products alone, since every other operator is timed apart at memory
 # bandwidth and launch overhead (a whole step's MFU, lower, would charge those twice); 0.7 is the one value that
 # puts the planner within 10% of each published run it models kernel for kernel (benchmarks/plan_at_scale.py);
-# 5 us per kernel launch.
+# 5 us per kernel launch. Dense float8 (H100 SXM5: 1979 TFLOP/s, twice bf16; the H200's is the same) is the
+# ``fp8`` rate, at the same fraction; the A100 has no float8 products (``trainer.fp8`` is refused there).
 EFFICIENCY = 0.7
 PROFILES: dict[str, HardwareProfile] = {
     "h100_sxm": HardwareProfile(
-        "h100_sxm", {"bf16": 989e12 * EFFICIENCY, "fp32": 495e12 * EFFICIENCY}, 3.35e12 * 0.8, 5e-6, 80 * GB,
+        "h100_sxm", {"bf16": 989e12 * EFFICIENCY, "fp32": 495e12 * EFFICIENCY, "fp8": 1979e12 * EFFICIENCY},
+        3.35e12 * 0.8, 5e-6, 80 * GB,
         Link(450 * GB, 3e-6), Link(50 * GB, 10e-6), 8, 700.0, "NVIDIA H100 SXM5 datasheet x 0.7, NDR 400 Gb/s"),
     "a100_80gb": HardwareProfile(
         "a100_80gb", {"bf16": 312e12 * EFFICIENCY, "fp32": 156e12 * EFFICIENCY}, 2.04e12 * 0.8, 5e-6, 80 * GB,

@@ -4,12 +4,15 @@ precision and the hardware, so that ``parallel=auto`` can estimate every candida
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate, estimate
 from disttrain.plan.layout import Layout, StateBytes
 from disttrain.plan.model_stats import ModelStats
+
+if TYPE_CHECKING:
+    from disttrain.parallel.float8 import Float8Layers
 
 
 @dataclass
@@ -30,6 +33,8 @@ class PlanInputs:
     """Attention heads, where the model says (tp must divide them)."""
     measure: Any = None
     """Callable micro-batch size -> ModelStats (passes are cached per size)."""
+    float8: Float8Layers | None = None
+    """The linear layers that train in float8 (``trainer.fp8``, as validation decided; None: none)."""
     _cache: dict[int, ModelStats] = field(default_factory=dict)
     """Passes already measured, by micro-batch size."""
 
@@ -44,4 +49,4 @@ class PlanInputs:
     def estimate(self, layout: Layout) -> Estimate:
         """The prediction for ``layout``, from a pass at its micro-batch (per pipeline microbatch)."""
         size = max(1, layout.micro_size // (layout.microbatches if layout.pp > 1 else 1))
-        return estimate(self.stats_for(size), layout, self.profile, self.state, self.bf16)
+        return estimate(self.stats_for(size), layout, self.profile, self.state, self.bf16, self.float8)

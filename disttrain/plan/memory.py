@@ -239,16 +239,24 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
     return table
 
 
-def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
+def transient(stats: ModelStats, layout: Layout, state: StateBytes, float8_gathered: frozenset[str] = frozenset()
+              ) -> float:
     """Short-lived buffers: under ZeRO-3 the gathered unit and the one prefetched; under ZeRO-2/3 one unit's
-    whole gradients before their reduce-scatter (of its experts, the rank's 1/ep)."""
+    whole gradients before their reduce-scatter (of its experts, the rank's 1/ep). ``float8_gathered``: the
+    parameters FSDP2 gathers in float8 (one byte per value, ``disttrain.plan.float8_cost``)."""
     if not layout.shards_gradients:
         return 0.0
     units = stats.shard_units or [ROOT]
-    largest = max(sum(_gathered(stats, layout, name, n) for name, n in stats.param_numel.items()
-                      if within(stats.param_unit[name], u)) for u in units)
-    gathered = 2 * largest * state.param if layout.reshards_after_forward else 0.0
-    return gathered + largest * state.grad
+
+    def unit_bytes(unit: str) -> tuple[float, float]:  # (gathered bytes, gradient bytes)
+        names = [(name, _gathered(stats, layout, name, n)) for name, n in stats.param_numel.items()
+                 if within(stats.param_unit[name], unit)]
+        return (sum(n * (1 if name in float8_gathered else state.param) for name, n in names),
+                sum(n for _, n in names) * state.grad)
+
+    sizes = [unit_bytes(u) for u in units]
+    gathered = 2 * max(g for g, _ in sizes) if layout.reshards_after_forward else 0.0
+    return gathered + max(grad for _, grad in sizes)
 
 
 def root_transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:

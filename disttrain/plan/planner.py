@@ -25,8 +25,9 @@ def module_names(net: nn.Module, modules: list[nn.Module]) -> list[str]:
 
 
 def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim: Any, precision: str,
-                profile: HardwareProfile) -> PlanInputs:
-    """Measure ``net`` (built on the meta device) for a plan of a run with these options."""
+                profile: HardwareProfile, float8: Any = None) -> PlanInputs:
+    """Measure ``net`` (built on the meta device) for a plan of a run with these options; ``float8``: the run's
+    ``disttrain.parallel.float8.Float8Layers`` (None: no float8), which the plan prices."""
     from disttrain.parallel.model_plan import pipeline_units_of, shard_units_of, tp_plan_of
 
     pipeline = _declared(pipeline_units_of, net, parallel.pipeline_units) or []
@@ -48,7 +49,7 @@ def plan_inputs(net: nn.Module, spec: Any, micro_size: int, parallel: Any, optim
         state = state_bytes(getattr(optim, "name", ""), getattr(optim, "momentum", 0.0) or 0.0)
     heads = getattr(getattr(net, "dims", None), "n_head", None)
     return PlanInputs(measure(micro_size), state, precision.startswith("bf16"), profile, bool(tp_plan), heads,
-                      measure)
+                      measure, float8)
 
 
 def _declared(plan_of: Any, net: nn.Module, configured: Any) -> Any:
@@ -221,7 +222,7 @@ def plan_of_run(run: Any) -> tuple[Estimate, HardwareProfile, PlanInputs]:
     profile = profile_of_plan(cfg.plan)
     net = model_on_meta(run.model, run.datamodule.spec)
     inputs = plan_inputs(net, run.datamodule.spec, run.batch.micro_size, cfg.parallel, run.optim,
-                         planned_precision(cfg.trainer.precision, profile), profile)
+                         planned_precision(cfg.trainer.precision, profile), profile, cfg.trainer.float8)
     return inputs.estimate(layout_of(run.layout, cfg.parallel, run.batch)), profile, inputs
 
 

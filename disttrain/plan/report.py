@@ -73,6 +73,7 @@ def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats
                     + (f" ({profile.idle_watts:.0f} W while waiting)" if profile.idle_watts is not None else "")
                     if energy else
                     "; energy per token: unknown (the profile has no power figure)"))
+    lines += [f"note: {note}" for note in e.notes]
     return "\n".join(lines)
 
 
