@@ -32,7 +32,9 @@ def model_state(params: float, layout: Layout, state: StateBytes, experts: float
 def _state(params: float, shard: int, layout: Layout, state: StateBytes) -> dict[str, float]:
     """``model_state`` of ``params`` elements that ZeRO shards over ``shard`` ranks."""
     p = params * state.param
-    if layout.reshards_after_forward:
+    if layout.stage_keeps_whole:  # whole through the stage's backwards, beside the shards
+        held = p + p / shard
+    elif layout.reshards_after_forward:
         held = p / shard
     elif layout.keeps_gathered_parameters and state.zero2_keeps_shards:
         held = p + p / shard
@@ -88,8 +90,9 @@ class ActivationBytes:
     at_start: float = 0.0
     """As backward starts: what is held and the gradient of the output (the loss's backward)."""
     at_head: float = 0.0
-    """Once the loss's backward is done, as the head's starts: what is held and the gradient of the output alone
-    (ZeRO-3 gathers the parameters outside the blocks for it, ``root_transient``)."""
+    """Once the loss's backward is done, as the head's starts: what is held, less what the loss saved and has
+    freed, and the gradient of the output (``ModelStats.loss_left_bytes``; ZeRO-3 gathers the parameters outside
+    the blocks for it, ``root_transient``)."""
     in_backward: float = 0.0
     """At their largest after that, while backward runs through the blocks: the moments ZeRO-2/3's gathered unit
     and its unreduced gradients come on top of (``transient``); the loss's backward runs on the root's parameters,
@@ -202,7 +205,9 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
                         if unit not in blocks and unit not in after_blocks and unit_on_rank(stats, unit, units))
     in_first_block = (before_blocks + first_block_bytes + exchange) * share + copies_held - copies_outside
     later = max(in_blocks, in_attention + copies_held - copies_outside)
-    at_head = (held + (stats.output_bytes if last_stage else 0)) * share + copies_held
+    # the loss's backward has freed what it saved (its log-probabilities) by then: the pass measured what it left
+    left = stats.output_bytes if stats.loss_left_bytes is None else stats.loss_left_bytes
+    at_head = (held + (left if last_stage else 0)) * share + copies_held
     return ActivationBytes(held * share + copies_held, max(start, later), in_first_block, first_block, start, at_head,
                            later)
 
@@ -253,14 +258,16 @@ def transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
 
 def root_transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
     """Under ZeRO-3 without a pipeline, what the head's backward runs beside: the parameters outside the blocks
-    (the embedding, the head: one FSDP2 unit), gathered again once the output's gradient exists, and the head's
-    whole gradient before its reduce-scatter. With a large vocabulary they outweigh every block (0 under other
-    layouts)."""
+    (the embedding, the head: one FSDP2 unit), gathered again once the output's gradient exists, and at first
+    the all-gather's output beside them (FSDP2 gathers a unit into one flat buffer and copies each parameter out
+    of it), then the head's whole gradient before its reduce-scatter. With a large vocabulary they outweigh
+    every block (0 under other layouts)."""
     if not layout.reshards_after_forward or layout.pp > 1 or not stats.shard_units:
         return 0.0
     outside = [_gathered(stats, layout, name, n) for name, n in stats.param_numel.items()
                if not any(within(stats.param_unit[name], unit) for unit in stats.shard_units)]
-    return sum(outside) * state.param + max(outside, default=0.0) * state.grad
+    gathered = sum(outside) * state.param
+    return gathered + max(gathered, max(outside, default=0.0) * state.grad)
 
 
 def _gathered(stats: ModelStats, layout: Layout, name: str, n: int) -> float:

@@ -148,6 +148,9 @@ class ModelStats:
     param_rows: dict[str, int] = field(default_factory=dict)
     """Parameter name -> its first dimension, along which FSDP2 shards it (padded to a multiple of the shard
     ranks: every rank holds as many rows, and a gathered unit has that many rows per rank)."""
+    loss_left_bytes: int | None = None
+    """What the loss's backward leaves beside what forward saved once the logits' gradient is complete, as the
+    head's backward starts: that gradient, less what the loss saved and has freed by then (None: not measured)."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -248,7 +251,7 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     casting = MetaAutocast(autocast) if autocast else None
     recorder.copies = casting.copies if casting else {}
     # what is saved stays counted until backward frees it, so the loss's backward is measured net of what it frees
-    live, loss_grad = LiveStorages(meta=True), [0]
+    live, loss_grad, loss_left = LiveStorages(meta=True), [0], [0]
     recorder.on_saved = live.count
     try:
         # the counter sees each operator before routing's stand-ins for the meta device answer it
@@ -265,7 +268,11 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
             # the loss's backward makes its gradients beside everything saved, and frees what it saved itself,
             # before the head's backward starts
             live.peak = start = live.live
-            logits.register_hook(lambda grad: loss_grad.__setitem__(0, live.peak - start))
+
+            def loss_done(_: torch.Tensor) -> None:
+                loss_grad[0], loss_left[0] = live.peak - start, live.live - start
+
+            logits.register_hook(loss_done)
             with live:
                 loss.backward()
     finally:
@@ -284,7 +291,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       _document_mask_bytes(net),
                       {name: p.element_size() for name, p in net.named_parameters()
                        if name in param_numel and not p.requires_grad},
-                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel})
+                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel},
+                      loss_left[0])
 
 
 def _document_mask_bytes(net: nn.Module) -> int:
