@@ -72,10 +72,11 @@ def _dry_run(overrides: list[str], run_dir: Path) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_dry_run_holds_the_memory_the_plan_predicts_for_its_rank(layout: str, tmp_path: Path) -> None:
     result = _dry_run(LAYOUTS[layout], tmp_path)
-    # measured here (measured / planned): zero3 on 512 1.04, zero3 on 64 1.00 (vocabulary 8192 1.00), ddp on 512
+    # measured here (measured / planned): zero3 on 512 0.97, zero3 on 64 1.00 (vocabulary 8192 1.00), ddp on 512
     # 1.00, hsdp 1.00, tp x zero3 0.99, ddp 1.00, zero1 1.02, zero3 with full checkpointing 1.00, selective 1.00,
     # zero3 x cp2 0.96, moe ep4 x zero3 1.03, pipeline 1f1b 1.02, gpipe 1.00, zero3 width 128 1.00, pp2 x tp2 x
-    # zero3 1.03, tp2 x zero3 width 512 1.00 (4 blocks 0.98)
+    # zero3 1.01, tp2 x zero3 width 512 0.96 (4 blocks 0.96: a block's gradients are taken to come beside all of
+    # its activations)
     assert result["measured_peak_bytes"] == pytest.approx(result["planned_peak_bytes"], rel=0.05), result
 
 

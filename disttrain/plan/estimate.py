@@ -230,10 +230,10 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
     # a block's gathered unit comes with its backward, the gathered embedding and head with the head's and stay
     # until the end of backward, and neither comes with the loss's
     root = root_unit(stats, layout, state)
-    # a block's gradients come as its activations go
-    one, two = acts.in_backward - acts.block_kept, acts.in_backward - 2 * acts.block_kept
-    in_blocks = max(acts.in_backward + buffers.last_start, one + max(buffers.last_with_grads, buffers.earlier_start),
-                    two + buffers.earlier_with_grads)
+    # an earlier block's backward runs once the last block's activations are gone; a block's own gradients may
+    # come while all of its activations are there (its widest part's backward runs first)
+    earlier = acts.in_backward - acts.block_kept
+    in_blocks = max(acts.in_backward + buffers.last_with_grads, earlier + buffers.earlier_with_grads)
     phases["after_forward"] += max(acts.at_start, acts.at_head + root.at_head, in_blocks + root.in_blocks)
     memory["transient"] = max(buffers.most + root.in_blocks, root.at_head)
     if acts.first_block is not None:

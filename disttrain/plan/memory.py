@@ -95,11 +95,11 @@ class ActivationBytes:
     the blocks for it, ``RootUnit``)."""
     in_backward: float = 0.0
     """At their largest after that, while backward runs through the blocks: the moments ZeRO-2/3's gathered unit
-    and its unreduced gradients come on top of (``BlockBuffers.last``); the loss's backward runs on the root's
+    and its unreduced gradients come on top of (``BlockBuffers``); the loss's backward runs on the root's
     parameters, which stay gathered, and no block's are."""
     block_kept: float = 0.0
-    """What the last block keeps, which its backward frees as its gradients come (``BlockBuffers``): an earlier
-    block's backward runs with ``in_backward`` less one such block's, or two once its own gradients are whole."""
+    """What the last block keeps, which its backward frees: an earlier block's backward runs with
+    ``in_backward`` less it (beside more of ZeRO-2/3's buffers, ``BlockBuffers``)."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
