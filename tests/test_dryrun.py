@@ -198,3 +198,20 @@ def test_a_pipeline_stage_under_zero3_reshards_and_reduces_when_its_step_ends(tm
     shards = est.memory["optimizer"] * (4 + 8) / 8  # fp32 shards beside AdamW's two moments
     # measured here: 22.4 kB against the plan's 21.6 kB; without the reduce the stage kept 242 kB
     assert result["measured_moments_bytes"]["after_step"] == pytest.approx(shards, rel=0.1), (result, shards)
+
+
+def test_the_plan_gathers_a_tp_ranks_share_of_split_rows_padded_as_fsdp2_pads_it(tmp_path: Path) -> None:
+    """FSDP2 pads the rows a rank shards to a multiple of the shard ranks: under tp, the rank's share of a
+    column-wise layer's rows. Width 512, tp=2 over 256 shard ranks: q 256 rows, k and v 128 padded to 256, w1 and
+    w3 688 padded to 768, o and w2 512 rows of 256 and 688 columns, two norms of 512: 6,656,000 bytes, the size of
+    the all-gather output of a block that a dry run of this layout counts."""
+    from disttrain.plan.layout import StateBytes
+    from disttrain.plan.memory import block_buffers
+    from disttrain.plan.planner import plan_of_run
+
+    run = validate(compose_config([*TINY_LLAMA, "mode=dryrun", *LAYOUTS["tp2 x zero3 on 512, width 512"]], tmp_path))
+    est, _, inputs = plan_of_run(run)
+    rows = 256 * 512 + 2 * 256 * 512 + 2 * 768 * 512 + 512 * 256 + 512 * 688 + 2 * 512
+    assert rows * 4 == 6_656_000
+    # the last block's backward starts with its gathered parameters beside an all-gather output of their size
+    assert block_buffers(inputs.stats, est.layout, StateBytes()).last_start == 2 * 6_656_000
