@@ -121,14 +121,18 @@ def _expected_state(ep: int, zero_stage: int, shard: int = 4) -> dict[str, float
 def test_state_per_rank_under_expert_parallelism(ep: int, zero_stage: int) -> None:
     """dp_shard=4: dense state over 4 ranks; experts over ep x (4 / ep). Under ZeRO-3 the shards are the same at
     every ep; what ep changes is what a rank gathers whole: its unit's dense parameters and its 1/ep of the
-    experts (twice, the prefetched unit too, plus that unit's gradients), and under ZeRO-2 the whole parameters
-    it keeps."""
+    experts (twice, an all-gather's output too, plus that unit's gradients; under ZeRO-2 the gradients beside the
+    later unit's reduce-scatter input), and under ZeRO-2 the whole parameters it keeps."""
     inputs = _inputs(_model(MOE))
     e = inputs.estimate(Layout(dp_shard=4, ep=ep, zero_stage=zero_stage, micro_size=8))
     for term, value in _expected_state(ep, zero_stage).items():
         assert e.memory[term] == pytest.approx(value), term
-    gathered = 2 if zero_stage == 3 else 0
-    assert e.memory["transient"] == pytest.approx((gathered * 4 + 4) * (DENSE_BLOCK + EXPERTS_BLOCK / ep))
+    block = DENSE_BLOCK + EXPERTS_BLOCK / ep
+    if zero_stage == 3:  # the block gathered, an all-gather's output, its gradients; the root gathered, the output's
+        expected = (2 * 4 + 4) * block + (2 * V * C + C + V * C) * 4
+    else:  # the first block's gradients beside the later one's reduce-scatter input
+        expected = 2 * 4 * block
+    assert e.memory["transient"] == pytest.approx(expected)
     if zero_stage == 3:
         assert e.memory["params"] == pytest.approx((DENSE + EXPERTS) * 4 / 4)
     # unsharded accumulation holds every gradient whole: the rank's own experts only

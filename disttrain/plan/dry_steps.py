@@ -115,7 +115,8 @@ def _stage_micro_batch(pipeline: PipelineSlot, batch: tuple[torch.Tensor, torch.
                        autocast: bool, last_micro: bool, live: LiveStorages | None, result: StepMemory) -> None:
     """One micro-batch through this rank's stage: its microbatches' forwards and backwards in the order of a
     single-stage schedule (GPipe: every forward, then every backward; 1F1B: ``pp - pp_rank`` forwards in flight,
-    then one backward per forward), each backward through the stage's own hand-over to FSDP2 and DDP."""
+    then one backward per forward), each backward through the stage's own hand-over to FSDP2 and DDP, and the
+    gradients reduced at the end as the schedule reduces them."""
     stage = pipeline.pipeline.stages[0]
     m = layout.microbatches
     inputs, targets = (part.chunk(m) for part in batch)
@@ -149,3 +150,6 @@ def _stage_micro_batch(pipeline: PipelineSlot, batch: tuple[torch.Tensor, torch.
         forward(i)
     while pending:
         backward(last_micro and len(pending) == 1)
+    # as torch's schedules end every step: FSDP2 kept its unit whole and accumulated whole gradients through the
+    # stage's backwards (not syncing), and only now reshards and reduce-scatters them (the loss is scaled already)
+    stage.perform_reduce_grad(1)

@@ -38,10 +38,10 @@ from disttrain.plan.memory import (
     ActivationBytes,
     activations,
     activations_by_length,
+    block_buffers,
     model_state,
-    root_transient,
+    root_unit,
     state_peak,
-    transient,
 )
 from disttrain.plan.model_stats import ModelStats
 from disttrain.plan.step_time import bubble_fraction, compute_seconds, idle_power, power, threads_per_rank
@@ -252,19 +252,23 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
     float8."""
     memory = model_state(params, layout, state, experts)
     memory["activations"] = acts.peak
-    memory["transient"] = transient(stats, layout, state, float8_gathered)
+    buffers = block_buffers(stats, layout, state, float8_gathered)
     phases = state_peak(params, layout, state, experts)
-    # a block's gathered unit comes with its backward, the gathered embedding and head with the head's, and
-    # neither with the loss's
-    outside = root_transient(stats, layout, state)
-    phases["after_forward"] += max(acts.at_start, acts.at_head + outside, acts.in_backward + memory["transient"])
-    memory["transient"] = max(memory["transient"], outside)
+    # a block's gathered unit comes with its backward, the gathered embedding and head with the head's and stay
+    # until the end of backward, and neither comes with the loss's
+    root = root_unit(stats, layout, state)
+    # an earlier block's backward runs once the last block's activations are gone; a block's own gradients may
+    # come while all of its activations are there (its widest part's backward runs first)
+    earlier = acts.in_backward - acts.block_kept
+    in_blocks = max(acts.in_backward + buffers.last_with_grads, earlier + buffers.earlier_with_grads)
+    phases["after_forward"] += max(acts.at_start, acts.at_head + root.at_head, in_blocks + root.in_blocks)
+    memory["transient"] = max(buffers.most + root.in_blocks, root.at_head)
     if acts.first_block is not None:
         first = sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
                     if within(stats.param_unit[name], acts.first_block))
         pending = memory["grads"] * min(first / params, 1.0) if params else 0.0
         phases["in_first_block"] = (memory["params"] + memory["grads"] - pending + memory["optimizer"]
-                                    + acts.in_first_block + memory["transient"])
+                                    + acts.in_first_block + buffers.earlier_start + root.in_blocks)
     return memory, phases
 
 

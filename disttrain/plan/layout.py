@@ -86,10 +86,18 @@ class Layout(RunLayout):
     """Pipeline stages per rank (interleaved schedules)."""
 
     @property
+    def stage_keeps_whole(self) -> bool:
+        """A pipeline stage under ZeRO-2/3: torch's stage turns FSDP2's gradient sync and its resharding after
+        backward off for every microbatch's backward and reduces once when the schedule's step ends, so from the
+        first backward on the stage holds its whole parameters (beside their shards) and whole gradients."""
+        return self.pp > 1 and self.shards_parameters
+
+    @property
     def whole_grads(self) -> bool:
-        """Each rank holds its gradients unsharded at their largest: no ZeRO-2/3, or micro-batches that
-        accumulate whole gradients before one reduce-scatter."""
-        return not self.shards_gradients or (self.accumulation > 1 and not self.sharded_accumulation)
+        """Each rank holds its gradients unsharded at their largest: no ZeRO-2/3, micro-batches that
+        accumulate whole gradients before one reduce-scatter, or a pipeline stage (``stage_keeps_whole``)."""
+        return (not self.shards_gradients or (self.accumulation > 1 and not self.sharded_accumulation)
+                or self.stage_keeps_whole)
 
     def describe(self) -> str:
         """Short text, e.g. ``dp_shard=4 ep=2 cp=2 zero3 tp=2 ac=selective micro=8x2`` (``ac=full every 2`` when the

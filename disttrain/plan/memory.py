@@ -32,7 +32,9 @@ def model_state(params: float, layout: Layout, state: StateBytes, experts: float
 def _state(params: float, shard: int, layout: Layout, state: StateBytes) -> dict[str, float]:
     """``model_state`` of ``params`` elements that ZeRO shards over ``shard`` ranks."""
     p = params * state.param
-    if layout.reshards_after_forward:
+    if layout.stage_keeps_whole:  # whole through the stage's backwards, beside the shards
+        held = p + p / shard
+    elif layout.reshards_after_forward:
         held = p / shard
     elif layout.keeps_gathered_parameters and state.zero2_keeps_shards:
         held = p + p / shard
@@ -88,12 +90,16 @@ class ActivationBytes:
     at_start: float = 0.0
     """As backward starts: what is held and the gradient of the output (the loss's backward)."""
     at_head: float = 0.0
-    """Once the loss's backward is done, as the head's starts: what is held and the gradient of the output alone
-    (ZeRO-3 gathers the parameters outside the blocks for it, ``root_transient``)."""
+    """Once the loss's backward is done, as the head's starts: what is held, less what the loss saved and has
+    freed, and the gradient of the output (``ModelStats.loss_left_bytes``; ZeRO-3 gathers the parameters outside
+    the blocks for it, ``RootUnit``)."""
     in_backward: float = 0.0
     """At their largest after that, while backward runs through the blocks: the moments ZeRO-2/3's gathered unit
-    and its unreduced gradients come on top of (``transient``); the loss's backward runs on the root's parameters,
-    which stay gathered, and no block's are."""
+    and its unreduced gradients come on top of (``BlockBuffers``); the loss's backward runs on the root's
+    parameters, which stay gathered, and no block's are."""
+    block_kept: float = 0.0
+    """What the last block keeps, which its backward frees: an earlier block's backward runs with
+    ``in_backward`` less it (beside more of ZeRO-2/3's buffers, ``BlockBuffers``)."""
 
 
 def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scale: float,
@@ -138,6 +144,8 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
     held = outside = recompute = gradient = 0.0
     copies_held = copies_outside = 0.0  # in bytes of the run, not of the pass
     first_block = next((u for u in stats.units if u in blocks and unit_on_rank(stats, u, units)), None)
+    last_block_here = next((u for u in reversed(stats.units) if u in blocks and unit_on_rank(stats, u, units)), None)
+    last_kept = 0.0  # what that block keeps
     first_block_bytes = 0.0  # its kept, recomputed and widest gradient's bytes
     # what runs after the last block (the head, the loss) is freed before backward reaches the blocks; what
     # runs before them (a CNN's stem) stays until the end
@@ -170,6 +178,7 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
         if unit == first_block and policy != "none":  # a recomputation reuses the documents' mask (below)
             again = max(again - stats.document_mask_bytes, 0.0)
         held += kept
+        last_kept = kept if unit == last_block_here else last_kept
         recompute = max(recompute, again)
         gradient = max(gradient, stats.largest_saved.get(unit, 0) * split)
         if unit == first_block:
@@ -202,9 +211,11 @@ def activations(stats: ModelStats, units: list[str] | None, layout: Layout, scal
                         if unit not in blocks and unit not in after_blocks and unit_on_rank(stats, unit, units))
     in_first_block = (before_blocks + first_block_bytes + exchange) * share + copies_held - copies_outside
     later = max(in_blocks, in_attention + copies_held - copies_outside)
-    at_head = (held + (stats.output_bytes if last_stage else 0)) * share + copies_held
+    # the loss's backward has freed what it saved (its log-probabilities) by then: the pass measured what it left
+    left = stats.output_bytes if stats.loss_left_bytes is None else stats.loss_left_bytes
+    at_head = (held + (left if last_stage else 0)) * share + copies_held
     return ActivationBytes(held * share + copies_held, max(start, later), in_first_block, first_block, start, at_head,
-                           later)
+                           later, last_kept * share)
 
 
 def kv_transient(stats: ModelStats, units: list[str] | None, layout: Layout) -> float:
@@ -239,13 +250,37 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
     return table
 
 
-def transient(stats: ModelStats, layout: Layout, state: StateBytes, float8_gathered: frozenset[str] = frozenset()
-              ) -> float:
-    """Short-lived buffers: under ZeRO-3 the gathered unit and the one prefetched; under ZeRO-2/3 one unit's
-    whole gradients before their reduce-scatter (of its experts, the rank's 1/ep). ``float8_gathered``: the
-    parameters FSDP2 gathers in float8 (one byte per value, ``disttrain.plan.float8_cost``)."""
+@dataclass(frozen=True)
+class BlockBuffers:
+    """ZeRO-2/3's short-lived buffers of the largest unit (of its experts, the rank's 1/ep) while backward runs
+    through the blocks, as its backward starts (``start``: its activations are all there) and once its gradients
+    are whole (``with_grads``: its activations are gone). Under ZeRO-3 the unit's gathered parameters and an
+    all-gather's output beside them (its own as it copies them out, or the previous unit's, prefetched); under
+    ZeRO-2/3 its whole gradients before their reduce-scatter and, in a block before the last, the later block's
+    reduce-scatter input, which FSDP2 frees only as the next reduce-scatter starts (not in a pipeline stage, which
+    reduces once when the step ends)."""
+
+    last_start: float = 0.0
+    """The last block's backward as it starts."""
+    last_with_grads: float = 0.0
+    """The last block's, its gradients whole."""
+    earlier_start: float = 0.0
+    """An earlier block's as it starts (the last of them: most activations held)."""
+    earlier_with_grads: float = 0.0
+    """An earlier block's, its gradients whole."""
+
+    @property
+    def most(self) -> float:
+        """The most of them at once."""
+        return max(self.last_start, self.last_with_grads, self.earlier_start, self.earlier_with_grads)
+
+
+def block_buffers(stats: ModelStats, layout: Layout, state: StateBytes, float8_gathered: frozenset[str] = frozenset()
+                  ) -> BlockBuffers:
+    """The ``BlockBuffers`` of ``layout`` (none without ZeRO-2/3). ``float8_gathered``: the parameters FSDP2 gathers
+    in float8 (one byte per value, ``disttrain.plan.float8_cost``)."""
     if not layout.shards_gradients:
-        return 0.0
+        return BlockBuffers()
     units = stats.shard_units or [ROOT]
 
     def unit_bytes(unit: str) -> tuple[float, float]:  # (gathered bytes, gradient bytes)
@@ -255,26 +290,53 @@ def transient(stats: ModelStats, layout: Layout, state: StateBytes, float8_gathe
                 sum(n for _, n in names) * state.grad)
 
     sizes = [unit_bytes(u) for u in units]
-    gathered = 2 * max(g for g, _ in sizes) if layout.reshards_after_forward else 0.0
-    return gathered + max(grad for _, grad in sizes)
+    param, grad = max(p for p, _ in sizes), max(g for _, g in sizes)
+    waiting = grad if len(units) > 1 and not layout.stage_keeps_whole else 0.0  # a later unit's reduce-scatter input
+    gathered = 2 * param if layout.reshards_after_forward else 0.0
+    # the first block prefetches nothing: once its own all-gather output is gone only its parameters stay
+    earlier = gathered if len(units) > 2 or not gathered else param
+    return BlockBuffers(gathered, gathered + grad, gathered + waiting, earlier + grad + waiting)
 
 
-def root_transient(stats: ModelStats, layout: Layout, state: StateBytes) -> float:
-    """Under ZeRO-3 without a pipeline, what the head's backward runs beside: the parameters outside the blocks
-    (the embedding, the head: one FSDP2 unit), gathered again once the output's gradient exists, and the head's
-    whole gradient before its reduce-scatter. With a large vocabulary they outweigh every block (0 under other
-    layouts)."""
+@dataclass(frozen=True)
+class RootUnit:
+    """Under ZeRO-3 without a pipeline, the FSDP2 unit of the parameters outside the blocks (the embedding, the
+    head), which backward gathers again once the output's gradient exists and reshards only after the
+    embedding's backward, the last: whole through every block's backward. With a large vocabulary it outweighs
+    every block."""
+
+    gathered: float = 0.0
+    """Bytes of its parameters gathered (0: another layout)."""
+    head_grad: float = 0.0
+    """Bytes of the whole gradient of its largest parameter (the head's, which its backward makes first), kept
+    until the unit's reduce-scatter at the end of backward."""
+
+    @property
+    def at_head(self) -> float:
+        """As the head's backward runs: first the all-gather's output beside the parameters (FSDP2 gathers a unit
+        into one flat buffer and copies each parameter out of it), then the parameters and the head's gradient."""
+        return self.gathered + max(self.gathered, self.head_grad)
+
+    @property
+    def in_blocks(self) -> float:
+        """While backward runs through the blocks: the gathered parameters and the head's gradient."""
+        return self.gathered + self.head_grad
+
+
+def root_unit(stats: ModelStats, layout: Layout, state: StateBytes) -> RootUnit:
+    """The ``RootUnit`` of ``layout`` (empty under layouts that do not reshard it after forward)."""
     if not layout.reshards_after_forward or layout.pp > 1 or not stats.shard_units:
-        return 0.0
+        return RootUnit()
     outside = [_gathered(stats, layout, name, n) for name, n in stats.param_numel.items()
                if not any(within(stats.param_unit[name], unit) for unit in stats.shard_units)]
-    return sum(outside) * state.param + max(outside, default=0.0) * state.grad
+    return RootUnit(sum(outside) * state.param, max(outside, default=0.0) * state.grad)
 
 
 def _gathered(stats: ModelStats, layout: Layout, name: str, n: int) -> float:
     """Elements of parameter ``name`` (``n`` whole) a rank gathers: its tp share, its own experts only, with the
-    rows FSDP2 pads to a multiple of the shard ranks (a small matrix gathered over many ranks is mostly padding)."""
+    rows FSDP2 pads to a multiple of the shard ranks (a small matrix gathered over many ranks is mostly padding;
+    where tp splits the rows, its share of them is padded)."""
     n = n / (layout.tp if stats.tp_sharded.get(name) else 1) / (layout.ep if name in stats.expert_params else 1)
-    rows = stats.param_rows.get(name, 0)
+    rows = stats.param_rows.get(name, 0) / (layout.tp if name in stats.tp_rows_split else 1)
     shards = layout.expert_state_shards if name in stats.expert_params else layout.state_shards
     return n * math.ceil(rows / shards) * shards / rows if rows else n

@@ -149,6 +149,12 @@ class ModelStats:
     param_rows: dict[str, int] = field(default_factory=dict)
     """Parameter name -> its first dimension, along which FSDP2 shards it (padded to a multiple of the shard
     ranks: every rank holds as many rows, and a gathered unit has that many rows per rank)."""
+    tp_rows_split: frozenset[str] = frozenset()
+    """Parameters whose first dimension (rows) the tensor-parallel plan splits (column-wise layers' weights and
+    biases, experts): FSDP2 pads a tp rank's share of the rows, not the whole's."""
+    loss_left_bytes: int | None = None
+    """What the loss's backward leaves beside what forward saved once the logits' gradient is complete, as the
+    head's backward starts: that gradient, less what the loss saved and has freed by then (None: not measured)."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -249,7 +255,7 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     casting = MetaAutocast(autocast) if autocast else None
     recorder.copies = casting.copies if casting else {}
     # what is saved stays counted until backward frees it, so the loss's backward is measured net of what it frees
-    live, loss_grad = LiveStorages(meta=True), [0]
+    live, loss_grad, loss_left = LiveStorages(meta=True), [0], [0]
     recorder.on_saved = live.count
     try:
         # the counter sees each operator before routing's stand-ins for the meta device answer it
@@ -266,7 +272,11 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
             # the loss's backward makes its gradients beside everything saved, and frees what it saved itself,
             # before the head's backward starts
             live.peak = start = live.live
-            logits.register_hook(lambda grad: loss_grad.__setitem__(0, live.peak - start))
+
+            def loss_done(_: torch.Tensor) -> None:
+                loss_grad[0], loss_left[0] = live.peak - start, live.live - start
+
+            logits.register_hook(loss_done)
             with live:
                 loss.backward()
     finally:
@@ -285,7 +295,8 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       _document_mask_bytes(net),
                       {name: p.element_size() for name, p in net.named_parameters()
                        if name in param_numel and not p.requires_grad},
-                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel})
+                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel},
+                      tp_row_split_parameters(net, tp_plan or {}, param_numel), loss_left[0])
 
 
 def _document_mask_bytes(net: nn.Module) -> int:
@@ -305,6 +316,18 @@ module the plan does not name, are whole on every rank."""
 def tp_sharded_parameters(net: nn.Module, tp_plan: dict[str, str], names: dict[str, int]) -> dict[str, bool]:
     """Parameter name (of ``names``) -> whether the tensor-parallel plan splits it, each pattern matched part by
     dotted part as the runtime matches it (``disttrain.parallel.model_plan.matching_modules``)."""
+    return {name: which is not None for name, which in _tp_split_parts(net, tp_plan, names).items()}
+
+
+def tp_row_split_parameters(net: nn.Module, tp_plan: dict[str, str], names: dict[str, int]) -> frozenset[str]:
+    """The parameters of ``names`` whose rows the tensor-parallel plan splits (``SHARDING_STYLES`` ``all``: the
+    rest it splits, row-wise layers' weights, it splits by columns)."""
+    return frozenset(name for name, which in _tp_split_parts(net, tp_plan, names).items() if which == "all")
+
+
+def _tp_split_parts(net: nn.Module, tp_plan: dict[str, str], names: dict[str, int]) -> dict[str, str | None]:
+    """Parameter name -> which part of its module the tensor-parallel plan splits (``SHARDING_STYLES``'s values;
+    None: none of it)."""
     from disttrain.parallel.model_plan import matching_modules
 
     split: dict[str, str] = {}
@@ -312,10 +335,10 @@ def tp_sharded_parameters(net: nn.Module, tp_plan: dict[str, str], names: dict[s
         if style in SHARDING_STYLES:
             split.update(dict.fromkeys(matching_modules(net, pattern), SHARDING_STYLES[style]))
 
-    def sharded(name: str) -> bool:
+    def sharded(name: str) -> str | None:
         module, _, own = name.rpartition(".")
         which = split.get(module)
-        return which == "all" or (which == "weight" and own == "weight")
+        return which if which == "all" or (which == "weight" and own == "weight") else None
 
     return {name: sharded(name) for name in names}
 
