@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fresh_process import in_fresh_process  # noqa: E402
 from machine import cpu_features, cpu_model  # noqa: E402
 
+from disttrain.parallel.compile import COMPILE_MODES  # noqa: E402
+
 SIDES = ("eager", "whole", "blocks", "blocks+rest")
 """The ways of compiling, in the table's order."""
 VOCAB = 256
@@ -62,51 +64,56 @@ class Measured:
 
 
 def build_model(family: str, layers: int, width: int, seq: int):
-    """A ``family`` model (gpt or llama) of ``layers`` blocks, ``width`` wide, with heads of 64."""
+    """A ``family`` model (gpt or llama) of ``layers`` blocks, ``width`` wide, with heads of 64 (the Llama with
+    half as many key/value heads)."""
     import torch
 
-    from disttrain.models.gpt import GPT, GPTDims
-    from disttrain.models.llama import Llama, LlamaDims
+    from disttrain.data.spec import DataSpec
+    from disttrain.models.gpt import GPTConfig, build_gpt
+    from disttrain.models.llama import LlamaConfig, build_llama
 
     torch.manual_seed(0)
+    spec = DataSpec(kind="text", vocab_size=VOCAB, block_size=seq)
     heads = max(1, width // 64)
     if family == "gpt":
-        return GPT(GPTDims(n_layer=layers, n_head=heads, n_embd=width, block_size=seq, vocab_size=VOCAB))
-    kv_heads = heads // 2 if heads % 2 == 0 else heads
-    return Llama(LlamaDims(n_layer=layers, n_head=heads, n_kv_head=kv_heads, n_embd=width, block_size=seq,
-                           vocab_size=VOCAB))
+        return build_gpt(GPTConfig(n_layer=layers, n_head=heads, n_embd=width, block_size=seq), spec)
+    return build_llama(LlamaConfig(n_layer=layers, n_head=heads, n_kv_head=max(1, heads // 2), n_embd=width,
+                                   block_size=seq), spec)
 
 
-def compile_side(model, side: str) -> None:
-    """Compile ``model`` in place as ``side`` says (nothing for eager)."""
-    from disttrain.parallel.compile import compile_model
+def compile_side(model, side: str, mode: str) -> None:
+    """Compile ``model`` in place as ``side`` says (nothing for eager) in torch.compile's ``mode``."""
+    from disttrain.parallel.compile import compile_model, torch_compile_mode
     from disttrain.parallel.model_plan import shard_units_of
 
     if side == "eager":
         return
+    if side == "whole":
+        model.compile(mode=torch_compile_mode(mode))
+        return
     units = shard_units_of(model)
-    compile_model(model, units, per_unit=side != "whole")
+    compile_model(model, units, mode)
     if side == "blocks+rest":
         holders = {id(unit) for unit in units}
         for child in model.children():
             if not any(id(module) in holders for module in child.modules()):
-                child.compile()
+                child.compile(mode=torch_compile_mode(mode))
 
 
 def measure(family: str, layers: int, width: int, seq: int, batch: int, steps: int, side: str,
-            device: str) -> Measured:
+            device: str, mode: str) -> Measured:
     """Train ``steps`` + 3 steps of one model compiled as ``side``; this process's figures."""
     # an inductor cache of this process's own: each side compiles from nothing, as a first run does
     cache = tempfile.mkdtemp(prefix="compile-regions-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     try:
-        return _train(family, layers, width, seq, batch, steps, side, device)
+        return _train(family, layers, width, seq, batch, steps, side, device, mode)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
 
 def _train(family: str, layers: int, width: int, seq: int, batch: int, steps: int, side: str,
-           device: str) -> Measured:
+           device: str, mode: str) -> Measured:
     import torch
     from torch._dynamo.utils import counters
 
@@ -114,8 +121,8 @@ def _train(family: str, layers: int, width: int, seq: int, batch: int, steps: in
 
     counters.clear()
     model = build_model(family, layers, width, seq).to(device)
-    compile_side(model, side)
-    loss_fn = loss_function(None if side == "eager" else "default")
+    compile_side(model, side, mode)
+    loss_fn = loss_function(None if side == "eager" else mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
@@ -159,6 +166,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--mode", default="default", choices=COMPILE_MODES, help="torch.compile's mode")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the measuring processes read it (fresh_process)
     import torch
@@ -171,17 +179,21 @@ def main() -> None:
     machine = (torch.cuda.get_device_name() if args.device == "cuda" else
                f"{cpu_model()} ({cpu_features()}), {args.threads} thread(s)")
     print(f"{machine}, torch {torch.__version__}; width {args.width}, batch {args.batch} x sequence {args.seq}, "
-          f"{'bf16 autocast' if args.device == 'cuda' else 'fp32'}, steady step: median of {args.steps}, "
-          f"{args.repeats} repeat(s)\n")
+          f"{'bf16 autocast' if args.device == 'cuda' else 'fp32'}, mode {args.mode}, steady step: median of "
+          f"{args.steps}, {args.repeats} repeat(s)\n")
     runs: dict[tuple, list[Measured]] = {}
     for _ in range(args.repeats):
         for family, layers in cases:
             for side in sides:
                 runs.setdefault((family, layers, side), []).append(in_fresh_process(
-                    measure, family, layers, args.width, args.seq, args.batch, args.steps, side, args.device))
+                    measure, family, layers, args.width, args.seq, args.batch, args.steps, side, args.device,
+                    args.mode))
+                m = runs[(family, layers, side)][-1]
+                print(f"measured {family} {layers} {side}: first step {m.first_s:.1f} s, steady step "
+                      f"{m.steady_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
     device_column = " peak GPU allocated (MiB) |" if args.device == "cuda" else ""
-    print(f"| model | layers | compiled | first step (s) | steady step (ms) | vs whole | peak RSS (MiB) |{device_column}"
-          " frames | graphs | ops traced | recompiles |")
+    print("| model | layers | compiled | first step (s) | steady step (ms) | vs whole | peak RSS (MiB) |"
+          f"{device_column} frames | graphs | ops traced | recompiles |")
     print("|---|---:|---|---:|---:|---:|---:|" + ("---:|" if device_column else "") + "---:|---:|---:|---:|")
     first_ratios, steady_ratios = [], []
     for family, layers in cases:
