@@ -4,11 +4,10 @@ Compiled in place (``nn.Module.compile``), so parameter names, checkpoints and e
 eager model. Each unit (transformer block, ``shard_units_of``) is compiled on its own under every layout: the
 blocks of a model run one compiled code (dynamo guards on a block's structure, not on its parameters), so what
 is traced and compiled is one block's whatever the depth, and FSDP2's and tensor parallelism's hooks sit between
-units.
-The modules outside the units (embedding, final norm, head) run eager; the loss is compiled on its own
-(``disttrain.rank.loss``). Measured against one graph of the whole model by ``benchmarks/compile_regions.py`` (its figures:
-``benchmarks/README.md``).
-The whole model is one graph where it has no units, and under the modes that record CUDA graphs.
+units. The modules outside the units (embedding, final norm, head) run eager; the loss is compiled on its own
+(``disttrain.rank.loss``). Measured against one graph of the whole model by ``benchmarks/compile_regions.py``
+(its figures: ``benchmarks/README.md``). The whole model is one graph where it has no units, and under the modes
+that record CUDA graphs.
 """
 
 from __future__ import annotations
