@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
+from torch._dynamo.utils import counters
 
 from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.loss import token_cross_entropy
 from disttrain.models.gpt import GPTConfig, build_gpt
-from disttrain.parallel.compile import compile_model
+from disttrain.models.llama import LlamaConfig, build_llama
+from disttrain.parallel.compile import compile_model, compiled_regions
 from disttrain.parallel.model_plan import shard_units_of
 from disttrain.rank.loss import loss_function
+
+TEXT = DataSpec(kind="text", vocab_size=256, block_size=16)
+"""Byte-level windows of 16 tokens, for the micro models."""
 
 
 def test_a_compiled_gpt_matches_eager_and_keeps_its_names():
@@ -19,7 +26,7 @@ def test_a_compiled_gpt_matches_eager_and_keeps_its_names():
     eager = build_gpt(GPTConfig(flavour="micro"), spec)
     compiled = build_gpt(GPTConfig(flavour="micro"), spec)
     compiled.load_state_dict(eager.state_dict())
-    compile_model(compiled, shard_units_of(compiled), per_unit=True)
+    compile_model(compiled, shard_units_of(compiled))
     assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints and exports read the same
     tokens = torch.randint(0, 256, (4, 16))
     grads = []
@@ -67,7 +74,43 @@ def test_a_compiled_run_trains_as_the_eager_one(make_config, tmp_path):
         norms = [value for _, value in logged_metric(run_dir, "train/grad_norm")]
         curves.append(torch.tensor([step_losses(run_dir), norms], dtype=torch.float64))
     # losses and pre-clip gradient norms (1.4 to 2.2: clipping at 1.0 binds every step, so a wrong gradient scale
-    # moves the norm and the update): measured 1.9e-7 and 1.6e-7 relative apart, fused kernels reordering sums
+    # moves the norm and the update): measured 1.9e-7 and 1.6e-7 relative apart, fused kernels reordering sums, both
+    # with each block compiled on its own (default) and with the whole model one graph (reduce-overhead)
     assert curves[0].shape == (2, 6)
     for compiled in curves[1:]:
         assert torch.allclose(curves[0], compiled, rtol=1e-6, atol=0), curves
+
+
+def test_the_blocks_are_compiled_and_the_whole_model_only_without_blocks_or_under_cuda_graphs():
+    model = build_gpt(GPTConfig(flavour="micro"), TEXT)
+    blocks = shard_units_of(model)
+    assert compiled_regions(model, blocks) == blocks == list(model.blocks)
+    assert compiled_regions(model, blocks, "max-autotune-no-cudagraphs") == blocks
+    for mode in ("reduce-overhead", "max-autotune"):  # one graph replayed per forward, not one per block
+        assert compiled_regions(model, blocks, mode) == [model]
+    assert compiled_regions(model, []) == [model]
+
+
+def dynamo_counts_of_one_step(model: nn.Module) -> dict[str, int]:
+    """Compile ``model`` as ``trainer.compile`` does, from nothing, and return what dynamo counted over one
+    forward and backward: frames compiled, graphs, and operators traced into them."""
+    torch._dynamo.reset()  # no code cached by an earlier model: every frame this model needs is compiled here
+    counters.clear()
+    compile_model(model, shard_units_of(model))
+    model(torch.randint(0, 256, (2, 16))).logsumexp(-1).mean().backward()
+    return {"frames": counters["frames"]["ok"], "graphs": counters["stats"]["unique_graphs"],
+            "traced": counters["stats"]["calls_captured"]}
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(lambda n: build_gpt(GPTConfig(flavour="micro", n_layer=n), TEXT), id="gpt"),
+    # the Llama traces several times the GPT's operators (rotary positions, grouped heads): its case is slow
+    pytest.param(lambda n: build_llama(LlamaConfig(flavour="micro", n_layer=n), TEXT), id="llama",
+                 marks=pytest.mark.slow),
+])
+def test_the_blocks_share_one_compiled_code_whatever_the_depth(build):
+    shallow, deep = dynamo_counts_of_one_step(build(2)), dynamo_counts_of_one_step(build(4))
+    # one frame, one graph: the first block's; the others pass its guards (on the block's structure, not on its
+    # parameters) and run its code. A graph per block, or the whole model traced, grows with the depth
+    assert shallow == deep and shallow["frames"] == shallow["graphs"] == 1, (shallow, deep)
+    assert shallow["traced"] > 0

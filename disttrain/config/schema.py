@@ -85,7 +85,11 @@ class TrainerConfig:
     only the products autocast leaves in fp32 are affected."""
     compile: bool = False
     """torch.compile the model (in place, after its parallel layout) and the loss: a slower first step (tens of
-    seconds), faster steps after it; each transformer block on its own under ZeRO-2/3 or tensor parallelism."""
+    seconds), faster steps after it. Each transformer block (the model's ``shard_units``) is compiled on its own,
+    under every layout: the blocks share one compiled code, so what is traced and compiled is one block's whatever
+    the depth; embedding, final norm and head run eager, the loss is compiled apart. The whole model is one graph
+    where it has no blocks, and under the compile modes that record CUDA graphs (``benchmarks/compile_regions.py``
+    measures the two against each other)."""
     compile_mode: str = "default"
     """torch.compile's mode under ``trainer.compile``: default; reduce-overhead (CUDA graphs: each step's
     forward and backward kernels replayed by one launch each, for steps whose launches hold the GPU back; one

@@ -52,7 +52,8 @@ def apply_parallelism(
     ``parallel``: the config's model-plan overrides (tp_plan, shard_units, min_params_per_unit) and DDP's options
     (None: the defaults); what the layout decides is read from ``layout`` only. ``comm``: what data-parallel
     gradients are sent as, with the bytes counted in ``counter`` and what carries over between steps kept in
-    ``exchange``. ``compile_mode``: torch.compile the model (or each unit when sharded) in this mode; None: eager."""
+    ``exchange``. ``compile_mode``: torch.compile each unit (or the whole model, ``compiled_regions`` says) in
+    this mode; None: eager."""
     parallel = parallel or ParallelConfig()
     if layout.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), layout.sequence_parallel)
@@ -61,7 +62,7 @@ def apply_parallelism(
     if layout.activation_checkpoint != "none":
         apply_activation_checkpointing(model, units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
     if compile_mode is not None:
-        compile_model(model, units, per_unit=layout.tp_enabled or layout.shards_parameters, mode=compile_mode)
+        compile_model(model, units, mode=compile_mode)
     wrapper = layout.wrapper
     if wrapper == "fsdp":
         return apply_fsdp(
