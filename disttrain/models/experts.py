@@ -80,9 +80,12 @@ def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
 
 
 def _grouped_mm_aligned(rows: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: widths whose rows are 16-byte multiples."""
+    """Whether ``torch._grouped_mm`` takes these operands: widths whose rows are 16-byte multiples, and under
+    torch.compile bf16 ones (its meta kernel, which tracing runs, takes no other type)."""
     size = rows.element_size()
-    return hasattr(torch, "_grouped_mm") and (rows.size(-1) * size) % 16 == 0 and (weight.size(-1) * size) % 16 == 0
+    traceable = rows.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    return hasattr(torch, "_grouped_mm") and traceable and (rows.size(-1) * size) % 16 == 0 \
+        and (weight.size(-1) * size) % 16 == 0
 
 
 class _ContiguousGradient(torch.autograd.Function):

@@ -16,9 +16,9 @@ MEMORY_CALLBACK = "disttrain.observe.memory_callback.StepMemoryCallback"
 class MemoryStepOptions:
     """Which optimiser step is recorded, where its files go and how many holders they name."""
 
-    step: int = 2
-    """Optimiser steps done before the recorded one (0: the first; the default lets the optimiser's state exist,
-    as in every later step)."""
+    step: int = 1
+    """Optimiser steps done before the recorded one (0: the first; the default, the second, holds the optimiser's
+    state, as every later step does)."""
     dirpath: str | None = None
     """Where ``memory_step.json`` and ``memory_step.png`` go; null: ``logs/`` and ``plots/`` of the run folder."""
     largest: int = 10
