@@ -14,7 +14,8 @@ from disttrain.data.base import DataModule, EpochDistributedSampler
 from disttrain.data.chat import ChatConfig, ChatDataModule
 from disttrain.data.digits import DigitsConfig, DigitsDataModule
 from disttrain.data.folder import ImageFolderConfig, ImageFolderDataModule
-from disttrain.data.mixture import MixtureConfig, MixtureDataModule, MixtureSource
+from disttrain.data.mixture import MixtureDataModule
+from disttrain.data.mixture_config import MixtureConfig, MixtureSource
 from disttrain.data.registry import DATA, build_datamodule
 from disttrain.data.spec import DataSpec
 from disttrain.data.synthetic import (
