@@ -131,9 +131,30 @@ def test_a_rank_this_machine_cannot_hold_is_refused_with_what_it_needs(tmp_path:
     from disttrain.plan.planner import plan_of_run
 
     est = plan_of_run(run)[0]
-    with pytest.raises(ConfigError, match=r"mode='dryrun' is invalid: .*peak at .* is available here"):
+    with pytest.raises(ConfigError, match=r"mode='dryrun' is invalid: .*peak at .* is available on this machine"):
         check_runs_here(est, 0.0, 0, int(est.total_bytes) - 1)
     check_runs_here(est, 0.0, 0, int(est.total_bytes) + 1)
+
+
+def test_a_gpu_rank_of_8_on_a_one_gpu_machine_is_held_against_that_gpus_free_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run builds one rank: 8 ranks on a machine showing one GPU pass validation, the rank goes to cuda:0
+    and is refused by what that GPU has free, not by the host's memory (CUDA's queries stand in for a GPU)."""
+    import disttrain.plan.dry_device as dry_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = validate(compose_config([*TINY_LLAMA, "mode=dryrun", "parallel=zero3", "trainer.devices=8",
+                                   "batch.global_size=64", "trainer.accelerator=gpu",
+                                   "trainer.precision=bf16-mixed"], tmp_path))
+    assert run.layout.world_size == 8
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (2**20, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    monkeypatch.setattr(dry_device, "machine_memory_bytes", lambda: 2**50)  # the host could hold it
+    with pytest.raises(ConfigError, match=r"peak at .* and 1\.05 MB is free on cuda:0 \(a GPU\)"):
+        dry_run(run)
+    assert asked == [torch.device("cuda", 0)]
 
 
 def test_the_counter_counts_a_dtensors_shard_not_the_whole_tensor() -> None:

@@ -16,6 +16,7 @@ from disttrain.models.protocol import logits_of
 from disttrain.observe.tensor_bytes import LiveStorages, plain_tensors
 from disttrain.parallel.apply import backward_sync_disabled
 from disttrain.parallel.pipeline.runtime import PipelineSlot
+from disttrain.plan.dry_device import synchronize
 from disttrain.plan.layout import Layout
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -41,6 +42,8 @@ class StepMemory:
     """Wall time of each step after the counted ones (of the counted ones where no other step ran)."""
     counted_only: bool = False
     """No step ran outside the byte counter: ``step_s`` are the counted steps, slowed by the counter."""
+    allocator_peaks: dict[str, int] = field(default_factory=dict)
+    """On a GPU, the CUDA allocator's peaks over the layout and the steps (``dry_device.allocator_peaks``)."""
 
 
 def count_model_state(live: LiveStorages, net: nn.Module) -> None:
@@ -103,6 +106,7 @@ def _step(net: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.T
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _note(live, result, "after_step")
+    synchronize(batch[0].device)
     return time.perf_counter() - start
 
 

@@ -9,8 +9,9 @@ The values of a dry run mean nothing; the sizes and lifetimes of its tensors are
 construction.
 
 Memory is the framework's tensor-byte counter (``disttrain.observe.tensor_bytes.LiveStorages``, the one the planner's
-measurements use), from the laid-out model's state to the end of the last step; on a GPU also
-``torch.cuda.max_memory_allocated``.
+measurements use), from the laid-out model's state to the end of the last step; on a GPU (the rank runs on
+``cuda:0``, whatever the layout's world size) also the CUDA allocator's ``max_memory_allocated`` and
+``max_memory_reserved`` over the model's layout and every step.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from disttrain.plan.dry_compute import (
     base_machine_profile,
     compute_here,
 )
+from disttrain.plan.dry_device import GIB, allocator_peaks, memory_available, rank_device, start_peaks
 from disttrain.plan.dry_steps import PIPELINE_SCHEDULES, StepMemory, run_steps
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.layout import Layout
@@ -50,22 +52,11 @@ def default_rank(layout: Layout) -> int:
     return 0
 
 
-def machine_memory_bytes() -> int:
-    """Memory this machine has available now (``MemAvailable``; all of it where the kernel does not say)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_runs_here(est: Estimate, whole_model_bytes: float, rank: int, available: int) -> None:
-    """Refuse a rank this machine cannot hold: its planned peak, or the whole model a layout without FSDP2
-    allocates before cutting or replicating it, beyond the memory available here."""
+def check_runs_here(est: Estimate, whole_model_bytes: float, rank: int, available: int,
+                    where: str = "available on this machine") -> None:
+    """Refuse a rank the device it would run on cannot hold: its planned peak, or the whole model a layout without
+    FSDP2 allocates before cutting or replicating it, beyond ``available`` bytes (``where``: where they were read,
+    ``dry_device.memory_available``)."""
     need = max(est.total_bytes, whole_model_bytes)
     if need <= available:
         return
@@ -73,7 +64,7 @@ def check_runs_here(est: Estimate, whole_model_bytes: float, rank: int, availabl
             (f" and its layout allocates the whole model ({human_bytes(whole_model_bytes)}) before laying it out"
              if whole_model_bytes > est.total_bytes else ""))
     raise ConfigError("mode", "dryrun", f"a layout whose one rank fits this machine: {what}, and "
-                      f"{human_bytes(available)} is available here (mode=plan prints the plan without running it)")
+                      f"{human_bytes(available)} is {where} (mode=plan prints the plan without running it)")
 
 
 def dry_run(run: Any) -> dict[str, Any]:
@@ -99,10 +90,12 @@ def dry_run(run: Any) -> dict[str, Any]:
         raise ConfigError("mode", "dryrun", f"a synchronous or pipelined run (this one is {run.plan.kind}: its "
                           "exchanges are not DDP's or FSDP2's, which a dry run builds)")
     whole = 0.0 if layout.wrapper == "fsdp" else inputs.stats.params * 4
-    check_runs_here(est, whole, rank, machine_memory_bytes())
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
+    # one rank, on one device whatever the world size: its memory is what the rank is held against
+    device = rank_device(cfg.trainer.accelerator)
+    check_runs_here(est, whole, rank, *memory_available(device))
     # on a CPU this machine is measured after each timed step (the rank's own products, recorded in an untimed
-    # step, replayed; bandwidth; overhead per operator): the plan priced on it is held against the steps
+    # step, replayed; bandwidth; overhead per operator): the plan priced on it is held against the steps. A GPU
+    # is not priced so: its step is printed beside the plan on the named profile
     calibration = InterleavedCalibration() if device.type == "cpu" else None
     measured, _ = _run_rank(run, layout, rank, device, calibration)
     here = None
@@ -145,6 +138,7 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         torch.manual_seed(cfg.seed)
+        start_peaks(device)  # before the mesh: it would otherwise pick a GPU by the rank's number
         mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
         split = sequence_split_of(mesh) if layout.cp_enabled else None
         net = model_on_meta(run.model, spec)
@@ -165,12 +159,9 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
             batch = tuple(split.split(part) for part in batch)
         autocast = cfg.trainer.precision == "bf16-mixed"
         pp_rank = mesh.get_local_rank("pp")
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         measured = run_steps(laid_out, optimizer, batch, layout, cfg.dryrun.steps, autocast, slot, pp_rank,
                              calibration.recorder if calibration is not None else None, calibration)
-        if device.type == "cuda":
-            measured.moments["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        measured.allocator_peaks = allocator_peaks(device)
         return measured, pp_rank
     finally:
         dist.destroy_process_group()
@@ -216,10 +207,12 @@ def _result(est: Estimate, profile: Any, layout: Layout, rank: int, measured: St
             "matmul_share": here.matmul_share, "compute_error": list(COMPUTE_ERROR), "compute_unstated": here.unstated,
             "planned_flops": here.planned_flops, "run_flops": here.run_flops,
             "compute_within_error": here.within_error(step_s)}
-    return {"rank": rank, "world_size": layout.world_size, "layout": layout.describe(), "device": device.type,
+    return {"rank": rank, "world_size": layout.world_size, "layout": layout.describe(), "device": str(device),
             "measured_peak_bytes": measured.peak, "planned_peak_bytes": est.total_bytes,
             "peak_ratio": measured.peak / est.total_bytes if est.total_bytes else None,
             "measured_moments_bytes": measured.moments, "planned_moments_bytes": est.phases,
+            "allocator_peak_bytes": measured.allocator_peaks,
+            "allocator_peak_gib": {name: value / GIB for name, value in measured.allocator_peaks.items()},
             "planned_memory_bytes": est.memory,
             "measured_step_s": step_s, "measured_steps_s": measured.step_s,
             "steps_under_counter": measured.counted_only, **compute_here_fields,
@@ -252,6 +245,18 @@ def compute_lines(result: dict[str, Any]) -> list[str]:
             named]
 
 
+def allocator_lines(result: dict[str, Any]) -> list[str]:
+    """A GPU rank's allocator peaks in GiB beside the plan's peak (none on a CPU)."""
+    peaks = result.get("allocator_peak_bytes") or {}
+    if not peaks:
+        return []
+    planned = result["planned_peak_bytes"]
+    return [f"CUDA allocator on {result['device']}: max_memory_allocated {peaks['max_memory_allocated'] / GIB:.2f} "
+            f"GiB, max_memory_reserved {peaks['max_memory_reserved'] / GIB:.2f} GiB (torchtitan's published memory is "
+            f"this reserved peak), planned peak {planned / GIB:.2f} GiB (reserved / planned "
+            f"{peaks['max_memory_reserved'] / planned:.3f})"]
+
+
 def render_dry_run(result: dict[str, Any], model: str) -> str:
     """The dry run as text: measured against planned peak memory, its moments, step time and whether it fits."""
     measured, planned = result["measured_peak_bytes"], result["planned_peak_bytes"]
@@ -264,6 +269,7 @@ def render_dry_run(result: dict[str, Any], model: str) -> str:
                                                   for name, value in moments.items()))
     lines.append("planned moments: " + ", ".join(f"{name.replace('_', ' ')} {human_bytes(value)}"
                                                  for name, value in result["planned_moments_bytes"].items()))
+    lines += allocator_lines(result)
     lines += compute_lines(result)
     verdict = "fits" if result["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict} the profile's {human_bytes(result['capacity_bytes'])} per rank")

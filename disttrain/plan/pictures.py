@@ -29,8 +29,7 @@ TERM_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optim
                "activations": "activations", "transient": "transient buffers"}
 """Rows of the memory picture: ``Estimate.memory``'s terms and what they are called."""
 MOMENT_LABELS = {"after_forward": "after forward", "in_first_block": "in the first block's backward",
-                 "after_backward": "after backward", "after_step": "after the optimiser step",
-                 "max_memory_allocated": "max_memory_allocated (GPU)"}
+                 "after_backward": "after backward", "after_step": "after the optimiser step"}
 """Moments a plan predicts (``Estimate.phases``) or a dry run measures, in the order a step reaches them."""
 
 CHOSEN, FITS, TOO_BIG = "tab:green", "tab:blue", "tab:red"
@@ -252,6 +251,9 @@ def draw_dry_run(result: dict[str, Any], path: Path) -> Picture | None:
     rows = [("peak", result["planned_peak_bytes"], result["measured_peak_bytes"])]
     rows += [(MOMENT_LABELS.get(name, name.replace("_", " ")), planned_moments.get(name),
               measured_moments.get(name)) for name in names]
+    # a GPU's allocator peaks, each beside the plan's peak
+    rows += [(f"{name} (GPU)", result["planned_peak_bytes"], value)
+             for name, value in (result.get("allocator_peak_bytes") or {}).items()]
     capacity = result["capacity_bytes"]
     scale = MemoryScale.of([value for _, *pair in rows for value in pair if value is not None], capacity)
     figure, axes = plt.subplots(figsize=(9, 1.5 + 0.62 * len(rows)), layout="constrained")
