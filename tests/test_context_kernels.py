@@ -75,6 +75,7 @@ def test_the_benchmark_runs_on_a_cpu_and_the_blocks_match_float64_attention(tmp_
     assert printed.startswith("CPU: ") and "GPU: none" in printed and "| fp32 | 4 | cpu-flash |" in printed
     assert [(row["dtype"], row["chunks"]) for row in rows] == [(d, c) for d in ("bf16", "fp32") for c in (1, 2, 4)]
     for row in rows:
-        assert max(row["errors"]["blocks"]) < BLOCKS_RTOL[row["dtype"]], row
+        assert max(row["errors"]["blocks"]) < BLOCKS_RTOL[row["dtype"]], (row["dtype"], row["chunks"],
+                                                                           row["errors"]["blocks"])
         assert all(ms > 0 for ms in row["ms"].values()), row
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(rows))
