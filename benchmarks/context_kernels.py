@@ -12,8 +12,9 @@ sequence, as a rank runs its own; no ranks here) and runs, in bf16 and fp32 on f
 
 Each is compared with whole-sequence attention computed in float64 on the same (rounded) inputs, output and the
 gradients of q, k and v for one random output gradient: relative error ``||a - b|| / ||b||``. Each is timed
-forward + backward (median of ``--repeats`` after one warm-up; CUDA events on a GPU). Prints a table with the CPU
-model and the GPU's name, and writes every figure as JSON with ``--json``.
+forward + backward (median of ``--repeats`` after one warm-up; CUDA events on a GPU). Prints the CPU model and the
+GPU's name, a table, and last a headline line (the blocks' worst error over whole attention's, their time over
+whole attention's and the masked form's over theirs); writes every figure as JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def headline(rows: list[dict]) -> str:
+    """One line: per dtype, the blocks' worst error over whole attention's, and at the most chunks the blocks' time
+    over whole attention's and the masked form's over the blocks'."""
+    parts = []
+    for name in DTYPES:
+        mine = [row for row in rows if row["dtype"] == name]
+        last = mine[-1]
+        worst = max(max(row["errors"]["blocks"]) for row in mine) / max(mine[0]["errors"]["whole"])
+        parts.append(f"{name}: worst error {worst:.2f}x whole's, at {last['chunks']} chunks blocks / whole "
+                     f"{last['ms']['blocks'] / last['ms']['whole']:.2f}, masked / blocks "
+                     f"{last['ms']['masked'] / last['ms']['blocks']:.2f}")
+    return "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Parse the options, measure, print the machine and the table, write the JSON; returns the rows."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,6 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"median of {args.repeats}")
     rows = measure(args.device, shape, args.repeats, seed)
     print(table(rows))
+    print(headline(rows))
     if args.json is not None:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "gpu": gpu, "torch": torch.__version__,
                                          "shape": shape, "seed": seed, "rows": rows}, indent=1))
