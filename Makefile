@@ -40,6 +40,7 @@ test-gpu: install
 	$(PY) benchmarks/throughput_mfu.py --device cuda --sides single-compile,single-compile-fp8,single-compile-fp8-rowwise,zero3-compile-fp8
 	$(PY) benchmarks/overhead.py --device cuda --flavour mini --global-batch 64
 	$(PY) benchmarks/step_phases.py --device cuda --flavour mini --global-batch 64 --repeats 1
+	$(PY) benchmarks/context_kernels.py --device cuda
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -51,7 +51,7 @@ def test_tokens_and_attention_work_per_rank_balance_at_cp4() -> None:
 
 def _split_attention_matches_whole(kv_heads: int, dtype: torch.dtype, masked: bool) -> dict:
     if masked:  # the form that runs with dropout or off the CPU: one masked call per chunk
-        causal_blocks.supported = lambda q, dropout_p: False
+        causal_blocks.supported = lambda q, k, v, dropout_p: None
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same whole-sequence tensors on every rank
     q = torch.randn(2, 4, T, 8, dtype=dtype, requires_grad=True)

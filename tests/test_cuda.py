@@ -17,8 +17,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 
 from disttrain.launch.job import train
+from disttrain.parallel.attention_kernels import CUDA_EFFICIENT, CUDA_FLASH
+from disttrain.parallel.causal_blocks import CausalChunks, supported
 from tests.conftest import compose_config, logged_metric, train_cli, train_cli_in_process
 from tests.test_run import GPT_FAST, step_losses
 
@@ -36,6 +39,11 @@ policy forced on 5e-4 from single's losses, compiled 5.4e-5 (another seed lies 5
 BF16_NORM_RTOL = 1e-2
 """The same for the pre-clip gradient norms (1.1 to 2.2 here: clipping at 1.0 binds every step, so a wrong
 gradient scale moves them by its factor): compiled measured 2.05e-3 from eager on a CPU."""
+CAUSAL_BLOCKS_RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+"""How far context parallelism's causal blocks on CUDA kernels may lie from float64 whole-sequence attention, per
+tensor (output, dq, dk, dv), relative: from the kernels' precision (bf16 keeps 8 bits of mantissa, 2^-9 = 2e-3
+per value, as the CPU analogue measures 2-4e-3; fp32's memory-efficient kernel multiplies in 3xTF32, near fp32's
+2^-24), to be tightened by what a GPU measures."""
 IDLE_S = 2.0
 """Seconds the energy run waits before fit ends, so that fit lasts long enough for NVML's energy counter to move
 however fast the GPU trains (an idle GPU still draws tens of watts)."""
@@ -191,3 +199,28 @@ def test_a_gpu_step_s_memory_is_recorded_from_cuda_s_history(tmp_path):
     assert record["peak_bytes"] > record["start_bytes"] > 0
     assert results["memory"]["recorded_step"]["peak_bytes"] >= record["peak_bytes"]
     assert "memory of step 3 on rank 0: peak " in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_causal_blocks_on_cuda_kernels_equal_whole_sequence_attention(chunks, dtype):
+    """``CausalChunks`` over ``chunks`` chunks of one sequence, on the kernel ``supported`` picks (flash for bf16,
+    memory-efficient for fp32), against whole-sequence causal attention in float64 on the same inputs: output and
+    gradients. 1,000 tokens: chunks of 500 and 250 queries, not multiples of the efficient kernel's 32-row padding
+    of its log-sum-exp."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    base = [torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.float64, generator=generator) for _ in range(4)]
+    inputs, grad = [x.to(dtype).requires_grad_() for x in base[:3]], base[3].to(dtype)
+    kernel = supported(*inputs, 0.0)
+    assert kernel is (CUDA_FLASH if dtype == torch.bfloat16 else CUDA_EFFICIENT), kernel
+    c = 1000 // chunks
+    out = CausalChunks.apply(*inputs, [(slice(i * c, (i + 1) * c), i * c) for i in range(chunks)], kernel)
+    out.backward(grad)
+    wide = [x.detach().double().requires_grad_() for x in inputs]
+    reference = F.scaled_dot_product_attention(*wide, is_causal=True)
+    reference.backward(grad.double())
+    for name, got, want in zip(("out", "dq", "dk", "dv"), [out.detach(), *(x.grad for x in inputs)],
+                               [reference.detach(), *(x.grad for x in wide)], strict=True):
+        assert got.dtype == dtype
+        error = ((got.double() - want).norm() / want.norm()).item()
+        assert error < CAUSAL_BLOCKS_RTOL[dtype], f"{name}: relative error {error:.2e}"

@@ -8,11 +8,12 @@ load balancing). Tokens keep their global positions: learned position embeddings
 from ``SequenceSplit.positions``.
 
 Attention. Each layer all-gathers the keys and values of the whole sequence over the cp group and attends its
-queries to them, each chunk only to the keys up to its own end: on a CPU without a mask
-(``disttrain.parallel.causal_blocks``), elsewhere and with dropout one masked call per chunk. All-gather rather
-than a ring of key/value blocks: the two move the same bytes per rank (``(cp-1)/cp`` of the sequence's keys and
-values), gloo runs point-to-point messages one after another with no overlap to win, and the gathered keys serve
-the early/late chunk pairing in one step (torch's ``context_parallel`` rings over CUDA kernels only). Llama 3
+queries to them, each chunk only to the keys up to its own end: without a mask on torch's CPU flash kernel and on
+CUDA's flash or memory-efficient kernels (``disttrain.parallel.causal_blocks``), with dropout or packed documents
+(or inputs no such kernel takes) one masked call per chunk. All-gather rather than a ring of key/value blocks: the
+two move the same bytes per rank (``(cp-1)/cp`` of the sequence's keys and values), gloo runs point-to-point
+messages one after another with no overlap to win, and the gathered keys serve the early/late chunk pairing in one
+step (torch's ``context_parallel`` rings over CUDA kernels only). Llama 3
 trained with the same all-gather form. The gathered keys and values are not kept for backward: the gather and
 the attention are recomputed there (one more all-gather per layer), so what a rank keeps for backward shrinks
 as ``1 / cp``, with the whole sequence's keys and values alive for one layer at a time. Packed windows
@@ -161,9 +162,10 @@ class SequenceSplit:
         if attends_in_fp32(q, fp32):  # see disttrain.models.attention: fp32 where torch's bf16 CPU kernel is slow
             q, k, v = q.float(), k.float(), v.float()
         with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype is the one decided above
-            if documents is None and causal_blocks.supported(q, dropout_p):
-                y = causal_blocks.CausalChunks.apply(q, k, v, self.chunk_rows(q.size(2)))
-            else:  # documents, dropout, or a device without the CPU kernel: one masked call per chunk
+            kernel = None if documents is not None else causal_blocks.supported(q, k, v, dropout_p)
+            if kernel is not None:
+                y = causal_blocks.CausalChunks.apply(q, k, v, self.chunk_rows(q.size(2)), kernel)
+            else:  # documents, dropout, or inputs no kernel with a log-sum-exp takes: one masked call per chunk
                 y = torch.cat([F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end],
                                                               attn_mask=mask, dropout_p=dropout_p)
                                for rows, end, mask in self.chunk_masks(q.size(2), q.device, documents)], dim=2)
