@@ -223,4 +223,74 @@ def test_causal_blocks_on_cuda_kernels_equal_whole_sequence_attention(chunks, dt
                                [reference.detach(), *(x.grad for x in wide)], strict=True):
         assert got.dtype == dtype
         error = ((got.double() - want).norm() / want.norm()).item()
+        print(f"causal blocks, {chunks} chunks, {dtype}: {name} relative error {error:.2e}")
         assert error < CAUSAL_BLOCKS_RTOL[dtype], f"{name}: relative error {error:.2e}"
+
+
+FP8_GPT = ["model=gpt", "model.flavour=mini", "data=pydocs", "data.block_size=256", "batch.global_size=64",
+           "trainer.max_steps=300", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0",
+           "trainer.run_test=false", "logger=csv", "callbacks=none", "checkpoint.save_last=false",
+           "checkpoint.save_top_k=0", "plots=false", "energy=false", "trainer.accelerator=gpu", "trainer.devices=1",
+           "trainer.precision=bf16-mixed", "optim=adamw", "optim.lr=1e-3", "scheduler.warmup_fraction=0.05"]
+"""300 steps of the mini GPT (6 blocks of width 384, sequence 256: nanoGPT's character-level size) on Python's
+documentation as bytes, 64 sequences a step, in bf16 autocast: every block's linear layer has dimensions that are
+multiples of 16, so every one but the head trains in float8."""
+FP8_RUNS = {"bf16": [], "bf16-compile": ["trainer.compile=true"],
+            "fp8": ["trainer.fp8=tensorwise"], "fp8-zero3": ["trainer.fp8=tensorwise", "parallel=zero3"],
+            "fp8-compile": ["trainer.fp8=tensorwise", "trainer.compile=true"],
+            "fp8-zero3-compile": ["trainer.fp8=tensorwise", "parallel=zero3", "trainer.compile=true"],
+            "fp8-rowwise-compile": ["trainer.fp8=rowwise", "trainer.compile=true"]}
+"""The runs compared, by name: bf16 (the reference, eager and compiled) and float8 under single and one-rank
+ZeRO-3 (its weights gathered in float8), eager and compiled, and the rowwise recipe compiled."""
+FP8_WINDOW = 25
+"""Steps per window of the band: the mean loss of each 25 steps is compared, so the band holds the curve, not the
+loss of one batch."""
+FP8_BAND = 0.05
+"""How far a float8 run's windowed loss may lie from the bf16 run's, relative to it."""
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], str, dict[str, Any]]]:
+    """Each of ``FP8_RUNS`` as ``train.py`` runs it, all at once (the GPU has room for the seven; each run's
+    numbers do not depend on the others'): by name, its per-step losses, its output and ``results.json``."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    root = tmp_path_factory.mktemp("fp8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    started = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *FP8_GPT, *extra,
+                                       f"hydra.run.dir={root / name}"], cwd=root, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for name, extra in FP8_RUNS.items()}
+    runs = {}
+    for name, proc in started.items():
+        output = proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
+        runs[name] = (step_losses(root / name), output,
+                      json.loads((root / name / "results.json").read_text()))
+    return runs
+
+
+def windowed(losses: list[float]) -> torch.Tensor:
+    """The mean loss of each ``FP8_WINDOW`` steps."""
+    return torch.tensor(losses, dtype=torch.float64).view(-1, FP8_WINDOW).mean(dim=1)
+
+
+@pytest.mark.parametrize("name", [name for name in FP8_RUNS if name.startswith("fp8")])
+def test_a_300_step_float8_run_stays_within_its_band_of_the_bf16_curve(fp8_runs, name):
+    losses, output, results = fp8_runs[name]
+    reference = fp8_runs["bf16-compile" if results["compiled"] else "bf16"][0]
+    assert len(losses) == len(reference) == 300
+    gap = ((windowed(losses) - windowed(reference)).abs() / windowed(reference))
+    print(f"{name}: windowed loss gap to bf16 max {gap.max():.2e}, last window {gap[-1]:.2e}; "
+          f"last loss {losses[-1]:.4f} vs {reference[-1]:.4f}")
+    assert gap.max() < FP8_BAND, gap
+    assert windowed(losses)[-1] < windowed(losses)[0] - 1.0, "the float8 run did not learn"
+    assert gap.max() > 0, "the float8 run equals the bf16 one: no layer trained in float8"
+    recipe = "rowwise" if "rowwise" in name else "tensorwise"
+    assert f"trainer.fp8={recipe}: 36 linear layers in float8" in output, output[-3000:]
+    assert results["device"] == "cuda:0" and results["compiled"] is ("compile" in name)
