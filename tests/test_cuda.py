@@ -39,11 +39,12 @@ policy forced on 5e-4 from single's losses, compiled 5.4e-5 (another seed lies 5
 BF16_NORM_RTOL = 1e-2
 """The same for the pre-clip gradient norms (1.1 to 2.2 here: clipping at 1.0 binds every step, so a wrong
 gradient scale moves them by its factor): compiled measured 2.05e-3 from eager on a CPU."""
-CAUSAL_BLOCKS_RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+CAUSAL_BLOCKS_RTOL = {torch.bfloat16: 6e-3, torch.float32: 2e-6}
 """How far context parallelism's causal blocks on CUDA kernels may lie from float64 whole-sequence attention, per
-tensor (output, dq, dk, dv), relative: from the kernels' precision (bf16 keeps 8 bits of mantissa, 2^-9 = 2e-3
-per value, as the CPU analogue measures 2-4e-3; fp32's memory-efficient kernel multiplies in 3xTF32, near fp32's
-2^-24), to be tightened by what a GPU measures."""
+tensor (output, dq, dk, dv), relative: twice the worst measured on an H200 (torch 2.11, 2 and 4 chunks of 1,000
+tokens): 3.0e-3 in bf16 (flash; bf16 keeps 8 bits of mantissa, 2^-9 = 2e-3 per value) and 7.7e-7 in fp32
+(memory-efficient), each within 1.3x of whole-sequence attention's own error in that dtype
+(``benchmarks/context_kernels.py``)."""
 IDLE_S = 2.0
 """Seconds the energy run waits before fit ends, so that fit lasts long enough for NVML's energy counter to move
 however fast the GPU trains (an idle GPU still draws tens of watts)."""
@@ -191,7 +192,8 @@ def test_a_gpu_step_s_memory_is_recorded_from_cuda_s_history(tmp_path):
     allocator's peak of the run so far is at least the step's, and the same where the step is the heaviest yet
     (the third step: the optimiser's state exists from the first)."""
     proc = train_cli_in_process([*GPT_FAST, "trainer.accelerator=gpu", "trainer.devices=1", "trainer.max_steps=4",
-                                 "callbacks=memory", "energy=false", f"hydra.run.dir={tmp_path}"], tmp_path)
+                                 "callbacks=memory", "callbacks.memory.step=2", "energy=false",
+                                 f"hydra.run.dir={tmp_path}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "logs" / "memory_step.json").read_text())
     results = json.loads((tmp_path / "results.json").read_text())
@@ -245,8 +247,12 @@ ZeRO-3 (its weights gathered in float8), eager and compiled, and the rowwise rec
 FP8_WINDOW = 25
 """Steps per window of the band: the mean loss of each 25 steps is compared, so the band holds the curve, not the
 loss of one batch."""
-FP8_BAND = 0.05
-"""How far a float8 run's windowed loss may lie from the bf16 run's, relative to it."""
+FP8_BAND = 0.03
+"""How far a float8 run's windowed loss may lie from the bf16 run's, relative to it: measured on an H200 (torch
+2.11, torchao 0.18), the largest gap of any window was 1.67e-2 (single), 1.58e-2 (ZeRO-3), 1.68e-2 (single,
+compiled), 1.94e-2 (ZeRO-3, compiled) and 1.22e-2 (rowwise, compiled); the last losses lay from 2.2% under to 0.1%
+over bf16's. Float8 rounds each operand to 3 (e4m3) or 2 (e5m2, gradients) mantissa bits: the curves part by
+about a percent and do not drift apart."""
 
 
 @pytest.fixture(scope="module")
