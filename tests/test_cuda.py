@@ -250,7 +250,7 @@ loss of one batch."""
 FP8_BAND = 0.03
 """How far a float8 run's windowed loss may lie from the bf16 run's, relative to it: measured on an H200 (torch
 2.11, torchao 0.18), the largest gap of any window was 1.67e-2 (single), 1.58e-2 (ZeRO-3), 1.68e-2 (single,
-compiled), 1.94e-2 (ZeRO-3, compiled) and 1.22e-2 (rowwise, compiled); the last losses lay from 2.2% under to 0.1%
+compiled), 1.94e-2 (ZeRO-3, compiled) and 1.22e-2 (rowwise, compiled); the last losses lay from 1.7% under to 0.1%
 over bf16's. Float8 rounds each operand to 3 (e4m3) or 2 (e5m2, gradients) mantissa bits: the curves part by
 about a percent and do not drift apart."""
 
