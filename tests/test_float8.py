@@ -128,7 +128,8 @@ def test_zero3_gathers_float8_weights_as_it_gathers_its_whole_weights_before_the
     # after every optimiser step each float8-gathered weight keeps the scale of its whole weight for the next step's
     # gathers, taken for all of them at once; gathered in the run's precision, no weight keeps one
     steps = {gather: json.loads((tmp_path / f"zero3-{gather}" / SCALES_FILE).read_text()) for gather in runs}
-    assert len(steps["true"]) == 8 and all(len(rows) == 8 for rows in steps["true"]), steps["true"]
+    layers = {len(rows) for run in steps.values() for rows in run}
+    assert len(steps["true"]) == 8 and len(layers) == 1 and layers.pop() > 0, steps["true"]
     assert all(kept == expected for rows in steps["true"] for kept, expected in rows), steps["true"]
     assert all(kept is None for rows in steps["false"] for kept, _ in rows), steps["false"]
 
