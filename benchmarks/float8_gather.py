@@ -5,11 +5,12 @@ amax of the whole weight. Without a precomputed scale every gather takes that am
 all-reduce per weight, in forward and again in backward's re-gather. disttrain's strategy takes them all after
 each optimiser step instead (``Float8Layers.after_optimizer_step``: one fused norm and one all-reduce). This script
 trains a small GPT on 2 gloo ranks (one thread each), each block and the root ``fully_shard``-ed, with the layers
-and the precompute of disttrain's own ``Float8Layers``, and alternates windows of steps with and without the
-precompute in the same processes, so both see the same machine load. It prints a table of the windows' median step
-times and, last, the headline ratio (without / with: above 1, the precompute is faster).
+and the precompute of disttrain's own ``Float8Layers``, and alternates steps with and without the
+precompute in the same processes, a step of each in turn, so both see the same machine load. It prints a table of
+the steps' wall and CPU times and, last, the headline ratio of the wall times' medians (without / with: above 1,
+the precompute is faster).
 
-    python benchmarks/float8_gather.py --layers 4 --width 128 --steps 20 --repeats 5
+    python benchmarks/float8_gather.py --layers 8 --width 64 --block 32 --batch 2 --pairs 100
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ VOCAB = 256
 WORLD = 2
 """Ranks of the ZeRO-3 run."""
 MODES = ("precomputed once per step", "taken by each gather")
-"""The two ways a float8 gather gets its weight's scale, measured in alternating windows."""
+"""The two ways a float8 gather gets its weight's scale, measured in alternating steps."""
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, times: dict[str, list[float]]) -> None:
-    """One rank: build, shard and train the GPT, alternating the modes every ``args.steps`` steps; rank 0 puts
-    each window's median step time into ``times``."""
+    """One rank: build, shard and train the GPT, alternating the modes step by step; rank 0 puts each step's wall
+    and CPU time into ``times`` under its mode."""
     from torch.distributed.fsdp import fully_shard
 
     from disttrain.models.gpt import GPT, GPTDims
@@ -58,8 +59,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, times: dict[str, l
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(rank)
 
-    def step(precompute: bool) -> float:
-        start = time.perf_counter()
+    def step(precompute: bool) -> tuple[float, float]:
+        start, start_cpu = time.perf_counter(), time.process_time()
         tokens = torch.randint(VOCAB, (args.batch, args.block + 1), generator=generator)
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -67,31 +68,31 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, times: dict[str, l
         optimizer.zero_grad(set_to_none=True)
         if precompute:
             layers.after_optimizer_step(model)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - start_cpu
 
     for _ in range(args.warmup):
         step(True)
-    for _ in range(args.repeats):
-        for mode in MODES:
+    for pair in range(args.pairs):
+        # one step of each mode per pair, their order swapped every pair: both modes see the same load
+        for mode in MODES if pair % 2 == 0 else MODES[::-1]:
             precompute = mode == MODES[0]
-            if not precompute:  # no scale of an earlier window's weights may be left for these gathers
+            if not precompute:  # no scale taken from earlier weights may be left for this step's gathers
                 layers.after_weights_replaced(model)
-            window = [step(precompute) for _ in range(args.steps)]
+            elapsed = step(precompute)
             if rank == 0:
-                times[mode] = [*times.get(mode, []), statistics.median(window)]
+                times[mode] = [*times.get(mode, []), elapsed]  # (wall, this process's CPU) seconds
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--layers", type=int, default=8, help="transformer blocks")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--width", type=int, default=128, help="model width (a multiple of 16)")
-    parser.add_argument("--block", type=int, default=64, help="sequence length")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
-    parser.add_argument("--steps", type=int, default=20, help="steps per window")
-    parser.add_argument("--repeats", type=int, default=5, help="windows of each mode, alternating")
+    parser.add_argument("--width", type=int, default=64, help="model width (a multiple of 16)")
+    parser.add_argument("--block", type=int, default=32, help="sequence length")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
+    parser.add_argument("--pairs", type=int, default=100, help="pairs of steps, one of each mode")
     parser.add_argument("--warmup", type=int, default=5, help="steps before the first window")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -103,19 +104,25 @@ def main() -> None:
         times = dict(times)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; {WORLD} gloo ranks, one thread each; GPT {args.layers} "
           f"blocks, width {args.width}, batch {args.batch} x {args.block} per rank; ZeRO-3 (each block and the root "
-          f"fully_shard-ed), trainer.fp8=tensorwise with float8 gathers; {args.repeats} alternating windows of "
-          f"{args.steps} steps\n")
-    print("| scales of the float8 gathers | median step (ms) | lowest window | highest window |")
-    print("|---|---:|---:|---:|")
+          f"fully_shard-ed), trainer.fp8=tensorwise with float8 gathers; {args.pairs} pairs of steps, one of each "
+          f"mode, in alternating order\n")
+    print("| scales of the float8 gathers | median step (ms) | quartiles | median CPU time of rank 0 (ms) "
+          "| quartiles |")
+    print("|---|---:|---:|---:|---:|")
     for mode in MODES:
-        values = times[mode]
-        print(f"| {mode} | {1e3 * statistics.median(values):.1f} | {1e3 * min(values):.1f} | "
-              f"{1e3 * max(values):.1f} |")
-    ratios = [without / with_ for with_, without in zip(times[MODES[0]], times[MODES[1]], strict=True)]
-    print(f"\nfloat8 gathers with the scales precomputed once per step: "
-          f"{statistics.median(ratios):.2f}x faster steps than each gather taking its own "
-          f"(per window pair [{min(ratios):.2f}, {max(ratios):.2f}])")
-
+        wall = statistics.quantiles([w for w, _ in times[mode]], n=4)
+        cpu = statistics.quantiles([c for _, c in times[mode]], n=4)
+        print(f"| {mode} | {1e3 * wall[1]:.1f} | {1e3 * wall[0]:.1f}-{1e3 * wall[2]:.1f} | {1e3 * cpu[1]:.1f} | "
+              f"{1e3 * cpu[0]:.1f}-{1e3 * cpu[2]:.1f} |")
+    walls = {mode: [w for w, _ in times[mode]] for mode in MODES}
+    quarter = args.pairs // 4
+    ratios = [statistics.median(walls[MODES[1]][q * quarter:(q + 1) * quarter])
+              / statistics.median(walls[MODES[0]][q * quarter:(q + 1) * quarter]) for q in range(4)]
+    ratio = statistics.median(walls[MODES[1]]) / statistics.median(walls[MODES[0]])
+    cpu_ratio = statistics.median(c for _, c in times[MODES[1]]) / statistics.median(c for _, c in times[MODES[0]])
+    print(f"\nfloat8 gathers with the scales precomputed once per step: {ratio:.2f}x faster steps than each gather "
+          f"taking its own (medians; per quarter of the run [{min(ratios):.2f}, {max(ratios):.2f}]; rank 0's CPU "
+          f"time {cpu_ratio:.2f}x)")
 
 if __name__ == "__main__":
     main()
