@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from disttrain.errors import ConfigError
 
@@ -77,6 +76,8 @@ class Float8Layers:
 def gathered_float8_weights(net: nn.Module) -> list[Any]:
     """The local shards of ``net``'s weights that FSDP2 gathers in float8 (torchao's float8-casting tensors),
     each carrying the scale taken after the last optimiser step, if any, as ``_precomputed_scale``."""
+    from torch.distributed.tensor import DTensor  # here: the job process, which validates, never imports it
+
     with quiet_import():
         from torchao.float8.float8_linear import Float8Linear
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
