@@ -3,6 +3,8 @@ and under ZeRO-3 with float8 weight gathers (torch's float8 products run on a CP
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from disttrain.parallel.float8 import (
     float8_layer_choice,
 )
 from tests.conftest import logged_metric
+from tests.float8_scales import SCALES_FILE
 from tests.test_run import GPT_FAST, step_losses
 
 pytest.importorskip("torchao")
@@ -113,13 +116,63 @@ def test_a_float8_run_follows_the_fp32_curve_within_its_band(curves, recipe):
 
 
 def test_zero3_gathers_float8_weights_as_it_gathers_its_whole_weights_before_the_cast(make_config, tmp_path):
+    record = ["+callbacks.scales._target_=tests.float8_scales.RecordGatherScales"]
     runs = {gather: fp8_curve(make_config, tmp_path / f"zero3-{gather}", "trainer.fp8=tensorwise", "parallel=zero3",
-                              "trainer.devices=2", f"trainer.fp8_all_gather={gather}") for gather in ("true", "false")}
+                              "trainer.devices=2", f"trainer.fp8_all_gather={gather}", *record)
+            for gather in ("true", "false")}
     # each weight is cast with the amax of the whole weight, taken across its shards, so the float8 weight gathered
     # is the one cast after gathering: the curves agree to the last bits (a cast scaled by the local shard's amax
     # alone is off from the first step). Against one process they are not compared: each rank scales its own
     # micro-batch's activations and gradients, as every data-parallel float8 run does.
     assert torch.allclose(runs["true"], runs["false"], rtol=1e-6, atol=0), runs
+    # after every optimiser step each float8-gathered weight keeps the scale of its whole weight for the next step's
+    # gathers, taken for all of them at once; gathered in the run's precision, no weight keeps one
+    steps = {gather: json.loads((tmp_path / f"zero3-{gather}" / SCALES_FILE).read_text()) for gather in runs}
+    layers = {len(rows) for run in steps.values() for rows in run}
+    assert len(steps["true"]) == 8 and len(layers) == 1 and layers.pop() > 0, steps["true"]
+    assert all(kept == expected for rows in steps["true"] for kept, expected in rows), steps["true"]
+    assert all(kept is None for rows in steps["false"] for kept, _ in rows), steps["false"]
+
+
+def test_a_load_drops_the_scales_taken_from_the_weights_it_replaces(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from disttrain.parallel.config import ParallelConfig
+    from disttrain.parallel.float8 import gathered_float8_weights
+    from disttrain.parallel.layout import Layout
+    from disttrain.parallel.strategy import DistTrainStrategy, StrategyHooks
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layers = Float8Layers("tensorwise", ("up", "down"), all_gather=True)
+        net = Odd()
+        convert_to_float8(net, layers)
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        layers.after_optimizer_step(net)
+        taken = [float(shard._precomputed_scale) for shard in gathered_float8_weights(net)]
+        assert len(taken) == 2 and all(scale > 0 for scale in taken)
+
+        def load_doubled(_path, model, _optimizers):  # as a checkpoint's load writes into the sharded weights
+            set_model_state_dict(model, {name: 2 * value for name, value in model.state_dict().items()})
+            return {}
+
+        strategy = DistTrainStrategy(Layout(), ParallelConfig(), hooks=StrategyHooks(in_memory_checkpoint=load_doubled),
+                                     float8=layers)
+        task = nn.Module()
+        task.net = net
+        strategy.connect(task)
+        strategy.load_checkpoint("doubled")
+        # the scales of the weights before the load would cast the doubled ones past float8's range: dropped, the
+        # next gathers take each loaded weight's amax themselves
+        assert [shard._precomputed_scale for shard in gathered_float8_weights(net)] == [None, None]
+    finally:
+        if own_group:
+            dist.destroy_process_group()
 
 
 @pytest.mark.slow

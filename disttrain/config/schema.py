@@ -109,7 +109,11 @@ class TrainerConfig:
     ``['blocks.*.mlp.*']``); empty: every linear layer. Before ranks start it is resolved to the names chosen."""
     fp8_all_gather: bool = True
     """Under ``trainer.fp8=tensorwise`` with sharded parameters (ZeRO-2/3, HSDP), FSDP2 gathers the float8
-    layers' weights in float8; false: in the run's precision. Resolved to false where it does not apply."""
+    layers' weights in float8, each scaled by the amax of its whole weight; the scales of all of them are
+    precomputed once per optimiser step (one fused norm and one all-reduce, torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``) rather than by each gather in forward and backward, and dropped
+    when a checkpoint load replaces the weights. false: in the run's precision. Resolved to false where it does not
+    apply."""
 
     @property
     def float8(self) -> Any:

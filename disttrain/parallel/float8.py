@@ -6,7 +6,8 @@ products take), except the output head (its logits feed the loss directly, as to
 and layers outside ``trainer.fp8_layers``' patterns. The rank swaps exactly those for torchao's ``Float8Linear``
 before its layout is applied (``convert_to_float8``): parameter names, checkpoints and exports stay the linear
 layers' own. Under ZeRO-2/3 and HSDP, with the tensorwise recipe, FSDP2 gathers those weights in float8 (half the
-bytes of bf16), each scaled by the amax of the whole weight.
+bytes of bf16), each scaled by the amax of the whole weight: taken for all of them at once after each optimiser step
+(``Float8Layers.after_optimizer_step``), dropped when a load replaces the weights (``after_weights_replaced``).
 
 On a CPU, torch's float8 products run too (slower than bf16 here): a run can be checked before it takes a GPU.
 On a GPU they need compute capability 8.9 or more (Ada, Hopper and later).
@@ -19,6 +20,7 @@ import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torch import nn
 
@@ -45,6 +47,45 @@ class Float8Layers:
     """The linear layers trained in float8."""
     all_gather: bool
     """FSDP2 gathers these weights in float8 (tensorwise recipe, sharded parameters)."""
+
+    def after_optimizer_step(self, net: nn.Module) -> None:
+        """Where FSDP2 gathers these weights in float8, take every weight's scale (float8's largest value over the
+        amax of the whole weight) in one pass: one fused norm over the local shards and one all-reduce (torchao's
+        ``precompute_float8_dynamic_scale_for_fsdp``). Each scale is kept on its weight's local shard, and the
+        gathers of forward, backward and evaluation use it until the weights change again. Without it each gather
+        takes its own weight's amax, a reduction and an all-reduce per weight and per gather, through a tensor
+        subclass's Python dispatch."""
+        if not self.all_gather:
+            return
+        with quiet_import():
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(net)
+
+    def after_weights_replaced(self, net: nn.Module) -> None:
+        """Where FSDP2 gathers these weights in float8, drop the scales taken for the weights that a load has just
+        replaced (a checkpoint, a live replica group's state): the gathers then take each loaded weight's amax
+        themselves, as on the first step, until the next optimiser step takes the scales again. No collective: a
+        rank may call it alone."""
+        if not self.all_gather:
+            return
+        for weight in gathered_float8_weights(net):
+            weight._precomputed_scale = None  # torchao's field; tests/test_float8.py reads it under this name
+
+
+def gathered_float8_weights(net: nn.Module) -> list[Any]:
+    """The local shards of ``net``'s weights that FSDP2 gathers in float8 (torchao's float8-casting tensors),
+    each carrying the scale taken after the last optimiser step, if any, as ``_precomputed_scale``."""
+    from torch.distributed.tensor import DTensor  # here: the job process, which validates, never imports it
+
+    with quiet_import():
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    # the DTensor's own local tensor, where torchao keeps the scale: to_local() hands out a new alias of it
+    return [module.weight._local_tensor for module in net.modules()
+            if isinstance(module, Float8Linear) and isinstance(module.weight, DTensor)
+            and isinstance(module.weight._local_tensor, WeightWithDynamicFloat8CastTensor)]
 
 
 def float8_layer_choice(net: nn.Module, patterns: list[str] | None) -> tuple[list[str], list[tuple[str, str]]]:

@@ -235,6 +235,22 @@ class DistTrainStrategy(ModelParallelStrategy):
         wrap = self.hooks.wrap_optimizer
         return wrap(optimizer, self) if wrap is not None else optimizer
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        """Lightning's step (every kind of run's, automatic or by hand), then what the float8 layers take from the
+        new weights once per step (``Float8Layers.after_optimizer_step``). A step its closure skips raises before
+        it and leaves the weights, and what was taken from them, as they were."""
+        stepped = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.float8 is not None:
+            self.float8.after_optimizer_step(self.lightning_module.net)
+        return stepped
+
+    def weights_replaced(self) -> None:
+        """Called once a load has replaced the model's weights other than by an optimiser step: what was taken from
+        the weights before is dropped (``Float8Layers.after_weights_replaced``)."""
+        if self.float8 is not None:
+            self.float8.after_weights_replaced(self.lightning_module.net)
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """State keyed by parameter name under every layout: sharded (DTensor) for FSDP, whole otherwise; none while
         a save links it (``linking_state``)."""
@@ -265,12 +281,14 @@ class DistTrainStrategy(ModelParallelStrategy):
         outside fit (the end-of-run test of the best checkpoint), which restores no optimiser state."""
         in_memory = self.hooks.in_memory_checkpoint
         loaded = in_memory(checkpoint_path, self.model, self.optimizers) if in_memory is not None else None
-        if loaded is not None:
-            return loaded
-        # outside fit the optimiser's AdamW moments and its hundreds of small entries are neither read nor planned,
-        # most of a test's checkpoint load (benchmarks/README.md, Figures cited elsewhere)
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return self.checkpoints.load(checkpoint_path, self.model, self.optimizers if fitting else [])
+        if loaded is None:
+            # outside fit the optimiser's AdamW moments and its hundreds of small entries are neither read nor
+            # planned, most of a test's checkpoint load (benchmarks/README.md, Figures cited elsewhere)
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            loaded = self.checkpoints.load(checkpoint_path, self.model, self.optimizers if fitting else [])
+        # the test of the best checkpoint after fit loads it into weights that took the last step's scales
+        self.weights_replaced()
+        return loaded
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

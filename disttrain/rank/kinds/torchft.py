@@ -206,6 +206,7 @@ class TorchFT(RunKind):
         # a running group that fell behind (it did not commit a step the others committed): same data position,
         # so weights, optimiser, schedule, the step count and the epoch's loss sums are all it needs
         rest = load_peer_state(state, trainer.lightning_module, trainer.optimizers)
+        trainer.strategy.weights_replaced()
         trainer.lightning_module.take_epoch_loss_part(rest[PEER_EPOCH_LOSS])
         for config, saved in zip(trainer.lr_scheduler_configs, rest["lr_schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
