@@ -29,7 +29,7 @@ from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
-from disttrain.models.lora import adapter_summary, check_base_precision
+from disttrain.models.lora import adapter_summary, check_base_layout, check_base_precision
 from disttrain.models.target import TargetModelConfig
 from disttrain.observe.memory_options import check_memory_callbacks
 from disttrain.parallel.config import ParallelConfig
@@ -136,6 +136,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         notices += model.notices(datamodule.spec) if hasattr(model, "notices") else []
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     check_base_precision(getattr(model, "lora", None), top.trainer.precision)
+    check_base_layout(getattr(model, "lora", None), layout)
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += [line for line in (adapter_summary(net),) if line]
     notices += _decide_float8(top, model, net, layout)
