@@ -130,9 +130,10 @@ def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
     if on_meta:
         setattr(net, INITIAL_ADAPTERS, _initial_adapters(net, lora))
     if lora.quantises_base:  # the rank quantises them once their weights are final (disttrain.models.nf4)
-        from disttrain.models.nf4 import QUANTISE_BASE, require_bitsandbytes
+        from disttrain.models.nf4 import QUANTISE_BASE, check_quantisable, require_bitsandbytes
 
         require_bitsandbytes()
+        check_quantisable([(name, layer.get_base_layer()) for name, layer in lora_layers(net)])
         setattr(net, QUANTISE_BASE, True)
     return net
 

@@ -36,6 +36,17 @@ def require_bitsandbytes() -> Any:
     return bitsandbytes
 
 
+def check_quantisable(layers: list[tuple[str, nn.Module]]) -> None:
+    """ConfigError naming the first of ``layers`` (name, linear layer) whose input width is not a multiple of
+    ``BLOCK_SIZE``: bitsandbytes' CPU kernels (0.50) dequantise such a weight with the wrong blocks' scales, so one
+    rule holds on every device and a run checked on a CPU computes as it will on a GPU."""
+    for name, layer in layers:
+        if layer.in_features % BLOCK_SIZE:
+            raise ConfigError("model.lora.base_dtype", "nf4", f"keep or bfloat16: nf4 takes linear layers whose "
+                              f"input width is a multiple of {BLOCK_SIZE}, and {name} has {layer.in_features} (or "
+                              "leave such layers out of model.lora.target_modules)")
+
+
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is held as nf4 codes (``uint8``, two per byte) with one absmax per block
     of ``BLOCK_SIZE``; its forward dequantises to bf16 and multiplies there (bitsandbytes' ``matmul_4bit``), and
