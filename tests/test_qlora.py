@@ -33,9 +33,9 @@ NF4 = [*ADAPTERS, "model.lora.base_dtype=nf4", "trainer.precision=bf16-mixed"]
 BF16 = [*ADAPTERS, "model.lora.base_dtype=bfloat16", "trainer.precision=bf16-mixed"]
 TARGETS = {"q", "k", "v", "proj", "fc"}
 """The micro GPT's projections its tensor-parallel plan splits: the default targets."""
-FIRST_LOSS_ATOL = 0.02
-"""The nf4 base's loss on one batch less the bf16 base's, from the same weights: measured 4.1e-3 (micro GPT, random
-adapters, one batch of random tokens); this bounds it."""
+FIRST_LOSS_ATOL = 2e-3
+"""The nf4 base's loss on one batch less the bf16 base's, from the same weights: measured 1.9e-4 (micro GPT at
+width 64, random adapters, one batch of random tokens; the weights' nf4 error is 9% of their norm); ten times it."""
 BYTES_SHARE = 0.3
 """nf4's bytes over bf16's for the base projections: half a byte per weight plus one fp32 absmax per
 ``BLOCK_SIZE`` weights, (0.5 + 4 / 64) / 2 = 0.28125."""
@@ -45,6 +45,15 @@ def built(make_config, overrides: list[str]) -> torch.nn.Module:
     """The model a run of ``overrides`` builds on this process (before any layout)."""
     run = validate(make_config(overrides))
     return build_model(run.model, run.datamodule.spec)
+
+
+def by_hand(layer: NF4Linear) -> torch.Tensor:
+    """The weight ``layer`` holds, dequantised from its codes here: each byte two indices into nf4's code book
+    (high half first), each block of ``BLOCK_SIZE`` scaled by its absmax."""
+    codes = layer.weight.flatten()
+    indices = torch.stack([codes >> 4, codes & 15], dim=1).flatten().long()
+    values = layer.quant_state.code[indices].float().view(-1, BLOCK_SIZE) * layer.quant_state.absmax[:, None]
+    return values.view(layer.out_features, layer.in_features)
 
 
 def loss_of(net: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -68,6 +77,13 @@ def test_nf4_bases_are_frozen_codes_at_a_quarter_of_bf16_and_the_adapters_alone_
         nf4_bytes += layer.weight.nbytes + layer.quant_state.absmax.nbytes
         bf16_bytes += before[f"{name}.weight"].to(torch.bfloat16).nbytes
     assert nf4_bytes / bf16_bytes <= BYTES_SHARE, nf4_bytes / bf16_bytes
+    x = torch.randn(3, layers[0][1].in_features, generator=torch.Generator().manual_seed(2))
+    for name, layer in layers:  # the layer computes with the weight its codes hold, in bf16
+        weight = by_hand(layer)
+        assert (weight - before[f"{name}.weight"]).norm() <= 0.15 * before[f"{name}.weight"].norm(), name
+        if layer.in_features == x.shape[1]:
+            expected = F.linear(x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float())
+            torch.testing.assert_close(layer(x).float(), expected, rtol=0.02, atol=0.02, msg=name)
     # embeddings, norms, head and the base's biases as built (fp32), not quantised
     for name, p in net.named_parameters():
         if p.dtype != torch.uint8:
@@ -91,6 +107,7 @@ def test_the_nf4_bases_first_loss_is_the_bf16_bases_within_the_quantisation_erro
     tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         gap = abs(loss_of(net, tokens).item() - loss_of(bf16, tokens).item())
+    print(f"first loss gap nf4 - bf16 base: {gap:.3g}")
     assert 0 < gap <= FIRST_LOSS_ATOL, gap
 
 
