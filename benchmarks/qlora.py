@@ -1,11 +1,12 @@
 """LoRA on a bf16 base against QLoRA's nf4 base (``model.lora.base_dtype``), side by side in one process.
 
-    python benchmarks/qlora.py [--device cpu|cuda] [--steps 10] [--threads 2]
+    python benchmarks/qlora.py [--device cpu|cuda] [--steps 10] [--windows 3] [--threads 2]
 
 Builds one Hugging Face Llama (random weights, no download), adds rank-16 adapters on its seven projections through
 ``disttrain.models.lora.add_adapters``, and holds the frozen base as each setting does: ``bfloat16`` (every frozen
 weight in bf16) and ``nf4`` (the adapted projections quantised by ``disttrain.models.nf4``, the rest as built).
-Each trains ``--steps`` AdamW steps under bf16 autocast on random tokens after two warm-up steps. The table gives
+Each trains AdamW steps under bf16 autocast on random tokens after two warm-up steps; tokens/s is the median of
+``--windows`` windows of ``--steps`` steps. The table gives
 the bytes of the adapted projections' weights and of all parameters (tensor bytes, measured), peak memory
 allocated over the steps (CUDA only) and tokens/s; the last line is nf4's projection bytes and tokens/s over bf16's.
 """
@@ -57,8 +58,10 @@ def projection_bytes(net: torch.nn.Module) -> int:
     return total
 
 
-def train(net: torch.nn.Module, sizes: dict, device: torch.device, steps: int) -> tuple[float, float | None]:
-    """Tokens/s over ``steps`` AdamW steps after two warm-up ones, and the peak bytes allocated (CUDA)."""
+def train(net: torch.nn.Module, sizes: dict, device: torch.device, steps: int, windows: int
+          ) -> tuple[float, float | None]:
+    """The median tokens/s of ``windows`` windows of ``steps`` AdamW steps each, after two warm-up steps, and the
+    peak bytes allocated over them (CUDA)."""
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     tokens = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["seq"]), device=device,
@@ -76,20 +79,23 @@ def train(net: torch.nn.Module, sizes: dict, device: torch.device, steps: int) -
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    speeds = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        speeds.append(steps * tokens.numel() / (time.perf_counter() - start))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return steps * tokens.numel() / seconds, peak
+    return sorted(speeds)[len(speeds) // 2], peak
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=3, help="timed windows of --steps steps; the median counts")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -98,7 +104,7 @@ def main() -> None:
     gpu = f", GPU: {torch.cuda.get_device_name()}" if device.type == "cuda" else ""
     print(f"CPU: {cpu_model()}, {args.threads} threads{gpu}, torch {torch.__version__}; HF Llama "
           f"{sizes['num_hidden_layers']} x {sizes['hidden_size']}, batch {sizes['batch']} x {sizes['seq']}, "
-          f"LoRA rank 16 on {len(TARGETS)} projections, {args.steps} steps\n")
+          f"LoRA rank 16 on {len(TARGETS)} projections, median of {args.windows} x {args.steps} steps\n")
     print("| base | projections (MiB) | all parameters (MiB) | peak allocated (MiB) | tokens/s |")
     print("|---|---:|---:|---:|---:|")
     rows = {}
@@ -108,7 +114,7 @@ def main() -> None:
         held = sum(p.nbytes for p in net.parameters()) - sum(
             layer.get_base_layer().weight.nbytes - layer.get_base_layer().held_bytes()
             for _, layer in lora_layers(net) if isinstance(layer.get_base_layer(), NF4Linear))
-        speed, peak = train(net, sizes, device, args.steps)
+        speed, peak = train(net, sizes, device, args.steps, args.windows)
         rows[base_dtype] = (projections, speed)
         peak_text = f"{peak / 2**20:,.0f}" if peak is not None else "-"
         print(f"| {base_dtype} | {projections / 2**20:,.1f} | {held / 2**20:,.1f} | {peak_text} | {speed:,.0f} |")
