@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 
 import pytest
 import torch
