@@ -50,7 +50,7 @@ def check_quantisable(layers: list[tuple[str, nn.Module]]) -> None:
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is held as nf4 codes (``uint8``, two per byte) with one absmax per block
     of ``BLOCK_SIZE``; its forward dequantises to bf16 and multiplies there (bitsandbytes' ``matmul_4bit``), and
-    passes the gradient to its input. Its bias, if any, stays as it was, frozen."""
+    passes the gradient to its input. Its bias, if any, stays as it was."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -60,9 +60,7 @@ class NF4Linear(nn.Module):
         self.quant_state: Any = None
         """bitsandbytes' ``QuantState`` of ``weight``: the blocks' absmax, nf4's code book, the shape and dtype."""
         self.quantise(linear.weight.detach())
-        self.bias = linear.bias
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        self.bias = linear.bias  # frozen, as PEFT left it
 
     def quantise(self, weight: torch.Tensor) -> None:
         """Hold ``weight`` (out x in, any float dtype) as nf4 codes of its bf16 values."""
