@@ -173,9 +173,11 @@ def frozen_base(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_qlora_run_learns_keeps_its_base_and_starts_where_the_bf16_base_does(bf16_run, nf4_run):
+def test_a_qlora_run_learns_keeps_its_base_and_starts_where_the_bf16_base_does(nf4_run, bf16_run):
     """The loss falls; the checkpoint's base is the bf16 run's base quantised and dequantised (the nf4 run's base
-    never changed); the first step's loss is the bf16 base's within the quantisation error."""
+    never changed); the first step's loss is the bf16 base's within the quantisation error. The nf4 run comes
+    first: a later run in the same process may save under the earlier one's cached checkpoint plan, dtypes and
+    all (torch's ``enable_plan_caching``)."""
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
     losses = nf4_run["losses"]
