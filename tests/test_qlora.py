@@ -199,3 +199,30 @@ def test_qlora_under_ddp_matches_one_process(tmp_path, nf4_run):
     assert deviation <= 1e-3, deviation
     for name, weight in frozen_base(got["weights"]).items():
         assert torch.equal(weight, nf4_run["weights"][name]), name
+
+
+@pytest.mark.slow
+def test_a_resumed_qlora_run_goes_on_from_the_same_codes(tmp_path):
+    """Four steps, resumed for four more, follow eight straight steps (losses, adapters, base); resumed instead
+    into a model built from another seed, the base is still the straight run's: the checkpoint's dequantised base
+    is quantised back to the codes it came from."""
+    from disttrain.checkpoint.export import consolidated_weights
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+    from tests.test_run import step_losses
+
+    run = [*(o for o in WIDE if not o.startswith(("optim", "trainer.max_steps", "trainer.val_check"))),
+           "optim=adamw", "optim.lr=0.01", "trainer.val_check_interval=4", *NF4, "scheduler=constant",
+           "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0"]
+    train(compose_config([*run, "trainer.max_steps=8"], tmp_path / "straight"))
+    train(compose_config([*run, "trainer.max_steps=4"], tmp_path / "first"))
+    for name, more in (("more", []), ("reseeded", ["seed=1"])):
+        train(compose_config([*run, "trainer.max_steps=8", *more, f"resume={tmp_path / 'first'}"], tmp_path / name))
+    reference = consolidated_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    reseeded = frozen_base(consolidated_weights(tmp_path / "reseeded" / "checkpoints" / "last.ckpt"))
+    assert reseeded and all(torch.equal(weight, reference[name]) for name, weight in reseeded.items())
+    final = consolidated_weights(tmp_path / "more" / "checkpoints" / "last.ckpt")
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, reference[name], rtol=0, atol=1e-5 if is_adapter(name) else 0, msg=name)
+    straight, more = step_losses(tmp_path / "straight"), step_losses(tmp_path / "more")
+    assert max(abs(a - b) / abs(a) for a, b in zip(straight[4:], more, strict=True)) <= 1e-5
