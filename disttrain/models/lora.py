@@ -130,10 +130,8 @@ def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
     if on_meta:
         setattr(net, INITIAL_ADAPTERS, _initial_adapters(net, lora))
     if lora.quantises_base:  # the rank quantises them once their weights are final (disttrain.models.nf4)
-        from disttrain.models.nf4 import QUANTISE_BASE, check_quantisable, require_bitsandbytes
+        from disttrain.models.nf4 import QUANTISE_BASE
 
-        require_bitsandbytes()
-        check_quantisable([(name, layer.get_base_layer()) for name, layer in lora_layers(net)])
         setattr(net, QUANTISE_BASE, True)
     return net
 
@@ -304,6 +302,18 @@ def check_base_precision(lora: LoRAConfig | None, precision: str) -> None:
             and not precision.startswith("bf16")):
         raise ConfigError("model.lora.base_dtype", lora.base_dtype, f"keep with trainer.precision={precision}, or "
                           f"trainer.precision=bf16-mixed ({lora.base_dtype} base weights need bf16 compute)")
+
+
+def check_quantised_base(lora: LoRAConfig | None, net: nn.Module) -> None:
+    """ConfigError, before ranks start, for a quantised base (``nf4``) that cannot be made: bitsandbytes missing,
+    or an adapted layer of ``net`` (with its adapters, maybe on the meta device) that nf4 does not take. Readers
+    of a finished run (export, generation) build the network without quantising it and need neither."""
+    if lora is None or not lora.quantises_base:
+        return
+    from disttrain.models.nf4 import check_quantisable, require_bitsandbytes
+
+    require_bitsandbytes()
+    check_quantisable([(name, layer.get_base_layer()) for name, layer in lora_layers(net)])
 
 
 def check_base_layout(lora: LoRAConfig | None, layout: Any) -> None:
