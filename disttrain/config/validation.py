@@ -29,7 +29,7 @@ from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
-from disttrain.models.lora import adapter_summary, check_base_precision
+from disttrain.models.lora import adapter_summary, check_base_layout, check_base_precision, check_quantised_base
 from disttrain.models.target import TargetModelConfig
 from disttrain.observe.memory_options import check_memory_callbacks
 from disttrain.parallel.config import ParallelConfig
@@ -136,7 +136,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         notices += model.notices(datamodule.spec) if hasattr(model, "notices") else []
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     check_base_precision(getattr(model, "lora", None), top.trainer.precision)
+    check_base_layout(getattr(model, "lora", None), layout)
     net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
+    check_quantised_base(getattr(model, "lora", None), net)
     notices += [line for line in (adapter_summary(net),) if line]
     notices += _decide_float8(top, model, net, layout)
     notices += check_federated(top, layout, datamodule)

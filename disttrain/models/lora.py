@@ -33,8 +33,11 @@ SPLIT_STYLES = ("colwise", "rowwise")
 INITS = {"kaiming": True, "gaussian": "gaussian", "random": False}
 """``model.lora.init`` -> PEFT's ``init_lora_weights``: ``lora_B`` zero (the adapted model starts as the base), or
 both matrices random (``random``: the adapters change the output from the first step)."""
-BASE_DTYPES = {"keep": None, "bfloat16": torch.bfloat16}
-"""``model.lora.base_dtype`` -> the dtype the frozen base weights are held in (None: as built)."""
+BASE_DTYPES = {"keep": None, "bfloat16": torch.bfloat16, "nf4": None}
+"""``model.lora.base_dtype`` -> the dtype the frozen base weights are held in when the network is built (None: as
+built). ``nf4``'s adapted layers are quantised later, by the rank (``QUANTISED_BASES``)."""
+QUANTISED_BASES = ("nf4",)
+"""``model.lora.base_dtype`` values whose adapted base layers a rank holds quantised (``disttrain.models.nf4``)."""
 INITIAL_ADAPTERS = "initial_adapters"
 """Attribute of a network built on the meta device: its adapters' initial values, by parameter name."""
 
@@ -59,8 +62,15 @@ class LoRAConfig:
     as the base), ``gaussian`` (``lora_A`` normal with std 1/rank, ``lora_B`` zero) or ``random`` (both as a
     Linear layer's init, so the adapters change the output from the first step)."""
     base_dtype: str = "keep"
-    """The dtype of the frozen base weights: ``keep`` (as built, fp32) or ``bfloat16`` (half the memory; needs
-    ``trainer.precision=bf16-mixed``, which computes in bf16). The adapters stay fp32."""
+    """The dtype of the frozen base weights: ``keep`` (as built, fp32), ``bfloat16`` (half the memory) or ``nf4``
+    (QLoRA: the adapted projections in 4-bit NormalFloat through bitsandbytes, a quarter of bf16's bytes,
+    dequantised to bf16 to compute; embeddings, norms and head as built; single process or DDP). ``bfloat16`` and
+    ``nf4`` need ``trainer.precision=bf16-mixed``, which computes in bf16. The adapters stay fp32."""
+
+    @property
+    def quantises_base(self) -> bool:
+        """Whether a rank holds the adapted base layers quantised (``base_dtype=nf4``)."""
+        return self.enabled and self.base_dtype in QUANTISED_BASES
 
     @property
     def enabled(self) -> bool:
@@ -78,6 +88,9 @@ class LoRAConfig:
         checks.probability("model.lora.dropout", self.dropout)
         checks.one_of("model.lora.init", self.init, tuple(INITS))
         checks.one_of("model.lora.base_dtype", self.base_dtype, tuple(BASE_DTYPES))
+        if self.quantises_base and self.dora:
+            raise ConfigError("model.lora.dora", True, f"false with model.lora.base_dtype={self.base_dtype} (DoRA's "
+                              "magnitudes are norms of the base weight's rows, which is held quantised)")
         if self.target_modules is not None and not self.target_modules:
             raise ConfigError("model.lora.target_modules", [], "a list of module names, or null for the "
                               "projections of the model's plan")
@@ -116,6 +129,10 @@ def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
             param.data = param.data.to(dtype)
     if on_meta:
         setattr(net, INITIAL_ADAPTERS, _initial_adapters(net, lora))
+    if lora.quantises_base:  # the rank quantises them once their weights are final (disttrain.models.nf4)
+        from disttrain.models.nf4 import QUANTISE_BASE
+
+        setattr(net, QUANTISE_BASE, True)
     return net
 
 
@@ -281,6 +298,33 @@ def uses_dora(module: nn.Module) -> bool:
 def check_base_precision(lora: LoRAConfig | None, precision: str) -> None:
     """ConfigError for base weights held in bf16 under a precision that computes in fp32 (a bf16 weight meets an
     fp32 input there)."""
-    if lora is not None and lora.enabled and lora.base_dtype == "bfloat16" and not precision.startswith("bf16"):
+    if (lora is not None and lora.enabled and lora.base_dtype in ("bfloat16", *QUANTISED_BASES)
+            and not precision.startswith("bf16")):
         raise ConfigError("model.lora.base_dtype", lora.base_dtype, f"keep with trainer.precision={precision}, or "
-                          "trainer.precision=bf16-mixed (bf16 base weights need bf16 compute)")
+                          f"trainer.precision=bf16-mixed ({lora.base_dtype} base weights need bf16 compute)")
+
+
+def check_quantised_base(lora: LoRAConfig | None, net: nn.Module) -> None:
+    """ConfigError, before ranks start, for a quantised base (``nf4``) that cannot be made: bitsandbytes missing,
+    or an adapted layer of ``net`` (with its adapters, maybe on the meta device) that nf4 does not take. Readers
+    of a finished run (export, generation) build the network without quantising it and need neither."""
+    if lora is None or not lora.quantises_base:
+        return
+    from disttrain.models.nf4 import check_quantisable, require_bitsandbytes
+
+    require_bitsandbytes()
+    check_quantisable([(name, layer.get_base_layer()) for name, layer in lora_layers(net)])
+
+
+def check_base_layout(lora: LoRAConfig | None, layout: Any) -> None:
+    """ConfigError for a quantised base (``nf4``) under a layout other than one process or DDP: FSDP2 and tensor
+    parallelism hold parameters as DTensors, which bitsandbytes' 4-bit weights are not; pipeline stages, context
+    parallelism, ZeRO-1 and the kinds of run that exchange updates themselves are untested with them."""
+    if lora is None or not lora.quantises_base:
+        return
+    plain = (layout.wrapper in ("none", "ddp") and layout.ddp_exchange and not layout.shards_optimizer_state
+             and layout.tp == 1 and layout.cp == 1 and layout.ep == 1)
+    if not plain:
+        raise ConfigError("model.lora.base_dtype", lora.base_dtype, f"keep or bfloat16 with {layout.describe()}; nf4 "
+                          "runs on one process or under parallel=ddp (bitsandbytes' 4-bit weights are not sharded "
+                          "or split)")

@@ -28,6 +28,7 @@ from disttrain.comm.counter import ByteCounter
 from disttrain.comm.state import ExchangeState
 from disttrain.lightning_internals import join_process_group, optimizers_to_device, set_device_mesh
 from disttrain.models.lora import initial_adapter_sources
+from disttrain.models.nf4 import quantise_adapted_bases
 from disttrain.parallel.apply import backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
 from disttrain.parallel.config import ParallelConfig
@@ -158,6 +159,9 @@ class DistTrainStrategy(ModelParallelStrategy):
                                exchange=self.comm_state, compile_mode=self.compile_mode)
             if folder is not None:
                 load_pretrained(task.net, folder, conversion, adapters)
+            # QLoRA's base (model.lora.base_dtype=nf4) is quantised once its weights are final, on one process or
+            # under DDP (whose reducer holds the adapters alone, so the frozen layers it wraps may change)
+            quantise_adapted_bases(task.net)
             self._parallelised = True
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

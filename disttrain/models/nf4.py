@@ -1,0 +1,137 @@
+"""QLoRA's frozen base: the linear layers that carry LoRA adapters, held in 4-bit NormalFloat (nf4) through
+bitsandbytes and computed in bf16 (``model.lora.base_dtype=nf4``).
+
+The network is built and its adapters added as for any LoRA run; a rank then swaps each adapted layer's wrapped
+``nn.Linear`` (``<module>.base_layer``) for an ``NF4Linear`` once its weights are final (after its layout and
+after a folder's weights are read: ``quantise_adapted_bases``). Embeddings, norms and the head stay in the run's
+dtype. An ``NF4Linear`` writes its weight into a state dict dequantised (bf16, under the name the ``nn.Linear``
+had) and quantises a weight it is loaded with, so checkpoints, resumes and exports see an ordinary bf16 base and
+never the 4-bit codes: requantising a dequantised nf4 weight gives the same codes back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from disttrain.errors import ConfigError
+
+BLOCK_SIZE = 64
+"""Weights per nf4 block (one fp32 absmax each), as QLoRA and bitsandbytes' default."""
+COMPUTE_DTYPE = torch.bfloat16
+"""The dtype the nf4 weights are dequantised to and multiplied in."""
+QUANTISE_BASE = "quantise_base"
+"""Attribute of a network whose adapted base layers a rank quantises to nf4 once their weights are final."""
+
+
+def require_bitsandbytes() -> Any:
+    """The ``bitsandbytes`` module; ConfigError naming the extra to install when it is missing."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError("model.lora.base_dtype", "nf4", "keep or bfloat16 unless bitsandbytes is installed "
+                          "(pip install 'disttrain[finetune]')") from None
+    return bitsandbytes
+
+
+def check_quantisable(layers: list[tuple[str, nn.Module]]) -> None:
+    """ConfigError naming the first of ``layers`` (name, linear layer) whose input width is not a multiple of
+    ``BLOCK_SIZE``: bitsandbytes' CPU kernels (0.50) dequantise such a weight with the wrong blocks' scales, so one
+    rule holds on every device and a run checked on a CPU computes as it will on a GPU."""
+    for name, layer in layers:
+        if layer.in_features % BLOCK_SIZE:
+            raise ConfigError("model.lora.base_dtype", "nf4", f"keep or bfloat16: nf4 takes linear layers whose "
+                              f"input width is a multiple of {BLOCK_SIZE}, and {name} has {layer.in_features} (or "
+                              "leave such layers out of model.lora.target_modules)")
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is held as nf4 codes (``uint8``, two per byte) with one absmax per block
+    of ``BLOCK_SIZE``; its forward dequantises to bf16 and multiplies there (bitsandbytes' ``matmul_4bit``), and
+    passes the gradient to its input. Its bias, if any, stays as it was."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=linear.weight.device),
+                                   requires_grad=False)
+        self.quant_state: Any = None
+        """bitsandbytes' ``QuantState`` of ``weight``: the blocks' absmax, nf4's code book, the shape and dtype."""
+        self.quantise(linear.weight.detach())
+        self.bias = linear.bias  # frozen, as PEFT left it
+
+    def quantise(self, weight: torch.Tensor) -> None:
+        """Hold ``weight`` (out x in, any float dtype) as nf4 codes of its bf16 values."""
+        from bitsandbytes.functional import quantize_4bit
+
+        codes, self.quant_state = quantize_4bit(weight.to(COMPUTE_DTYPE).contiguous(), blocksize=BLOCK_SIZE,
+                                                quant_type="nf4", compress_statistics=False)
+        self.weight.data = codes
+
+    def dequantised(self) -> torch.Tensor:
+        """The weight the layer computes with (bf16, out x in)."""
+        from bitsandbytes.functional import dequantize_4bit
+
+        return dequantize_4bit(self.weight.data, self.quant_state)
+
+    def held_bytes(self) -> int:
+        """Bytes of the quantised weight: its codes and the blocks' absmax."""
+        return self.weight.nbytes + self.quant_state.absmax.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from bitsandbytes import matmul_4bit
+
+        bias = None if self.bias is None else self.bias.to(COMPUTE_DTYPE)
+        return matmul_4bit(x.to(COMPUTE_DTYPE), self.weight.t(), self.quant_state, bias=bias).to(x.dtype)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # the base as the layer computes it, in bf16 under the plain Linear's name: never the 4-bit codes
+        destination[prefix + "weight"] = self.dequantised()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+        else:
+            weight = state_dict[key]
+            if tuple(weight.shape) != (self.out_features, self.in_features):
+                error_msgs.append(f"{key}: shape {tuple(weight.shape)}, the layer's "
+                                  f"{(self.out_features, self.in_features)}")
+            else:
+                self.quantise(weight.to(self.weight.device))
+        if self.bias is not None:
+            if prefix + "bias" in state_dict:
+                with torch.no_grad():
+                    self.bias.copy_(state_dict[prefix + "bias"])
+            else:
+                missing_keys.append(prefix + "bias")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4, compute={COMPUTE_DTYPE}"
+
+
+def quantise_adapted_bases(net: nn.Module) -> int:
+    """Swap the ``nn.Linear`` each LoRA layer of ``net`` wraps for an ``NF4Linear`` of its weights, when ``net``
+    was built with ``model.lora.base_dtype=nf4`` (the count swapped; 0 for any other network). ``net``: the
+    model itself, or a DDP wrapper of it."""
+    inner = getattr(net, "module", net)
+    if not getattr(inner, QUANTISE_BASE, False):
+        return 0
+    require_bitsandbytes()
+    swapped = 0
+    for module in inner.modules():
+        base = getattr(module, "base_layer", None)
+        if hasattr(module, "lora_A") and type(base) is nn.Linear:
+            module.base_layer = NF4Linear(base)
+            swapped += 1
+    return swapped
+
+
+def nf4_layers(net: nn.Module) -> list[tuple[str, NF4Linear]]:
+    """The nf4 base layers of ``net`` with their names."""
+    return [(name, module) for name, module in net.named_modules() if isinstance(module, NF4Linear)]
