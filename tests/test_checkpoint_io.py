@@ -186,3 +186,32 @@ def test_replicas_kept_apart_consolidate_to_the_first(tmp_path):
               for i in range(2)}, checkpoint_id=str(path), no_dist=True)
     weights = consolidated_weights(path)
     assert list(weights) == ["w"] and torch.equal(weights["w"], torch.zeros(3))
+
+
+def test_a_later_run_in_this_process_writes_its_own_dtypes_where_the_shapes_are_the_same(tmp_path):
+    """A sweep's jobs run in one process: the second job's checkpoint, of the same shapes in another dtype, holds
+    its own metadata, not a save plan cached by the first (torch compares a cached plan by shapes alone)."""
+    import gc
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from disttrain.checkpoint.sharded import ShardedCheckpoints
+
+    dtypes = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        weights = torch.randn(64, 64).to(dtype)
+        checkpoints = ShardedCheckpoints(OneRank())
+        for step in range(2):  # the second save of a run takes its own cached plan
+            checkpoints.save({"state_dict": {"w": weights}, "optimizer_states": []}, tmp_path / f"{name}{step}.ckpt")
+        metadata = FileSystemReader(str(tmp_path / f"{name}1.ckpt")).read_metadata()
+        dtypes[name] = metadata.state_dict_metadata["state_dict.w"].properties.dtype
+        state = {"state_dict": {"w": torch.zeros(64, 64, dtype=dtype)}}
+        load_sharded(state, tmp_path / f"{name}1.ckpt")
+        assert torch.equal(state["state_dict"]["w"], weights)
+        key = checkpoints._plan_key
+        assert key in SavePlanner._cached_metadata
+        del checkpoints  # a finished run's plans are dropped with its checkpoints: a sweep's do not pile up
+        gc.collect()
+        assert key not in SavePlanner._cached_metadata
+    assert dtypes == {"fp32": torch.float32, "bf16": torch.bfloat16}

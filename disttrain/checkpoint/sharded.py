@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import errno
+import itertools
 import os
 import shutil
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +55,21 @@ class SameStateAs:
     """The complete checkpoint folder whose shards hold this save's state."""
 
 
+_PLAN_KEYS = itertools.count()
+"""Numbers the ``ShardedCheckpoints`` of this process, in the same order on every rank."""
+_PLAN_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                "_cached_final_save_plan")
+"""torch's class-level caches of save plans, each keyed by a planner's ``_cached_plans_key``."""
+
+
+def forget_save_plans(key: str) -> None:
+    """Drop the save plans cached under ``key`` (a finished Trainer's checkpoints save no more)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in _PLAN_CACHES:
+        getattr(SavePlanner, name, {}).pop(key, None)
+
+
 class ShardedCheckpoints:
     """Saves and loads the checkpoints of one Trainer. ``per_replica``: data-parallel replicas hold different
     parameters between exchanges (Local SGD, DiLoCo, an asynchronous parameter server), so each rank's state is
@@ -71,6 +88,19 @@ class ShardedCheckpoints:
         """Seconds training waited for them (staging only, when saving asynchronously)."""
         self._pending: tuple[Any, Path, Path] | None = None
         self._group: Any = None
+        self._plan_key = f"disttrain-checkpoints-{next(_PLAN_KEYS)}"
+        weakref.finalize(self, forget_save_plans, self._plan_key)
+
+    def _save_planner(self) -> Any:
+        """torch's save planner with its plan cached for these checkpoints alone: the plan is the same at every save
+        of a run, so the planning collective runs once. torch keys the cache by the planner's class and reuses a
+        cached plan whose tensors have the same shapes, whatever their dtypes, so a shared key would let a later
+        run in this process (a sweep's next job: same shapes, another dtype) write an earlier run's metadata."""
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self._plan_key  # torch takes no argument for the key
+        return planner
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, same_state_as: SameStateAs | None = None) -> None:
         """Write a sharded checkpoint folder beside the target, then swap it in, so a crash mid-write never
@@ -111,7 +141,6 @@ class ShardedCheckpoints:
         """Write this rank's shards of the model and optimiser state into ``staging`` (in the background where
         saves are asynchronous) and swap it in at ``path`` once complete."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
 
         shards = {"state_dict": model_state,
                   **{f"optimizer_{i}": pack_param_groups(state) for i, state in enumerate(optimizers)}}
@@ -121,14 +150,12 @@ class ShardedCheckpoints:
         if self.async_save:
             if self._group is None and not alone:  # its own group: background writes never interleave with training's
                 self._group = torch.distributed.new_group(backend="gloo")
-            # the save plan is the same at every save of a run: cached, the planning collective runs once
             future = dcp.async_save(shards, checkpoint_id=staging, process_group=self._group, no_dist=alone,
-                                    planner=DefaultSavePlanner(enable_plan_caching=True))
+                                    planner=self._save_planner())
             self._pending = (future, staging, path)
         else:
-            # cached as the asynchronous path's: a later save sends no plan where its own is unchanged
-            # (benchmarks/README.md, Figures cited elsewhere)
-            dcp.save(shards, checkpoint_id=staging, no_dist=alone, planner=DefaultSavePlanner(enable_plan_caching=True))
+            # a later save sends no plan where its own is unchanged (benchmarks/README.md, Figures cited elsewhere)
+            dcp.save(shards, checkpoint_id=staging, no_dist=alone, planner=self._save_planner())
             self._swap_in(staging, path)
 
     def wait(self) -> None:
