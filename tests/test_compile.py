@@ -149,6 +149,16 @@ def test_the_configured_scope_decides_which_modules_are_compiled(make_config, sc
     assert compiled == ([""] if scope == "model" else blocks), compiled
 
 
+@pytest.mark.parametrize("preset", ["ddp", "tp"])
+def test_the_whole_model_as_one_graph_is_accepted_beside_ddp_and_tensor_parallelism(make_config, preset):
+    from disttrain.config import validate
+
+    # a tensor-parallel model traces into one graph (its DTensors' hooks are traced); only FSDP2's are refused
+    run = validate(make_config(["model=gpt", "model.flavour=micro", "data=pydocs", f"parallel={preset}",
+                                "trainer.devices=2", "trainer.compile=true", "trainer.compile_scope=model"]))
+    assert run.train.trainer.compilation.whole_model
+
+
 def dynamo_counts_of_one_step(model: nn.Module, compilation: Compilation = Compilation()) -> dict[str, int]:
     """Compile ``model`` as ``trainer.compile`` does under ``compilation``, from nothing, and return what dynamo
     counted over one forward and backward: frames compiled, graphs, and operators traced into them."""
