@@ -194,3 +194,37 @@ def test_under_scope_model_the_whole_model_is_one_graph_that_grows_with_the_dept
     # block's whatever the depth: the test above)
     assert shallow["frames"] == shallow["graphs"] == deep["frames"] == deep["graphs"] == 1, (shallow, deep)
     assert deep["traced"] > shallow["traced"] > 0, (shallow, deep)
+
+
+def whole_model_counts_on_this_rank(preset: str, layers: int) -> dict[str, int]:
+    """On one rank of ``preset`` (zero3 on one rank, tp on two), the micro GPT of ``layers`` blocks laid out by
+    ``apply_parallelism`` and compiled whole; dynamo's counts over one forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from disttrain.parallel.apply import apply_parallelism
+    from disttrain.parallel.config import ParallelConfig
+    from disttrain.parallel.dims import MESH_DIM_NAMES, ParallelDims
+    from disttrain.parallel.layout import Layout
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    dims = ParallelDims(dp_shard=1, tp=2) if preset == "tp" else ParallelDims(dp_shard=1)
+    parallel = ParallelConfig(name=preset, tp=2) if preset == "tp" else ParallelConfig(name=preset, zero_stage=3)
+    mesh = init_device_mesh("cpu", dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+    model = apply_parallelism(build_gpt(GPTConfig(flavour="micro", n_layer=layers), TEXT), mesh,
+                              Layout.of(parallel, dims), torch.device("cpu"), compilation=Compilation(scope="model"))
+    model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))).logsumexp(-1).mean().backward()
+    return {"graphs": counters["stats"]["unique_graphs"], "traced": counters["stats"]["calls_captured"]}
+
+
+@pytest.mark.slow
+def test_fsdp2_stops_a_whole_model_graph_where_tensor_parallelism_does_not():
+    from tests.dist_utils import run_on_ranks
+
+    # the premise of trainer.compile_scope's refusal under ZeRO-2/3 and of its acceptance under tp: should a torch
+    # release trace FSDP2's hooks, the first assertion fails and the refusal can go
+    sharded = [run_on_ranks(whole_model_counts_on_this_rank, 1, "zero3", n, timeout=600)[0] for n in (2, 4)]
+    assert sharded[0]["traced"] == sharded[1]["traced"], sharded  # no block traced into the model's graph
+    split = [run_on_ranks(whole_model_counts_on_this_rank, 2, "tp", n, timeout=600)[0] for n in (2, 4)]
+    assert split[0]["graphs"] == split[1]["graphs"] == 1 and split[1]["traced"] > split[0]["traced"], split
