@@ -31,7 +31,8 @@ test: install
 # that need more GPUs than the machine has skip with their one-line error); GPT-2 and a 1.2B Llama measured,
 # beside nanoGPT with NANOGPT=path/to/nanoGPT, each side profiled once more into outputs/gpu-profile, and GPT-2 at
 # batch 24 (the MFU goal's row); both in float8 (trainer.fp8) beside bf16; then the framework's overhead over a
-# plain loop on the GPU, and where its step's time goes by phase
+# plain loop on the GPU, and where its step's time goes by phase; GPT-2's shape compiled whole beside per block
+# (trainer.compile_scope)
 test-gpu: install
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest -m cuda tests/test_cuda.py -p no:xdist -o addopts= -q
 	DISTTRAIN_TEST_DEVICE=cuda $(PY) -m pytest tests/test_cli.py -k readme -p no:xdist -o addopts= -q -rs
@@ -41,6 +42,7 @@ test-gpu: install
 	$(PY) benchmarks/overhead.py --device cuda --flavour mini --global-batch 64
 	$(PY) benchmarks/step_phases.py --device cuda --flavour mini --global-batch 64 --repeats 1
 	$(PY) benchmarks/context_kernels.py --device cuda
+	$(PY) benchmarks/compile_regions.py --device cuda --models gpt --layers 12 --width 768 --seq 1024 --batch 12 --sides whole,blocks --threads 8
 
 lint: install
 	$(VENV)/bin/ruff check .

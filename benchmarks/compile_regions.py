@@ -9,8 +9,9 @@ compiling, every one in a fresh process with an empty inductor cache of its own 
 user's first run pays it):
 
 - ``eager``: nothing compiled (the loss neither);
-- ``whole``: the model as one graph (``nn.Module.compile`` on the model);
-- ``blocks``: each block compiled on its own (``disttrain.parallel.compile``), embedding, final norm and head eager;
+- ``whole``: the model as one graph, as ``trainer.compile_scope=model`` compiles it;
+- ``blocks``: each block compiled on its own, embedding, final norm and head eager, as ``trainer.compile_scope=blocks``
+  (the default) compiles it;
 - ``blocks+rest``: each block on its own and each other top-level module (embedding, final norm, head) compiled
   on its own too.
 
@@ -45,6 +46,8 @@ from disttrain.parallel.compile import COMPILE_MODES  # noqa: E402
 
 SIDES = ("eager", "whole", "blocks", "blocks+rest")
 """The ways of compiling, in the table's order."""
+SCOPES = {"whole": "model", "blocks": "blocks", "blocks+rest": "blocks"}
+"""The ``trainer.compile_scope`` each compiled side compiles under."""
 VOCAB = 256
 """Byte-level text, as ``data=pydocs``."""
 
@@ -82,17 +85,16 @@ def build_model(family: str, layers: int, width: int, seq: int):
 
 
 def compile_side(model, side: str, mode: str) -> None:
-    """Compile ``model`` in place as ``side`` says (nothing for eager) in torch.compile's ``mode``."""
-    from disttrain.parallel.compile import compile_model, torch_compile_mode
+    """Compile ``model`` in place as ``side`` says (nothing for eager) in torch.compile's ``mode``: through
+    ``trainer.compile``'s own ``compile_model`` under the side's scope (``SCOPES``), the other top-level modules
+    on their own too for ``blocks+rest``."""
+    from disttrain.parallel.compile import Compilation, compile_model, torch_compile_mode
     from disttrain.parallel.model_plan import shard_units_of
 
     if side == "eager":
         return
-    if side == "whole":
-        model.compile(mode=torch_compile_mode(mode))
-        return
     units = shard_units_of(model)
-    compile_model(model, units, mode)
+    compile_model(model, units, Compilation(mode, SCOPES[side]))
     if side == "blocks+rest":
         holders = {id(unit) for unit in units}
         for child in model.children():

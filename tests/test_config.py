@@ -88,6 +88,10 @@ GPT_UNTIED = [*GPT_TEXT, "model.tie_weights=false"]
          "trainer.compile_mode", "under ZeRO"),
         (["trainer.compile=true", "trainer.compile_mode=reduce-overhead", "batch.micro_size=16"],
          "trainer.compile_mode", "with 4 micro-batches a step"),
+        (["trainer.compile=true", "trainer.compile_scope=graph"], "trainer.compile_scope", "one of blocks, model"),
+        (["trainer.compile_scope=model"], "trainer.compile_scope", "blocks unless trainer.compile=true"),
+        (["parallel=zero3", "trainer.devices=1", "trainer.compile=true", "trainer.compile_scope=model"],
+         "trainer.compile_scope", "blocks under this layout (single zero3)"),
     ],
 )
 def test_bad_input_is_one_clear_line(make_config, overrides, key, allowed):

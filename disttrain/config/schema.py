@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING, OmegaConf
 
@@ -22,6 +22,9 @@ from disttrain.fault.config import FaultToleranceConfig
 from disttrain.federated.config import FederatedConfig
 from disttrain.observe.config import ObserveConfig
 from disttrain.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from disttrain.parallel.compile import Compilation
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
 """The config groups shipped beside the package."""
@@ -85,11 +88,21 @@ class TrainerConfig:
     only the products autocast leaves in fp32 are affected."""
     compile: bool = False
     """torch.compile the model (in place, after its parallel layout) and the loss: a slower first step (tens of
-    seconds), faster steps after it. Each transformer block (the model's ``shard_units``) is compiled on its own,
-    under every layout: the blocks share one compiled code, so what is traced and compiled is one block's whatever
-    the depth; embedding, final norm and head run eager, the loss is compiled apart. The whole model is one graph
-    where it has no blocks, and under the compile modes that record CUDA graphs (``benchmarks/compile_regions.py``
-    measures the two against each other)."""
+    seconds), faster steps after it. What is one compiled region: ``trainer.compile_scope``; the loss is compiled
+    apart."""
+    compile_scope: str = "blocks"
+    """What ``trainer.compile`` compiles as one region. blocks: each transformer block (the model's
+    ``shard_units``) on its own, embedding, final norm and head eager; the blocks share one compiled code, so what
+    is traced and compiled is one block's whatever the depth: a fraction of the whole model's compile time and a
+    little less memory, and a steady step as fast where a step is long. model: the whole model as one graph; each
+    compiled region costs host time on every call (guards, an autograd wrapper), which a long step hides and a
+    short one does not, so pick it for a small model whose step is short and host-bound (GPT-2 124M on a fast
+    GPU; ``benchmarks/compile_regions.py`` measures the two side by side, figures in ``benchmarks/README.md``).
+    model runs on one rank, under DDP and under tensor parallelism (whose DTensors trace into one graph); under
+    FSDP2's sharding (zero_stage 2 or 3) the run refuses it: FSDP2's hooks on every block are not traced, dynamo
+    falls back to eager for the model's forward at the first block and compiles what lies below it one frame at a
+    time, per-block compilation by another route rather than what was asked. A model without blocks, and the
+    compile modes that record CUDA graphs, are compiled whole under either scope."""
     compile_mode: str = "default"
     """torch.compile's mode under ``trainer.compile``: default; reduce-overhead (CUDA graphs: each step's
     forward and backward kernels replayed by one launch each, for steps whose launches hold the GPU back; one
@@ -128,6 +141,15 @@ class TrainerConfig:
     def compiled_mode(self) -> str | None:
         """torch.compile's mode for the model and the loss; None: they run eager."""
         return self.compile_mode if self.compile else None
+
+    @property
+    def compilation(self) -> Compilation | None:
+        """How the model is compiled (its mode and scope), as ``disttrain.parallel.compile`` takes it; None: eager."""
+        if not self.compile:
+            return None
+        from disttrain.parallel.compile import Compilation
+
+        return Compilation(self.compile_mode, self.compile_scope)
     gradient_clip_val: float | None = 1.0
     """Clip gradients to this global norm; null disables clipping."""
     val_check_interval: Any = None

@@ -1,5 +1,5 @@
-"""Checks of the ``trainer`` group's values that its types cannot express, and of ``trainer.compile_mode``
-against the layout it would run under."""
+"""Checks of the ``trainer`` group's values that its types cannot express, and of ``trainer.compile_mode`` and
+``trainer.compile_scope`` against the layout they would run under."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from disttrain import checks
 from disttrain.config.precision import MATMUL_PRECISIONS
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainerConfig, fork_server_available
 from disttrain.errors import ConfigError
-from disttrain.parallel.compile import COMPILE_MODES, CUDA_GRAPH_MODES
+from disttrain.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_MODES
 from disttrain.parallel.float8 import FP8_RECIPES
 from disttrain.parallel.layout import Layout
 
@@ -64,3 +64,17 @@ def check_compile_mode(trainer: TrainerConfig, layout: Layout, accumulation: int
         raise ConfigError("trainer.compile_mode", mode, f"default or max-autotune-no-cudagraphs with {accumulation} "
                           "micro-batches a step (a replay writes over the gradients being summed); batch.micro_size "
                           "equal to batch.global_size runs it")
+
+
+def check_compile_scope(trainer: TrainerConfig, layout: Layout) -> None:
+    """``trainer.compile_scope`` is one of ``COMPILE_SCOPES``, with ``trainer.compile`` on, and the whole model as
+    one graph runs without FSDP2: its hooks on every unit stop dynamo inside the loop over the units
+    (``TrainerConfig.compile_scope``)."""
+    scope = trainer.compile_scope
+    checks.one_of("trainer.compile_scope", scope, COMPILE_SCOPES)
+    if scope != "blocks" and not trainer.compile:
+        raise ConfigError("trainer.compile_scope", scope, "blocks unless trainer.compile=true")
+    if scope == "model" and layout.shards_parameters:
+        raise ConfigError("trainer.compile_scope", scope, f"blocks under this layout ({layout.describe()}): FSDP2's "
+                          "hooks on every block (zero_stage 2 or 3) stop a whole-model graph at the first block, "
+                          "leaving the model's forward eager; parallel=single, ddp and tp run it")

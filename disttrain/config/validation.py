@@ -24,7 +24,7 @@ from disttrain.config.resume import check_resume_fits, checkpoint_folder
 from disttrain.config.run import RunConfig
 from disttrain.config.schema import TrainConfig, TrainerConfig
 from disttrain.config.torchft_checks import check_torchft
-from disttrain.config.trainer_checks import check_compile_mode, check_trainer
+from disttrain.config.trainer_checks import check_compile_mode, check_compile_scope, check_trainer
 from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
@@ -129,6 +129,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         top.batch = elastic_batch(top.batch, Layout.on(p, largest).dp)
     batch = resolve_batch(top.batch, layout.dp)
     check_compile_mode(top.trainer, layout, batch.accumulation)
+    check_compile_scope(top.trainer, layout)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):

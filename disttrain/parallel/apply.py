@@ -24,7 +24,7 @@ from disttrain.comm.hooks import register_compression, wire_dtype
 from disttrain.comm.state import ExchangeState
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.buffers import step_broadcast_needed
-from disttrain.parallel.compile import compile_model
+from disttrain.parallel.compile import Compilation, compile_model
 from disttrain.parallel.config import DDPOptions, ParallelConfig
 from disttrain.parallel.experts import apply_expert_parallel
 from disttrain.parallel.fsdp import apply_fsdp, mixed_precision_policy, set_gradient_sync
@@ -45,15 +45,15 @@ def apply_parallelism(
     comm: CommConfig | None = None,
     counter: ByteCounter | None = None,
     exchange: ExchangeState | None = None,
-    compile_mode: str | None = None,
+    compilation: Compilation | None = None,
 ) -> nn.Module:
     """Lay ``model`` out as ``layout`` says (``model`` is already split by sequence under context parallelism, see
     ``disttrain.parallel.context``); returns the module to train (maybe a wrapper, ``layout.wrapper``).
     ``parallel``: the config's model-plan overrides (tp_plan, shard_units, min_params_per_unit) and DDP's options
     (None: the defaults); what the layout decides is read from ``layout`` only. ``comm``: what data-parallel
     gradients are sent as, with the bytes counted in ``counter`` and what carries over between steps kept in
-    ``exchange``. ``compile_mode``: torch.compile each unit (or the whole model, ``compiled_regions`` says) in
-    this mode; None: eager."""
+    ``exchange``. ``compilation``: torch.compile each unit or the whole model, in its mode, as it says
+    (``compiled_regions``); None: eager."""
     parallel = parallel or ParallelConfig()
     if layout.tp_enabled:
         apply_tp(model, mesh["tp"], tp_plan_of(model, parallel.tp_plan), layout.sequence_parallel)
@@ -61,8 +61,8 @@ def apply_parallelism(
     units = shard_units_of(model, parallel.shard_units, parallel.min_params_per_unit)
     if layout.activation_checkpoint != "none":
         apply_activation_checkpointing(model, units, layout.activation_checkpoint, layout.checkpoint_every_n_blocks)
-    if compile_mode is not None:
-        compile_model(model, units, mode=compile_mode)
+    if compilation is not None:
+        compile_model(model, units, compilation)
     wrapper = layout.wrapper
     if wrapper == "fsdp":
         return apply_fsdp(

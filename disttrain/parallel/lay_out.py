@@ -24,8 +24,8 @@ def lay_out(net: nn.Module, mesh: DeviceMesh, layout: Layout, parallel: Parallel
             pipeline: PipelineSlot | None = None, float8: Float8Layers | None = None, **apply_options: Any
             ) -> nn.Module:
     """``net`` as this rank trains it: a pipelined run's own stages (the schedule goes into ``pipeline``), else
-    ``apply_parallelism``'s module (``apply_options``: its precision, buffer sync, gradient codec and compile
-    mode). ``materialize``: allocates a model still on the meta device; FSDP2 shards it there, so each rank
+    ``apply_parallelism``'s module (``apply_options``: its precision, buffer sync, gradient codec and
+    compilation). ``materialize``: allocates a model still on the meta device; FSDP2 shards it there, so each rank
     allocates only its shards, and every other layout is allocated whole first (DDP broadcasts, stages are cut
     from the whole model). ``float8``: the linear layers swapped for float8 ones first (None: none)."""
     shards_on_meta = layout.wrapper == "fsdp"

@@ -31,6 +31,7 @@ from disttrain.models.lora import initial_adapter_sources
 from disttrain.models.nf4 import quantise_adapted_bases
 from disttrain.parallel.apply import backward_sync_disabled
 from disttrain.parallel.buffers import broadcast_buffers, step_broadcast_needed
+from disttrain.parallel.compile import Compilation
 from disttrain.parallel.config import ParallelConfig
 from disttrain.parallel.context import SequenceSplit, sequence_split_of
 from disttrain.parallel.dims import MESH_DIM_NAMES
@@ -76,7 +77,7 @@ class DistTrainStrategy(ModelParallelStrategy):
 
     def __init__(
         self, layout: Layout, parallel: ParallelConfig, precision: str = "32-true", sync_batchnorm: bool = False,
-        async_save: bool = False, comm: CommConfig | None = None, compile_mode: str | None = None,
+        async_save: bool = False, comm: CommConfig | None = None, compilation: Compilation | None = None,
         hooks: StrategyHooks = StrategyHooks(), float8: Float8Layers | None = None,
     ) -> None:
         super().__init__(
@@ -95,8 +96,8 @@ class DistTrainStrategy(ModelParallelStrategy):
         """What the kind of run hands the strategy (``StrategyHooks``)."""
         self.comm = comm
         """What DDP's gradients are sent as (None: DDP's own fp32 all-reduce)."""
-        self.compile_mode = compile_mode
-        """torch.compile's mode for the model once its layout is applied; None: eager."""
+        self.compilation = compilation
+        """How the model is compiled once its layout is applied (its mode and scope); None: eager."""
         self.float8 = float8
         """The linear layers trained in float8 (None: none)."""
         self.comm_counter = ByteCounter()
@@ -156,7 +157,7 @@ class DistTrainStrategy(ModelParallelStrategy):
                                materialize, self.sequence_split, self.hooks.pipeline, self.float8,
                                precision=self.precision,
                                sync_batchnorm=self.sync_batchnorm, comm=self.comm, counter=self.comm_counter,
-                               exchange=self.comm_state, compile_mode=self.compile_mode)
+                               exchange=self.comm_state, compilation=self.compilation)
             if folder is not None:
                 load_pretrained(task.net, folder, conversion, adapters)
             # QLoRA's base (model.lora.base_dtype=nf4) is quantised once its weights are final, on one process or

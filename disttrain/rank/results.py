@@ -83,6 +83,7 @@ def run_results(run: RunConfig, trainer: pl.Trainer, fitted: Fitted, meter: Thro
         "precision": cfg.trainer.precision,
         "compiled": cfg.trainer.compile,
         "compile_mode": cfg.trainer.compiled_mode,
+        "compile_scope": cfg.trainer.compile_scope if cfg.trainer.compile else None,
         "torch": torch.__version__,
         "config_hash": run.config_hash,
         "best_checkpoint": (checkpoint.best_model_path or None) if checkpoint is not None else None,

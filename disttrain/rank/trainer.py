@@ -57,8 +57,8 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
     callbacks += [c for c in extra if loggers or not isinstance(c, LearningRateMonitor)]
     devices, num_nodes = rank_layout(t.devices, t.num_nodes)
     strategy = DistTrainStrategy(run.layout, cfg.parallel, t.precision, getattr(run.model, "sync_batchnorm", False),
-                                 cfg.checkpoint.async_save, cfg.comm, t.compiled_mode, kind.strategy_hooks(),
-                                 t.float8)
+                                 cfg.checkpoint.async_save, cfg.comm, compilation=t.compilation,
+                                 hooks=kind.strategy_hooks(), float8=t.float8)
     steps_per_epoch = kind.steps_per_epoch(run.datamodule)
     trainer = pl.Trainer(
         accelerator="gpu" if t.accelerator == "cuda" else t.accelerator,
