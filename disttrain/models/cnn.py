@@ -10,11 +10,12 @@ from torch import nn
 from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
+from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.registry import MODELS
 
 
 @dataclass
-class CNNConfig:
+class CNNConfig(InitWeightsOption):
     """Schema of ``model: cnn``: a stem conv, stages of residual basic blocks, global pooling, linear head."""
 
     name: str = "cnn"

@@ -25,6 +25,7 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
+from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
 
@@ -41,7 +42,7 @@ _DIMS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(InitWeightsOption):
     """Schema of ``model: gpt``. A ``flavour`` presets the sizes; any size set here overrides it."""
 
     name: str = "gpt"

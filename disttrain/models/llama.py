@@ -35,6 +35,7 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
+from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
 from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
@@ -51,7 +52,7 @@ _DIMS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size")
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(InitWeightsOption):
     """Schema of ``model: llama``. A ``flavour`` presets the sizes; any size set here overrides it."""
 
     name: str = "llama"

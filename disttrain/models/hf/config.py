@@ -21,6 +21,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.hf import balance as hf_balance
 from disttrain.models.hf.weights import INDEX_FILE, WEIGHTS_FILE, weight_files
+from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.lora import LoRAConfig
 
 CONFIG_FILE = "config.json"
@@ -28,7 +29,7 @@ CONFIG_FILE = "config.json"
 
 
 @dataclass
-class HFConfig:
+class HFConfig(InitWeightsOption):
     """A ``transformers`` causal language model, built from a local folder's config or from a model type."""
 
     name: str = "hf"
