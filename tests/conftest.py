@@ -297,7 +297,7 @@ def val_loss_of_weights(run_dir: Path, weights: dict) -> float:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     run = validate(cfg, world_size=cfg.trainer.devices)
     datamodule = build_datamodule(run.data, run.batch.micro_size, run.train.seed)
-    model = build_model(run.model, datamodule.spec, starting_weights=False)
+    model = build_model(run.model, datamodule.spec)
     model.load_state_dict(weights, strict=True)
     model.eval()
     val = datamodule.datasets["val"]

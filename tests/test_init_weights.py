@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from disttrain.checkpoint.init_weights import start_from_init_weights
 from disttrain.config import validate
 from disttrain.errors import ConfigError
 from disttrain.launch.job import train
@@ -28,7 +29,7 @@ def micro_gpt_state(make_config, run_dir: Path) -> dict[str, torch.Tensor]:
     init of the run (seed 0) can equal, by construction."""
     run = validate(make_config(GPT_FAST, run_dir))
     torch.manual_seed(1234)
-    net = build_model(run.model, run.datamodule.spec, starting_weights=False)
+    net = build_model(run.model, run.datamodule.spec)
     with torch.no_grad():
         return {name: tensor.detach().clone() + 0.01 for name, tensor in net.state_dict().items()}
 
@@ -51,7 +52,7 @@ def test_the_model_a_rank_builds_holds_the_files_tensors(make_config, tmp_path, 
     path, state = weights
     run = validate(make_config([*GPT_FAST, f"model.init_weights={path}"], tmp_path / "run"))
     assert run.model.init_weights == str(path.resolve())
-    net = build_model(run.model, run.datamodule.spec)  # as a rank builds it, before its layout
+    net = start_from_init_weights(build_model(run.model, run.datamodule.spec), run.model)  # as a rank does
     seeded = build_model(validate(make_config(GPT_FAST, tmp_path / "seeded")).model, run.datamodule.spec)
     for name, tensor in net.state_dict().items():
         assert torch.equal(tensor, state[name]), name

@@ -61,7 +61,7 @@ def resolve_precision(precision: str, uses_gpu: bool, model_cfg: Any, spec: Data
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = build_model(model_cfg, spec, starting_weights=False)  # timed, whatever its weights
+        model = build_model(model_cfg, spec)
         if any(p.is_meta for p in model.parameters()):  # its weights come from a checkpoint later: any will time
             model.materialize(torch.device("cpu"))
             for p in model.parameters():

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from disttrain.checkpoint.init_weights import check_init_weights, init_weights_of
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
@@ -29,7 +30,6 @@ from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
-from disttrain.models.init_weights import check_init_weights, init_weights_of
 from disttrain.models.lora import adapter_summary, check_base_precision
 from disttrain.models.target import TargetModelConfig
 from disttrain.observe.memory_options import check_memory_callbacks

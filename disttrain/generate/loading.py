@@ -89,7 +89,7 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu") 
     spec = run.datamodule.spec
     codec = codec_for(run.data, spec)  # before building: data with no text is refused without a model's cost
     path = choose_checkpoint(run_dir, checkpoint)
-    model = build_model(run.model, spec, starting_weights=False)  # the checkpoint's weights replace them
+    model = build_model(run.model, spec)
     if any(p.is_meta for p in model.parameters()):  # built to be filled from its starting weights: allocate it
         model.materialize(torch.device(device))
     try:

@@ -10,12 +10,11 @@ from torch import nn
 from disttrain import checks
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
-from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.registry import MODELS
 
 
 @dataclass
-class CNNConfig(InitWeightsOption):
+class CNNConfig:
     """Schema of ``model: cnn``: a stem conv, stages of residual basic blocks, global pooling, linear head."""
 
     name: str = "cnn"
@@ -29,6 +28,9 @@ class CNNConfig(InitWeightsOption):
     uses plain BatchNorm and the runner converts it to SyncBatchNorm when it wraps the model in DDP."""
     dropout: float = 0.0
     """Dropout probability before the linear head."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
 
     def validate(self, spec: DataSpec) -> None:
         """Raise ConfigError if this config cannot build a model for data described by ``spec``."""

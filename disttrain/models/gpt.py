@@ -25,7 +25,6 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
-from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
 
@@ -42,7 +41,7 @@ _DIMS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
 @dataclass
-class GPTConfig(InitWeightsOption):
+class GPTConfig:
     """Schema of ``model: gpt``. A ``flavour`` presets the sizes; any size set here overrides it."""
 
     name: str = "gpt"
@@ -68,6 +67,9 @@ class GPTConfig(InitWeightsOption):
     attention_fp32: bool | None = None
     """Under bf16, attend in fp32 (true) or bf16 (false). None: fp32 on a CPU at short sequences and narrow
     heads, where torch's bf16 kernel is the slower one (``disttrain.models.attention``)."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
     (``disttrain.models.lora``)."""

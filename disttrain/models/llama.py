@@ -35,7 +35,6 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
-from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
 from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
@@ -52,7 +51,7 @@ _DIMS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size")
 
 
 @dataclass
-class LlamaConfig(InitWeightsOption):
+class LlamaConfig:
     """Schema of ``model: llama``. A ``flavour`` presets the sizes; any size set here overrides it."""
 
     name: str = "llama"
@@ -91,6 +90,9 @@ class LlamaConfig(InitWeightsOption):
     loaded on the CPU when the model is built, before any parallelism. Sizes left null come from its
     config.json (not the flavour); sizes set, rope_theta and norm_eps must equal its own. An HF model with tied
     embeddings starts with the output layer a copy of the embedding. None: random initialisation."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
     (``disttrain.models.lora``)."""

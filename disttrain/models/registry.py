@@ -19,19 +19,13 @@ MODELS: Registry[nn.Module] = Registry("model")
 """Built-in models by name: each model module adds its own when it is imported."""
 
 
-def build_model(cfg: Any, spec: DataSpec, starting_weights: bool = True) -> nn.Module:
+def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
     """Validate ``cfg`` against the data's ``spec`` and build the model it names (a registry name, or a
     ``_target_`` for a user's model), on the current device, with the LoRA adapters its ``lora`` asks for
-    (``disttrain.models.lora``). ``starting_weights``: read ``model.init_weights`` into it (before the adapters) when
-    it has real tensors; false where a checkpoint's weights replace them anyway (generation)."""
+    (``disttrain.models.lora``)."""
     if isinstance(cfg, TargetModelConfig):
         return build_target_model(cfg, spec)
     net = MODELS.build(cfg, spec)
-    init_weights = getattr(cfg, "init_weights", None)
-    if starting_weights and init_weights is not None and not any(p.is_meta for p in net.parameters()):
-        from disttrain.models.init_weights import load_init_weights
-
-        load_init_weights(net, init_weights)
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.enabled:  # here, so every reader of a run's model builds the same network
         from disttrain.models.lora import add_adapters

@@ -21,7 +21,6 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.hf import balance as hf_balance
 from disttrain.models.hf.weights import INDEX_FILE, WEIGHTS_FILE, weight_files
-from disttrain.models.init_weights import InitWeightsOption
 from disttrain.models.lora import LoRAConfig
 
 CONFIG_FILE = "config.json"
@@ -29,7 +28,7 @@ CONFIG_FILE = "config.json"
 
 
 @dataclass
-class HFConfig(InitWeightsOption):
+class HFConfig:
     """A ``transformers`` causal language model, built from a local folder's config or from a model type."""
 
     name: str = "hf"
@@ -41,6 +40,9 @@ class HFConfig(InitWeightsOption):
     instead of a folder."""
     pretrained: bool = False
     """Start from the folder's safetensors weights instead of a seeded random initialisation (needs ``path``)."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
     attn_implementation: str | None = None
     """How the model attends, as ``transformers`` names it: ``sdpa`` (PyTorch's fused scaled dot-product
     attention), ``eager`` (its own matmul and softmax, which families such as Gemma2 need for their softcapping)
