@@ -316,6 +316,8 @@ def main() -> None:
     print(f"\nnanoGPT's own estimate (100 random validation batches): mean {statistics.mean(own):.4f} "
           f"({min(own):.4f}-{max(own):.4f})")
     if args.same_init:
+        largest = max(r["start_difference"] for r in results["nanoGPT"])
+        print(f"\nnanoGPT's train.py built the file's weights in every round (largest difference {largest:g})")
         print_curves(results, args.steps)
     fastest = max(variants, key=speed.__getitem__)
     print(f"disttrain ({fastest}) vs nanoGPT: {speed[fastest] / reference:.2f}x tokens/s, "
