@@ -169,8 +169,12 @@ def check_same_start(nanogpt_init: Path, file: Path) -> float:
     built = disttrain_names(load_weights_file(nanogpt_init))
     written = load_safetensors(file)
     differences = {name: (built[name] - tensor).abs().max().item() for name, tensor in written.items()}
-    if set(built) - {"lm_head.weight"} != set(written) or any(differences.values()):
-        raise RuntimeError(f"nanoGPT did not start from {file}: largest differences {differences}")
+    if set(built) - {"lm_head.weight"} != set(written):
+        raise RuntimeError(f"nanoGPT built {sorted(built)}, the file holds {sorted(written)}")
+    if any(differences.values()):
+        worst = max(differences, key=differences.__getitem__)
+        raise RuntimeError(f"nanoGPT did not start from {file}: {sum(map(bool, differences.values()))} tensors "
+                           f"differ, most {worst} (by {differences[worst]:g})")
     return max(differences.values())
 
 

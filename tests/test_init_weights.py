@@ -154,3 +154,14 @@ def test_another_source_of_starting_weights_is_refused_beside_it(make_config, tm
     path, _ = weights
     message = refusal(make_config, tmp_path, path, ["data=pydocs", "data.block_size=32", *model])
     assert f"null with {other}" in message
+
+
+def test_a_model_with_adapters_starts_its_base_from_the_file(make_config, tmp_path, weights):
+    """LoRA wraps the projections (``q.base_layer.weight``): the file holds the base model's names, and the
+    adapters keep their own initialisation."""
+    path, state = weights
+    run = validate(make_config([*GPT_FAST, "model.lora.rank=4", f"model.init_weights={path}"], tmp_path / "run"))
+    net = start_from_init_weights(build_model(run.model, run.datamodule.spec), run.model)
+    assert torch.equal(net.blocks[0].attn.q.base_layer.weight, state["blocks.0.attn.q.weight"])
+    assert torch.equal(net.embed.wte.weight, state["embed.wte.weight"])
+    assert not torch.any(net.blocks[0].attn.q.lora_B["default"].weight)  # an adapter's own init: B at zero
