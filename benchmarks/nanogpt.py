@@ -282,6 +282,8 @@ def main() -> None:
     if unknown or not all((args.nanogpt / f).is_file() for f in NANOGPT_FILES):
         sys.exit(f"Error: --variants {unknown} unknown (one of {', '.join(VARIANTS)})" if unknown else
                  f"Error: --nanogpt {args.nanogpt} holds no {', '.join(NANOGPT_FILES)}")
+    if args.steps <= 100:  # nanoGPT's cosine then divides by lr_decay_iters - warmup_iters = 0
+        sys.exit(f"Error: --steps {args.steps} must exceed the 100 warm-up steps both sides take")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
