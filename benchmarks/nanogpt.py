@@ -1,6 +1,7 @@
 """disttrain's GPT recipe side by side with nanoGPT's ``train.py``: tokens/s and validation loss at equal steps.
 
     python benchmarks/nanogpt.py --nanogpt PATH [--steps 300] [--rounds 3] [--variants fp32,bf16,compile,auto]
+        [--same-init]
 
 PATH is a checkout of https://github.com/karpathy/nanoGPT (its ``train.py``, ``model.py`` and
 ``configurator.py`` are run from a scratch directory, as they are but for the seed: round ``k`` replaces
@@ -17,6 +18,16 @@ step, in bits per byte, by one estimator for both: every non-overlapping window 
 validation; nanoGPT's final checkpoint is loaded into disttrain's GPT and scored the same way, since its own
 estimate from 100 random batches varies by about 0.03 bits). The mean over the rounds' seeds counts, and
 the table gives the range: between seeds nanoGPT's result varies by up to 0.04 bits per byte here.
+
+``--same-init``: both sides start from the same weights. Each round builds nanoGPT's initial model as its
+``train.py`` does (its ``model.py``'s ``GPT(config)`` right after ``torch.manual_seed(seed)``), writes it under
+disttrain's names as a safetensors file (the tied embedding and head once) and starts disttrain from it with
+``model.init_weights``; nanoGPT starts from its own initialisation, which is those weights (its ``train.py`` also
+writes the model it built, and the round stops unless every tensor equals the file's). The data order still
+differs (nanoGPT samples random windows with its own generator, disttrain reads shuffled windows of its own), so
+the comparison is the loss curves at an equal start, over the seeds: each side's training loss at the same steps
+(nanoGPT's per-iteration lines, disttrain's CSV log), averaged over windows of steps and over the rounds, beside
+the final validation bits per byte by the one estimator.
 """
 
 from __future__ import annotations
@@ -74,15 +85,21 @@ def iterations(stdout: str) -> dict[int, tuple[float, float]]:
             for m in re.finditer(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", stdout, re.M)}
 
 
-def run_nanogpt(workdir: Path, steps: int, seed: int) -> dict[str, float]:
+def run_nanogpt(workdir: Path, steps: int, seed: int, same_init: Path | None = None) -> dict:
     """nanoGPT's train.py at its CPU settings and ``seed``; tokens/s over iterations 1..steps-1, the val bpb
-    of its final checkpoint by disttrain's estimator, and its own estimate."""
+    of its final checkpoint by disttrain's estimator, its own estimate and its loss at each iteration. With
+    ``same_init`` (the file disttrain starts from), its train.py also writes the model it built, which must equal
+    the file."""
     script = (workdir / "train.py").read_text()
-    fixed = "torch.manual_seed(1337 + seed_offset)"
-    if fixed not in script:
-        raise RuntimeError(f"nanoGPT's train.py no longer seeds with {fixed!r}; update this benchmark")
-    (workdir / "train_seeded.py").write_text(script.replace(fixed, f"torch.manual_seed({seed} + seed_offset)"))
+    fixed, built = "torch.manual_seed(1337 + seed_offset)", "    model = GPT(gptconf)\n"
+    if fixed not in script or built not in script:
+        raise RuntimeError(f"nanoGPT's train.py no longer seeds with {fixed!r} and builds with {built.strip()!r}; "
+                           "update this benchmark")
+    script = script.replace(fixed, f"torch.manual_seed({seed} + seed_offset)")
     out = workdir / f"out-{seed}"
+    if same_init is not None:  # writing the model draws no random number: its training is unchanged
+        script = script.replace(built, f"{built}    torch.save(model.state_dict(), {str(out / 'init.pt')!r})\n", 1)
+    (workdir / "train_seeded.py").write_text(script)
     args = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
             "--eval_iters=100", "--dataset=pydocs", "--device=cpu", "--compile=False",
             "--log_interval=1", f"--block_size={BLOCK}", f"--batch_size={BATCH}", "--n_layer=4", "--n_head=4",
@@ -93,25 +110,22 @@ def run_nanogpt(workdir: Path, steps: int, seed: int) -> dict[str, float]:
                           env=os.environ.copy())
     if done.returncode:
         raise RuntimeError(f"nanoGPT failed:\n{done.stderr[-3000:]}")
-    times = {i: ms for i, (_, ms) in iterations(done.stdout).items()}
+    logged = iterations(done.stdout)
+    times = {i: ms for i, (_, ms) in logged.items()}
     vals = [float(m[1]) for m in re.finditer(r"val loss ([\d.]+)", done.stdout)]
     # iteration 0 and the last one include the evaluations that run before them
     steady = [times[i] for i in range(1, steps) if i in times]
-    return {"tokens_per_s": BATCH * BLOCK / (statistics.mean(steady) / 1000),
-            "val_bpb": every_window_bpb(out / "ckpt.pt", workdir / "data" / "pydocs" / "val.bin"),
-            "own_estimate_bpb": vals[-1] / math.log(2)}
+    result = {"tokens_per_s": BATCH * BLOCK / (statistics.mean(steady) / 1000),
+              "val_bpb": every_window_bpb(out / "ckpt.pt", workdir / "data" / "pydocs" / "val.bin"),
+              "own_estimate_bpb": vals[-1] / math.log(2), "losses": [logged[i][0] for i in range(steps)]}
+    if same_init is not None:
+        result["start_difference"] = check_same_start(out / "init.pt", same_init)
+    return result
 
 
-def every_window_bpb(checkpoint: Path, val_file: Path) -> float:
-    """Bits per byte of nanoGPT's checkpoint over every non-overlapping window of ``val_file``, computed by
-    disttrain's GPT (the same architecture: nanoGPT's fused ``c_attn`` rows are query, key and value)."""
-    import torch
-
-    from disttrain.checkpoint.io import load_weights_file
-    from disttrain.data.windows import TokenWindows
-    from disttrain.models.gpt import GPT, GPTDims
-
-    state = load_weights_file(checkpoint)["model"]
+def disttrain_names(state: dict) -> dict:
+    """nanoGPT's GPT state dict under disttrain's GPT names (the same architecture: nanoGPT's fused ``c_attn`` rows
+    are query, key and value), the tied head included as ``lm_head.weight``."""
     state = {key.removeprefix("_orig_mod.").removeprefix("transformer."): value for key, value in state.items()}
     ours = {"embed.wte.weight": state["wte.weight"], "embed.wpe.weight": state["wpe.weight"],
             "ln_f.weight": state["ln_f.weight"], "lm_head.weight": state["lm_head.weight"]}
@@ -123,8 +137,58 @@ def every_window_bpb(checkpoint: Path, val_file: Path) -> float:
                      f"blocks.{i}.ln_2.weight": state[f"h.{i}.ln_2.weight"],
                      f"blocks.{i}.mlp.fc.weight": state[f"h.{i}.mlp.c_fc.weight"],
                      f"blocks.{i}.mlp.proj.weight": state[f"h.{i}.mlp.c_proj.weight"]})
+    return ours
+
+
+def write_nanogpt_init(workdir: Path, seed: int, path: Path) -> Path:
+    """nanoGPT's initial model at ``seed``, built as its ``train.py`` builds it at these settings (seed, then
+    ``GPT(config)`` of its ``model.py``, nothing drawn between), written under disttrain's names to ``path`` (a
+    safetensors file; the head, tied to the embedding, once)."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", workdir / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    model = module.GPT(module.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=BLOCK, bias=False,
+                                        vocab_size=256, dropout=0.0))
+    state = disttrain_names(model.state_dict())
+    del state["lm_head.weight"]  # disttrain's GPT ties it to embed.wte.weight, as nanoGPT does
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path))
+    return path
+
+
+def check_same_start(nanogpt_init: Path, file: Path) -> float:
+    """The largest difference between the model nanoGPT's ``train.py`` built (written beside its checkpoint) and
+    the file disttrain starts from; RuntimeError unless it is zero for every tensor."""
+    from disttrain.checkpoint.io import load_safetensors, load_weights_file
+
+    built = disttrain_names(load_weights_file(nanogpt_init))
+    written = load_safetensors(file)
+    differences = {name: (built[name] - tensor).abs().max().item() for name, tensor in written.items()}
+    if set(built) - {"lm_head.weight"} != set(written):
+        raise RuntimeError(f"nanoGPT built {sorted(built)}, the file holds {sorted(written)}")
+    if any(differences.values()):
+        worst = max(differences, key=differences.__getitem__)
+        raise RuntimeError(f"nanoGPT did not start from {file}: {sum(map(bool, differences.values()))} tensors "
+                           f"differ, most {worst} (by {differences[worst]:g})")
+    return max(differences.values())
+
+
+def every_window_bpb(checkpoint: Path, val_file: Path) -> float:
+    """Bits per byte of nanoGPT's checkpoint over every non-overlapping window of ``val_file``, computed by
+    disttrain's GPT (the same architecture: nanoGPT's fused ``c_attn`` rows are query, key and value)."""
+    import torch
+
+    from disttrain.checkpoint.io import load_weights_file
+    from disttrain.data.windows import TokenWindows
+    from disttrain.models.gpt import GPT, GPTDims
+
     model = GPT(GPTDims(n_layer=4, n_head=4, n_embd=128, block_size=BLOCK, vocab_size=256), bias=False)
-    model.load_state_dict(ours)
+    model.load_state_dict(disttrain_names(load_weights_file(checkpoint)["model"]))
     windows = TokenWindows(np.fromfile(val_file, dtype=np.uint16), BLOCK)
     nats, tokens = 0.0, 0
     with torch.no_grad():
@@ -135,8 +199,12 @@ def every_window_bpb(checkpoint: Path, val_file: Path) -> float:
     return nats / tokens / math.log(2)
 
 
-def run_disttrain(data_dir: Path, steps: int, seed: int, extra: list[str], run_dir: Path) -> dict[str, float]:
-    """``recipe=gpt_pydocs`` on the same files and hyper-parameters; tokens/s and val bpb from results.json."""
+def run_disttrain(data_dir: Path, steps: int, seed: int, extra: list[str], run_dir: Path,
+                  init_weights: Path | None = None) -> dict:
+    """``recipe=gpt_pydocs`` on the same files and hyper-parameters; tokens/s and val bpb from results.json. With
+    ``init_weights``, started from that file, and the loss of every step from the CSV log."""
+    if init_weights is not None:  # every step logged, as nanoGPT's log_interval=1 prints every iteration
+        extra = [*extra, f"model.init_weights={init_weights}", "trainer.log_every_n_steps=1"]
     args = ["recipe=gpt_pydocs", "data=tokens", f"data.path={data_dir}", "data.vocab_size=256",
             f"data.block_size={BLOCK}", "model.bias=false", f"batch.global_size={BATCH}",
             f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=null",
@@ -149,8 +217,51 @@ def run_disttrain(data_dir: Path, steps: int, seed: int, extra: list[str], run_d
     if done.returncode:
         raise RuntimeError(f"disttrain failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     results = json.loads((run_dir / "results.json").read_text())
-    return {"tokens_per_s": results["tokens_per_sec"], "val_bpb": results["metrics"]["val/bpb"],
-            "precision": results.get("precision", ""), "first_step_s": results["throughput"]["time_to_first_step_s"]}
+    result = {"tokens_per_s": results["tokens_per_sec"], "val_bpb": results["metrics"]["val/bpb"],
+              "precision": results.get("precision", ""),
+              "first_step_s": results["throughput"]["time_to_first_step_s"]}
+    if init_weights is not None:
+        result["losses"] = step_losses(run_dir / "csv" / "metrics.csv")
+    return result
+
+
+def step_losses(metrics_csv: Path) -> list[float]:
+    """disttrain's training loss of each optimiser step, in order, from its CSV log (a step's first row)."""
+    import csv
+
+    by_step: dict[int, float] = {}
+    with open(metrics_csv) as handle:
+        for row in csv.DictReader(handle):
+            if row.get("train/loss"):
+                by_step.setdefault(int(row["step"]), float(row["train/loss"]))
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def curve_windows(steps: int) -> list[tuple[int, int]]:
+    """The windows of steps the curves are compared over: the first step alone (equal weights, different
+    batches), then ten windows of equal length (a window's mean evens out the batch-to-batch noise)."""
+    width = max(1, (steps - 1) // 10)
+    return [(0, 1)] + [(start, min(start + width, steps)) for start in range(1, steps, width)]
+
+
+def print_curves(results: dict[str, list[dict]], steps: int) -> None:
+    """Each side's training loss over windows of steps, mean over the rounds, and disttrain's difference."""
+    sides = [side for side, rounds in results.items() if "losses" in rounds[0]]
+    print("\nTraining loss (nats per token) at equal start, mean over the steps of each window and over the seeds:\n")
+    print("| steps | " + " | ".join(sides) + " | " + " | ".join(f"{side} - nanoGPT" for side in sides[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(sides) - 1))
+    gaps: dict[str, list[float]] = {side: [] for side in sides[1:]}
+    for start, end in curve_windows(steps):
+        means = {side: statistics.mean(statistics.mean(r["losses"][start:end]) for r in results[side])
+                 for side in sides}
+        for side in sides[1:]:
+            gaps[side].append(means[side] - means["nanoGPT"])
+        label = f"{start}" if end == start + 1 else f"{start}-{end - 1}"
+        print(f"| {label} | " + " | ".join(f"{means[side]:.4f}" for side in sides) + " | "
+              + " | ".join(f"{means[side] - means['nanoGPT']:+.4f}" for side in sides[1:]) + " |")
+    for side in sides[1:]:
+        print(f"{side} vs nanoGPT at equal start: mean window difference {statistics.mean(gaps[side][1:]):+.4f} "
+              f"nats (largest {max(gaps[side][1:], key=abs):+.4f}) over steps 1-{steps - 1}")
 
 
 def main() -> None:
@@ -162,12 +273,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--variants", default="fp32,bf16,compile,auto",
                         help=f"disttrain configurations, from {', '.join(VARIANTS)}")
+    parser.add_argument("--same-init", action="store_true",
+                        help="start disttrain from nanoGPT's initial weights of each round (model.init_weights) "
+                             "and compare the loss curves")
     args = parser.parse_args()
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not all((args.nanogpt / f).is_file() for f in NANOGPT_FILES):
         sys.exit(f"Error: --variants {unknown} unknown (one of {', '.join(VARIANTS)})" if unknown else
                  f"Error: --nanogpt {args.nanogpt} holds no {', '.join(NANOGPT_FILES)}")
+    if args.steps <= 100:  # nanoGPT's cosine then divides by lr_decay_iters - warmup_iters = 0
+        sys.exit(f"Error: --steps {args.steps} must exceed the 100 warm-up steps both sides take")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -177,19 +293,23 @@ def main() -> None:
         write_corpus(work / "data" / "pydocs")
         for round_ in range(args.rounds):
             seed = 1337 + round_
+            start = write_nanogpt_init(work, seed, work / f"init-{seed}.safetensors") if args.same_init else None
             for variant in ["nanoGPT", *variants]:
                 if variant == "nanoGPT":
-                    result = run_nanogpt(work, args.steps, seed)
+                    result = run_nanogpt(work, args.steps, seed, start)
                 else:
                     result = run_disttrain(work / "data" / "pydocs", args.steps, seed, VARIANTS[variant],
-                                           work / f"run-{variant}-{round_}")
-                print(f"round {round_ + 1} (seed {seed}) {variant}: {result}", flush=True)
+                                           work / f"run-{variant}-{round_}", start)
+                shown = {key: value for key, value in result.items() if key != "losses"}
+                print(f"round {round_ + 1} (seed {seed}) {variant}: {shown}", flush=True)
                 results.setdefault(variant, []).append(result)
     speed = {variant: max(r["tokens_per_s"] for r in rounds) for variant, rounds in results.items()}
     bpb = {variant: [r["val_bpb"] for r in rounds] for variant, rounds in results.items()}
     reference = speed["nanoGPT"]
+    start = ("both sides from nanoGPT's initial weights of the round's seed (model.init_weights)" if args.same_init
+             else "each side from its own initialisation")
     print(f"\nCPU: {cpu_model()} ({cpu_features()}), {args.threads} threads, one process, {args.steps} steps "
-          f"of batch {BATCH} x {BLOCK} tokens, {args.rounds} rounds (seeds 1337..{1336 + args.rounds})\n")
+          f"of batch {BATCH} x {BLOCK} tokens, {args.rounds} rounds (seeds 1337..{1336 + args.rounds}), {start}\n")
     print("| trainer | precision | tokens/s (best round) | vs nanoGPT | val bpb, mean of the seeds (range) "
           "| first step (s) |")
     print("|---|---|---:|---:|---:|---:|")
@@ -201,6 +321,10 @@ def main() -> None:
     own = [r["own_estimate_bpb"] for r in results["nanoGPT"]]
     print(f"\nnanoGPT's own estimate (100 random validation batches): mean {statistics.mean(own):.4f} "
           f"({min(own):.4f}-{max(own):.4f})")
+    if args.same_init:
+        largest = max(r["start_difference"] for r in results["nanoGPT"])
+        print(f"\nnanoGPT's train.py built the file's weights in every round (largest difference {largest:g})")
+        print_curves(results, args.steps)
     fastest = max(variants, key=speed.__getitem__)
     print(f"disttrain ({fastest}) vs nanoGPT: {speed[fastest] / reference:.2f}x tokens/s, "
           f"val bpb {statistics.mean(bpb[fastest]):.4f} vs {statistics.mean(bpb['nanoGPT']):.4f}")

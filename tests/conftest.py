@@ -277,12 +277,19 @@ def logged_metric(run_dir: Path, name: str) -> list[tuple[int, float]]:
 def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float:
     """Export ``checkpoint``, load it into the bare model in this process and return its validation loss
     on the samples the run validated on (all of them, or the first ``limit_val_batches`` global batches)."""
+    from disttrain.checkpoint.export import export
+    from disttrain.checkpoint.io import load_weights_file
+
+    return val_loss_of_weights(run_dir, load_weights_file(export(checkpoint, export_to)))
+
+
+def val_loss_of_weights(run_dir: Path, weights: dict) -> float:
+    """The validation loss of ``weights`` (a state dict of the run's model), loaded into the bare model in this
+    process, on the samples the run validated on (all of them, or the first ``limit_val_batches`` global batches)."""
     import torch
     import torch.nn.functional as F
     from omegaconf import OmegaConf
 
-    from disttrain.checkpoint.export import export
-    from disttrain.checkpoint.io import load_weights_file
     from disttrain.config import validate
     from disttrain.data import build_datamodule
     from disttrain.models import build_model
@@ -291,7 +298,7 @@ def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float
     run = validate(cfg, world_size=cfg.trainer.devices)
     datamodule = build_datamodule(run.data, run.batch.micro_size, run.train.seed)
     model = build_model(run.model, datamodule.spec)
-    model.load_state_dict(load_weights_file(export(checkpoint, export_to)), strict=True)
+    model.load_state_dict(weights, strict=True)
     model.eval()
     val = datamodule.datasets["val"]
     limit = run.train.trainer.limit_val_batches

@@ -318,7 +318,9 @@ class TrainConfig:
     seed: int = 0
     """Seed of model init, data order and dropout."""
     resume: str | None = None
-    """null: fresh start; auto: newest checkpoint in the run directory if any; or a checkpoint path."""
+    """null: fresh start (from the seeded initialisation, or ``model.init_weights``: weights only, at step 0);
+    auto: newest checkpoint in the run directory if any; or a checkpoint path (weights, optimiser state, step and
+    schedule, continued)."""
     run_dir: str = MISSING
     """The run directory (Hydra's output dir); every rank writes here."""
     optimized_metric: str | None = None

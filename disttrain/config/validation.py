@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from disttrain.checkpoint.init_weights import check_init_weights, init_weights_of
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
@@ -164,6 +165,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         notices.append(f"batch.accumulation={batch.accumulation} with BatchNorm layers: their statistics come from "
                        f"each micro-batch of {batch.micro_size} samples, not from the step's {batch.global_size}, so "
                        "the curve differs from a run without accumulation (as anywhere BatchNorm meets accumulation)")
+    if getattr(model, "init_weights", None) is not None:
+        OmegaConf.update(cfg, "model.init_weights", model.init_weights)
     yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
     return RunConfig(top, model, data, optim, scheduler, layout, batch, yaml, tuple(notices), plan, datamodule,
                      world_sizes, choice)
@@ -182,12 +185,15 @@ def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any)
 def _check_model(top: TrainConfig, model: Any, optim: Any, layout: Layout, batch: ResolvedBatch, spec: Any,
                  chose_layout: bool) -> Any:
     """The model built on the meta device and checked against the layout: its parallel plan, the headers of the
-    weights it starts from, the checkpoint it resumes from, the gradient codec's rank (resolved here when unset),
-    torchft and the memory budget. Returns the model (the notices that follow read it)."""
+    weights it starts from (a pretrained folder or ``model.init_weights``), the checkpoint it resumes from, the
+    gradient codec's rank (resolved here when unset), torchft and the memory budget. Returns the model (the
+    notices that follow read it)."""
     p = top.parallel
     net = model_on_meta(model, spec)
     check_model_plan(model.name, net, p, layout, batch.micro_size, spec)
     check_starting_weights(net)
+    if getattr(model, "init_weights", None) is not None:
+        check_init_weights(net, model.init_weights)
     if top.resume not in (None, "auto"):
         check_resume_fits(top.resume, net)
     top.comm.check_model(net)
@@ -223,6 +229,8 @@ def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, schedule
                           "false on a CPU run (torch's SyncBatchNorm runs on GPUs only)")
     if top.resume not in (None, "auto"):
         top.resume = checkpoint_folder(top.resume)
+    if hasattr(model, "init_weights"):  # resolved once, to an absolute path: every rank reads this file
+        model.init_weights = init_weights_of(model)
     if top.mode not in ("train", "plan", "dryrun"):
         raise ConfigError("mode", top.mode, "train (fit and test), plan (print the plan and stop) or dryrun (run "
                           "one rank of the layout here and hold it against the plan)")

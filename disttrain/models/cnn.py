@@ -28,6 +28,9 @@ class CNNConfig:
     uses plain BatchNorm and the runner converts it to SyncBatchNorm when it wraps the model in DDP."""
     dropout: float = 0.0
     """Dropout probability before the linear head."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
 
     def validate(self, spec: DataSpec) -> None:
         """Raise ConfigError if this config cannot build a model for data described by ``spec``."""

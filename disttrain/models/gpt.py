@@ -67,6 +67,9 @@ class GPTConfig:
     attention_fp32: bool | None = None
     """Under bf16, attend in fp32 (true) or bf16 (false). None: fp32 on a CPU at short sequences and narrow
     heads, where torch's bf16 kernel is the slower one (``disttrain.models.attention``)."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
     (``disttrain.models.lora``)."""

@@ -90,6 +90,9 @@ class LlamaConfig:
     loaded on the CPU when the model is built, before any parallelism. Sizes left null come from its
     config.json (not the flavour); sizes set, rope_theta and norm_eps must equal its own. An HF model with tied
     embeddings starts with the output layer a copy of the embedding. None: random initialisation."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters through PEFT (``model.lora.rank=16``), the rest of the model frozen; off by default
     (``disttrain.models.lora``)."""

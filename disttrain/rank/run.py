@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.checkpoint.folders import resume_path
+from disttrain.checkpoint.init_weights import start_from_init_weights
 from disttrain.comm.state import ExchangeStateCheckpoint
 from disttrain.config.resolved import load_rank_file
 from disttrain.config.run import RunConfig
@@ -79,7 +80,7 @@ def run_rank(run: RunConfig) -> float | None:
         datamodule.full_eval_batches = run.plan.full_eval_batches
         spec = datamodule.spec
         kind = KINDS[run.plan.kind](run, agreement)
-        net = build_model(run.model, spec)
+        net = start_from_init_weights(build_model(run.model, spec), run.model)  # before the layout
         balance = ExpertBalance.of(net, run.plan.loss_divisor)
         batch_balance = BatchBalanceLoss.of(net, run.plan.loss_divisor)
         task, datamodule = kind.task(net, datamodule)

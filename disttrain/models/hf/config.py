@@ -40,6 +40,9 @@ class HFConfig:
     instead of a folder."""
     pretrained: bool = False
     """Start from the folder's safetensors weights instead of a seeded random initialisation (needs ``path``)."""
+    init_weights: str | None = None
+    """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
+    (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
     attn_implementation: str | None = None
     """How the model attends, as ``transformers`` names it: ``sdpa`` (PyTorch's fused scaled dot-product
     attention), ``eager`` (its own matmul and softmax, which families such as Gemma2 need for their softcapping)
