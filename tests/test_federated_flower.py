@@ -80,6 +80,7 @@ def _initial_and_simulated(config: Path) -> tuple[dict[str, torch.Tensor], dict[
     return initial, rounds.net.state_dict()
 
 
+@pytest.mark.slow  # a SuperLink and two SuperNodes over loopback: the default suite's longest test
 def test_a_flower_deployment_on_loopback_trains_the_simulated_global_model(tmp_path, make_config):
     from omegaconf import OmegaConf
 
