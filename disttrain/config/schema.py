@@ -98,9 +98,9 @@ class TrainerConfig:
     compiled region costs host time on every call (guards, an autograd wrapper), which a long step hides and a
     short one does not, so pick it for a small model whose step is short and host-bound (GPT-2 124M on a fast
     GPU; ``benchmarks/compile_regions.py`` measures the two side by side, figures in ``benchmarks/README.md``).
-    model runs on one rank, under DDP and under tensor parallelism (whose DTensors trace into one graph); under
-    FSDP2's sharding of parameters (ZeRO-2/3, HSDP) the run refuses it: FSDP2's hooks on every block are not traced, dynamo
-    falls back to eager for the model's forward at the first block and compiles what lies below it one frame at a
+    model runs on one rank, under DDP and under tensor parallelism (whose DTensors trace into one graph); where
+    FSDP2 shards the parameters (ZeRO-2/3, HSDP) the run refuses it: FSDP2's hooks on every block are not traced,
+    dynamo falls back to eager for the model's forward at the first block and compiles what lies below it one frame at a
     time, per-block compilation by another route rather than what was asked. A model without blocks, and the
     compile modes that record CUDA graphs, are compiled whole under either scope."""
     compile_mode: str = "default"

@@ -76,5 +76,5 @@ def check_compile_scope(trainer: TrainerConfig, layout: Layout) -> None:
         raise ConfigError("trainer.compile_scope", scope, "blocks unless trainer.compile=true")
     if scope == "model" and layout.shards_parameters:
         raise ConfigError("trainer.compile_scope", scope, f"blocks under this layout ({layout.describe()}): FSDP2's "
-                          "hooks on every block (ZeRO-2/3 shard the parameters) stop a whole-model graph at the first block, "
-                          "leaving the model's forward eager; parallel=single, ddp and tp run it")
+                          "hooks on every block (ZeRO-2/3 shard the parameters) stop a whole-model graph at the "
+                          "first block, leaving the model's forward eager; parallel=single, ddp and tp run it")

@@ -25,6 +25,7 @@ from torch import nn
 
 from disttrain import checks
 from disttrain.errors import ConfigError
+from disttrain.quiet_imports import quiet_imports
 
 ADAPTER_NAME = "default"
 """The name PEFT gives the one adapter (it appears in parameter names: ``lora_A.default.weight``)."""
@@ -97,7 +98,8 @@ class LoRAConfig:
 
     def peft_config(self, targets: list[str]) -> Any:
         """PEFT's ``LoraConfig`` of these settings on ``targets``."""
-        from peft import LoraConfig
+        with quiet_imports():
+            from peft import LoraConfig
 
         return LoraConfig(r=self.rank, lora_alpha=self.alpha if self.alpha is not None else self.rank,
                           lora_dropout=self.dropout, target_modules=targets, use_dora=self.dora,
@@ -110,7 +112,8 @@ def add_adapters(net: nn.Module, lora: LoRAConfig) -> nn.Module:
     plan to take the default targets from."""
     lora.validate()
     try:
-        from peft import inject_adapter_in_model
+        with quiet_imports():
+            from peft import inject_adapter_in_model
     except ImportError:
         raise ConfigError("model.lora.rank", lora.rank, "null unless peft is installed (pip install "
                           "'disttrain[finetune]')") from None
@@ -176,7 +179,8 @@ def _matches(name: list[str], pattern: list[str]) -> bool:
 
 def lora_layers(net: nn.Module) -> list[tuple[str, Any]]:
     """PEFT's LoRA layers of ``net`` with their names."""
-    from peft.tuners.lora import LoraLayer
+    with quiet_imports():
+        from peft.tuners.lora import LoraLayer
 
     return [(name, module) for name, module in net.named_modules() if isinstance(module, LoraLayer)]
 
@@ -193,7 +197,8 @@ def has_adapters(net: nn.Module) -> bool:
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter name is an adapter's (under one of PEFT's adapter layers, ``lora_A``, ...)."""
-    from peft.tuners.lora import LoraLayer
+    with quiet_imports():
+        from peft.tuners.lora import LoraLayer
 
     return any(part in LoraLayer.adapter_layer_names for part in name.split("."))
 
@@ -275,7 +280,8 @@ def merged_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
 def adapter_weights(net: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapters of ``weights`` (a model's consolidated tensors) as PEFT saves them for a model it wraps
     (``base_model.model.<name>``, the adapter's name left out: ``get_peft_model_state_dict``)."""
-    from peft.utils import get_peft_model_state_dict
+    with quiet_imports():
+        from peft.utils import get_peft_model_state_dict
 
     own = get_peft_model_state_dict(net, state_dict=weights, adapter_name=ADAPTER_NAME,
                                     save_embedding_layers=False)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.quiet_imports import quiet_imports
 
 BLOCK_SIZE = 64
 """Weights per nf4 block (one fp32 absmax each), as QLoRA and bitsandbytes' default."""
@@ -27,9 +28,11 @@ QUANTISE_BASE = "quantise_base"
 
 
 def require_bitsandbytes() -> Any:
-    """The ``bitsandbytes`` module; ConfigError naming the extra to install when it is missing."""
+    """The ``bitsandbytes`` module (imported quietly: ``disttrain.quiet_imports``); ConfigError naming the extra to
+    install when it is missing."""
     try:
-        import bitsandbytes
+        with quiet_imports():
+            import bitsandbytes
     except ImportError:
         raise ConfigError("model.lora.base_dtype", "nf4", "keep or bfloat16 unless bitsandbytes is installed "
                           "(pip install 'disttrain[finetune]')") from None

@@ -16,15 +16,13 @@ On a GPU they need compute capability 8.9 or more (Ada, Hopper and later).
 from __future__ import annotations
 
 import fnmatch
-import logging
-from collections.abc import Generator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.quiet_imports import quiet_imports
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 """``trainer.fp8``: off, or torchao's recipe: one scale per tensor (tensorwise) or per row (rowwise)."""
@@ -57,7 +55,7 @@ class Float8Layers:
         subclass's Python dispatch."""
         if not self.all_gather:
             return
-        with quiet_import():
+        with quiet_imports():
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(net)
@@ -78,7 +76,7 @@ def gathered_float8_weights(net: nn.Module) -> list[Any]:
     each carrying the scale taken after the last optimiser step, if any, as ``_precomputed_scale``."""
     from torch.distributed.tensor import DTensor  # here: the job process, which validates, never imports it
 
-    with quiet_import():
+    with quiet_imports():
         from torchao.float8.float8_linear import Float8Linear
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -140,25 +138,10 @@ def check_float8_device(uses_gpu: bool, capability: tuple[int, int] | None) -> N
                           "none: float8 matrix products need compute capability 8.9 or more (Ada, Hopper and later)")
 
 
-@contextmanager
-def quiet_import() -> Generator[None, None, None]:
-    """torchao logs a warning for each of its CUDA kernel libraries a CPU-only torch cannot load, and torch one for
-    an enum it registers: neither is the user's to act on."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
 def require_torchao() -> None:
     """Raise a ConfigError naming the extra to install when torchao is missing."""
     try:
-        with quiet_import():
+        with quiet_imports():
             import torchao.float8  # noqa: F401
     except ImportError:
         raise ConfigError("trainer.fp8", "tensorwise or rowwise", "none, or install torchao (pip install "
@@ -167,7 +150,7 @@ def require_torchao() -> None:
 
 def convert_to_float8(net: nn.Module, layers: Float8Layers) -> None:
     """Swap ``layers.modules`` of ``net`` for torchao's ``Float8Linear`` in place (before its layout is applied)."""
-    with quiet_import():
+    with quiet_imports():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(layers.recipe)
