@@ -1,12 +1,15 @@
 """Export a sharded checkpoint to one consolidated weights file, or to a Hugging Face model folder.
 
     python -m disttrain.checkpoint.export RUN_DIR/checkpoints/last.ckpt model.pt
+    python -m disttrain.checkpoint.export RUN_DIR --format safetensors model.safetensors
     python -m disttrain.checkpoint.export RUN_DIR --format hf OUT_DIR
     python -m disttrain.checkpoint.export RUN_DIR --format peft OUT_DIR
 
 A run directory stands for its ``checkpoints/last.ckpt``. The default format writes only the model's tensors
 (names as in the bare model, e.g. ``embed.wte.weight``), which load with ``torch.load(path, weights_only=True)``
-into a model built from the run's ``config.yaml``. ``--format hf`` (models ``llama`` and ``hf``) writes
+into a model built from the run's ``config.yaml``. ``--format safetensors`` writes the same tensors under the
+same names as one safetensors file, the field's exchange format and what ``model.init_weights`` starts a run from
+(``disttrain.checkpoint.init_weights``). ``--format hf`` (models ``llama`` and ``hf``) writes
 ``config.json``, ``generation_config.json``, safetensors weights and the run's tokenizer files, a folder that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads and generates from; it reads the run's
 ``config.yaml`` from the run directory (two levels above a checkpoint folder); a model trained with LoRA adapters
@@ -19,9 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from disttrain.checkpoint.atomic import write_atomically
 from disttrain.checkpoint.io import CheckpointReadError
 from disttrain.errors import ConfigError
 
@@ -45,13 +50,37 @@ def consolidated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def export(checkpoint: Path, output: Path) -> Path:
-    """Write the consolidated weights of ``checkpoint`` to ``output`` (written beside it, then renamed)."""
+    """Write the consolidated weights of ``checkpoint`` to ``output`` with ``torch.save`` (written beside it, then
+    renamed)."""
     weights = consolidated_weights(checkpoint)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.with_name(output.name + ".partial")
-    torch.save(weights, staging)
-    staging.replace(output)
-    return output
+    return write_atomically(output, lambda staging: torch.save(weights, staging))
+
+
+def export_safetensors(checkpoint: Path, output: Path) -> Path:
+    """Write the consolidated weights of ``checkpoint`` to ``output`` as one safetensors file, under the names
+    ``export`` writes (written beside it, then renamed); ConfigError for a checkpoint whose model state holds
+    something other than tensors, which safetensors cannot hold."""
+    from safetensors.torch import save_file
+
+    tensors = safetensors_tensors(consolidated_weights(checkpoint))
+    return write_atomically(output, lambda staging: save_file(tensors, str(staging), metadata={"format": "pt"}))
+
+
+def safetensors_tensors(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``weights`` as safetensors writes them: contiguous tensors of their own memory each. A tensor that shares
+    its memory with one before it (tied weights, views of one buffer), which safetensors refuses, is written as a
+    copy under its own name, so the file keeps every name (a tied pair holds equal values, as ``model.init_weights``
+    requires). ConfigError naming the first value that is no tensor."""
+    tensors: dict[str, torch.Tensor] = {}
+    memory_seen: set[int] = set()
+    for name, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError("--format", "safetensors", f"pt for this checkpoint: its model state holds {name} as "
+                              f"{type(value).__name__}, and a safetensors file holds tensors only")
+        memory = value.untyped_storage().data_ptr()
+        tensors[name] = value.clone() if memory in memory_seen else value.contiguous()
+        memory_seen.add(memory)
+    return tensors
 
 
 def checkpoint_and_run_dir(source: Path) -> tuple[Path, Path]:
@@ -99,10 +128,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="a run directory, or a checkpoint folder such as "
                                                   "RUN/checkpoints/last.ckpt")
-    parser.add_argument("output", type=Path, help="the weights file (pt) or the model folder (hf) to write")
-    parser.add_argument("--format", choices=("pt", "hf", "peft"), default="pt",
-                        help="pt: one torch weights file (default); hf: a Hugging Face model folder (adapters "
-                             "merged); peft: a LoRA run's adapters alone, as PEFT saves them")
+    parser.add_argument("output", type=Path, help="the weights file (pt, safetensors) or the model folder (hf, "
+                                                  "peft) to write")
+    parser.add_argument("--format", choices=("pt", "safetensors", "hf", "peft"), default="pt",
+                        help="pt: one torch weights file (default); safetensors: the same tensors as one "
+                             "safetensors file (what model.init_weights reads); hf: a Hugging Face model folder "
+                             "(adapters merged); peft: a LoRA run's adapters alone, as PEFT saves them")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="hf: weights above this size are split into shards with an index (default 5GB)")
     args = parser.parse_args()
@@ -112,7 +143,8 @@ def main() -> None:
                 export_peft(args.source, args.output)
             size = sum(f.stat().st_size for f in path.iterdir())
         else:
-            path = export(checkpoint_and_run_dir(args.source)[0], args.output)
+            write = export_safetensors if args.format == "safetensors" else export
+            path = write(checkpoint_and_run_dir(args.source)[0], args.output)
             size = path.stat().st_size
     except (ConfigError, FileNotFoundError, CheckpointReadError) as err:
         # what a user gave or what a file holds: one line, the status of every refused input (2)

@@ -125,6 +125,8 @@ def write_hf_folder(config: Any, weights: dict[str, torch.Tensor], output: Path,
     from huggingface_hub import save_torch_state_dict
     from transformers import GenerationConfig
 
+    from disttrain.checkpoint.atomic import new_file_mode
+
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(output.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)  # what a crashed export left behind
@@ -134,7 +136,7 @@ def write_hf_folder(config: Any, weights: dict[str, torch.Tensor], output: Path,
     save_torch_state_dict(weights, staging, max_shard_size=max_shard_size)
     for name, data in (tokenizer or {}).items():
         (staging / name).write_bytes(data)
-    file_mode = 0o666 & ~_umask()
+    file_mode = new_file_mode()
     for path in staging.iterdir():
         path.chmod(file_mode)
     if output.exists():
@@ -146,11 +148,3 @@ def write_hf_folder(config: Any, weights: dict[str, torch.Tensor], output: Path,
     else:
         staging.rename(output)
     return output
-
-
-
-def _umask() -> int:
-    """This process's umask (reading it means setting it: put back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

@@ -17,6 +17,7 @@ into the laid-out shards); a user's own model (``model._target_``) loads what it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,27 @@ INIT_WEIGHTS_KEY = "model.init_weights"
 """The config key this module reads and names in its refusals."""
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 """The safetensors dtypes a floating-point tensor of the model is read from (cast to the model's dtype)."""
+
+
+@dataclass(frozen=True)
+class InitWeightsFile:
+    """The file a run starts from, as the job found it before any rank started: what the run's start-up line and
+    its ``results.json`` name, so that a result can be traced to its initial weights."""
+
+    path: str
+    """The file's absolute path."""
+    tensors: int
+    """How many tensors the file holds."""
+    size_bytes: int
+    """The file's size when the job checked it."""
+
+    def notice(self, resume: str | None) -> str:
+        """The start-up line that says the run starts from this file (``resume``: the run's, which wins)."""
+        line = (f"{INIT_WEIGHTS_KEY}: the model starts from {self.path} ({self.tensors} tensors, "
+                f"{self.size_bytes:,} bytes)")
+        if resume is None:
+            return line + ", at step 0 with a fresh optimiser"
+        return line + f"; resume={resume} is set beside it: a checkpoint it finds replaces these weights"
 
 
 def init_weights_of(model: Any) -> str | None:
@@ -61,10 +83,11 @@ def _expected(net: nn.Module) -> dict[str, tuple[list[str], torch.Tensor]]:
     return {names[0]: (names, tensor) for names, tensor in groups.values()}
 
 
-def check_init_weights(net: nn.Module, path: str) -> None:
+def check_init_weights(net: nn.Module, path: str) -> InitWeightsFile:
     """``path``'s safetensors header holds every tensor of ``net`` (built on the meta device, possibly with
     adapters) at its shape, in a dtype it casts from, and nothing else: ConfigError naming ``model.init_weights``,
-    the file, the tensor and what the model expects otherwise. Reads the header alone."""
+    the file, the tensor and what the model expects otherwise. Reads the header alone; returns what the run
+    records of the file."""
     # here, not at the top: the reader imports torch.distributed.checkpoint, which the job needs for nothing else
     from disttrain.checkpoint.io import CheckpointReadError, safetensors_headers
 
@@ -94,6 +117,7 @@ def check_init_weights(net: nn.Module, path: str) -> None:
             raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it holds "
                               f"{name} as {dtype}, where the model's {tensor.dtype} is read from one of "
                               f"{', '.join(FLOAT_DTYPES)}")
+    return InitWeightsFile(path, len(saved), Path(path).stat().st_size)
 
 
 def load_init_weights(net: nn.Module, path: str) -> None:

@@ -4,9 +4,9 @@ The job validates once (``validation.validate``) and writes ``resolved.yaml`` in
 group as validation left it, with its decisions in it (ranks per node, precision, the resume folder, the codec's
 rank, the validation schedule, the planner's layout, ...); the run's resolved YAML (what ``config.yaml`` holds, for
 people and tools); and, for each world size the run may train on (its own, and the smaller ones of
-``trainer.devices=MIN:MAX`` it may restart on), the layout, batch numbers and execution plan decided for it. A rank
-loads the file, type-checks each group against its schema and takes the decisions of its world: it runs no check
-and makes no decision of its own.
+``trainer.devices=MIN:MAX`` it may restart on), the layout, batch numbers and execution plan decided for it; and
+the ``model.init_weights`` file as the job checked it. A rank loads the file, type-checks each group against its
+schema and takes the decisions of its world: it runs no check and makes no decision of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from disttrain.checkpoint.init_weights import InitWeightsFile
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.execution import ExecutionPlan, execution_plan
 from disttrain.config.run import RunConfig
@@ -41,6 +42,7 @@ def rank_file(run: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create({
         "config": config,
         "yaml": run.yaml,
+        "init_weights": dataclasses.asdict(run.init_weights) if run.init_weights is not None else None,
         "worlds": {str(world): {"layout": dataclasses.asdict(layout), "batch": dataclasses.asdict(batch),
                                 "plan": dataclasses.asdict(plan)}
                    for world, (layout, batch, plan) in worlds.items()},
@@ -60,8 +62,12 @@ def load_rank_file(text: str, world: int) -> RunConfig:
     batch = typed(f"worlds.{world}.batch", decided.batch, ResolvedBatch)
     plan = typed(f"worlds.{world}.plan", decided.plan, ExecutionPlan)
     plan = dataclasses.replace(plan, microbatch_shape=tuple(plan.microbatch_shape))
+    init_weights = node.get("init_weights")
+    if init_weights is not None:
+        init_weights = typed("init_weights", init_weights, InitWeightsFile)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
-    return RunConfig(top, model, data, optim, scheduler, layout, batch, node.yaml, (), plan, datamodule)
+    return RunConfig(top, model, data, optim, scheduler, layout, batch, node.yaml, (), plan, datamodule,
+                     init_weights=init_weights)
 
 
 def _decided_at(run: RunConfig, world: int) -> tuple[Layout, ResolvedBatch, ExecutionPlan]:

@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from disttrain.checkpoint.init_weights import InitWeightsFile
 from disttrain.config.batch import ResolvedBatch
 from disttrain.config.execution import ExecutionPlan
 from disttrain.config.schema import TrainConfig
@@ -44,6 +45,9 @@ class RunConfig:
     choice: Any = field(default=None, compare=False, repr=False)
     """With ``parallel=auto``: the layouts the planner weighed, predicted, and the one it chose
     (``disttrain.plan.auto.Choice``, which the plan's pictures draw); None otherwise."""
+    init_weights: InitWeightsFile | None = None
+    """The ``model.init_weights`` file as the job checked it (path, tensors, size), which the start-up line and
+    ``results.json`` name; None for a run without one."""
 
     @property
     def dims(self) -> Layout:

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from disttrain.checkpoint.init_weights import check_init_weights, init_weights_of
+from disttrain.checkpoint.init_weights import InitWeightsFile, check_init_weights, init_weights_of
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
@@ -139,7 +139,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     check_base_precision(getattr(model, "lora", None), top.trainer.precision)
     check_base_layout(getattr(model, "lora", None), layout)
-    net = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
+    net, init_weights = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
+    notices += [init_weights.notice(top.resume)] if init_weights is not None else []
     check_quantised_base(getattr(model, "lora", None), net)
     notices += [line for line in (adapter_summary(net),) if line]
     notices += _decide_float8(top, model, net, layout)
@@ -169,7 +170,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         OmegaConf.update(cfg, "model.init_weights", model.init_weights)
     yaml = _resolved_yaml(cfg, top, chose_layout, devices_range, nodes_range)
     return RunConfig(top, model, data, optim, scheduler, layout, batch, yaml, tuple(notices), plan, datamodule,
-                     world_sizes, choice)
+                     world_sizes, choice, init_weights)
 
 
 def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any) -> None:
@@ -183,17 +184,18 @@ def _runs_on(world: int, top: TrainConfig, model_name: str, net: Any, spec: Any)
 
 
 def _check_model(top: TrainConfig, model: Any, optim: Any, layout: Layout, batch: ResolvedBatch, spec: Any,
-                 chose_layout: bool) -> Any:
+                 chose_layout: bool) -> tuple[Any, InitWeightsFile | None]:
     """The model built on the meta device and checked against the layout: its parallel plan, the headers of the
     weights it starts from (a pretrained folder or ``model.init_weights``), the checkpoint it resumes from, the
     gradient codec's rank (resolved here when unset), torchft and the memory budget. Returns the model (the
-    notices that follow read it)."""
+    notices that follow read it) and the ``model.init_weights`` file as checked (None without one)."""
     p = top.parallel
     net = model_on_meta(model, spec)
     check_model_plan(model.name, net, p, layout, batch.micro_size, spec)
     check_starting_weights(net)
+    init_weights = None
     if getattr(model, "init_weights", None) is not None:
-        check_init_weights(net, model.init_weights)
+        init_weights = check_init_weights(net, model.init_weights)
     if top.resume not in (None, "auto"):
         check_resume_fits(top.resume, net)
     top.comm.check_model(net)
@@ -202,7 +204,7 @@ def _check_model(top: TrainConfig, model: Any, optim: Any, layout: Layout, batch
         from disttrain.plan.planner import check_memory_budget
 
         check_memory_budget(net, spec, layout, p, batch, optim, top.trainer.precision, top.plan.memory_gb)
-    return net
+    return net, init_weights
 
 
 def _check_options(top: TrainConfig, model: Any, data: Any, optim: Any, scheduler: Any) -> list[str]:

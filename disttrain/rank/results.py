@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -86,6 +87,8 @@ def run_results(run: RunConfig, trainer: pl.Trainer, fitted: Fitted, meter: Thro
         "compile_scope": cfg.trainer.compile_scope if cfg.trainer.compile else None,
         "torch": torch.__version__,
         "config_hash": run.config_hash,
+        # the file the weights started from, as the job checked it: a result traced to its initial weights
+        "init_weights": dataclasses.asdict(run.init_weights) if run.init_weights is not None else None,
         "best_checkpoint": (checkpoint.best_model_path or None) if checkpoint is not None else None,
         "best": ({"metric": checkpoint.monitor, "value": float(checkpoint.best_model_score)}
                  if checkpoint is not None and checkpoint.best_model_score is not None else None),
