@@ -78,7 +78,8 @@ def safetensors_tensors(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
             raise ConfigError("--format", "safetensors", f"pt for this checkpoint: its model state holds {name} as "
                               f"{type(value).__name__}, and a safetensors file holds tensors only")
         memory = value.untyped_storage().data_ptr()
-        tensors[name] = value.clone() if memory in memory_seen else value.contiguous()
+        tensors[name] = value.clone(memory_format=torch.contiguous_format) if memory in memory_seen else \
+            value.contiguous()
         memory_seen.add(memory)
     return tensors
 
