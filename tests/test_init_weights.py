@@ -3,6 +3,7 @@ that does not fit the model (or is no safetensors file) is refused in one line b
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -10,12 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from disttrain.checkpoint.init_weights import start_from_init_weights
+from disttrain.checkpoint.export import consolidated_weights
+from disttrain.checkpoint.init_weights import InitWeightsFile, start_from_init_weights
 from disttrain.config import validate
+from disttrain.config.resolved import load_rank_file, rank_file
 from disttrain.errors import ConfigError
 from disttrain.launch.job import train
 from disttrain.models import build_model
 from tests.conftest import logged_metric, val_loss_of_weights
+from tests.test_export_safetensors import export_status
 from tests.test_run import GPT_FAST, step_losses
 
 GPT_INIT = [*GPT_FAST, "trainer.max_steps=2", "trainer.validate_before_training=true"]
@@ -52,6 +56,11 @@ def test_the_model_a_rank_builds_holds_the_files_tensors(make_config, tmp_path, 
     path, state = weights
     run = validate(make_config([*GPT_FAST, f"model.init_weights={path}"], tmp_path / "run"))
     assert run.model.init_weights == str(path.resolve())
+    # the file as the job checked it: named at start, and handed to the ranks for results.json
+    assert run.init_weights == InitWeightsFile(str(path.resolve()), len(state) - 1, path.stat().st_size)
+    assert f"model.init_weights: the model starts from {path.resolve()} ({len(state) - 1} tensors, " \
+           f"{path.stat().st_size:,} bytes), at step 0 with a fresh optimiser" in run.notices
+    assert load_rank_file(rank_file(run), 1).init_weights == run.init_weights
     net = start_from_init_weights(build_model(run.model, run.datamodule.spec), run.model)  # as a rank does
     seeded = build_model(validate(make_config(GPT_FAST, tmp_path / "seeded")).model, run.datamodule.spec)
     for name, tensor in net.state_dict().items():
@@ -64,15 +73,33 @@ def test_the_model_a_rank_builds_holds_the_files_tensors(make_config, tmp_path, 
     ("single", 1),
     pytest.param("zero3", 2, marks=pytest.mark.slow),
 ])
-def test_a_run_starts_at_the_files_loss_under_each_layout(make_config, tmp_path, weights, preset, ranks):
+def test_a_run_starts_at_the_files_loss_and_its_export_starts_the_next(make_config, tmp_path, weights, preset,
+                                                                       ranks):
+    """A run from the file starts at the file's loss and records the file in ``results.json``; its last
+    checkpoint, exported as safetensors, starts a second run at exactly the weights and loss the first ended
+    with."""
     path, state = weights
+    layout = [f"parallel={preset}", f"trainer.devices={ranks}"]
     run_dir = tmp_path / preset
-    train(make_config([*GPT_INIT, f"model.init_weights={path}", f"parallel={preset}", f"trainer.devices={ranks}"],
-                      run_dir))
-    first_val = logged_metric(run_dir, "val/loss")[0]
-    assert first_val[0] == 0  # scored before the first step
-    assert first_val[1] == pytest.approx(val_loss_of_weights(run_dir, state), rel=1e-6)
+    train(make_config([*GPT_INIT, "trainer.val_check_interval=2", f"model.init_weights={path}", *layout], run_dir))
+    (first_step, first_val), (last_step, last_val) = logged_metric(run_dir, "val/loss")
+    assert (first_step, last_step) == (0, 2)  # scored before the first step and on the weights last.ckpt holds
+    assert first_val == pytest.approx(val_loss_of_weights(run_dir, state), rel=1e-6)
     assert len(step_losses(run_dir)) == 2
+    recorded = json.loads((run_dir / "results.json").read_text())["init_weights"]
+    assert recorded == {"path": str(path.resolve()), "tensors": len(state) - 1, "size_bytes": path.stat().st_size}
+
+    exported = tmp_path / "exported.safetensors"
+    assert export_status(run_dir, "--format", "safetensors", exported) == 0
+    checkpoint = consolidated_weights(run_dir / "checkpoints" / "last.ckpt")
+    assert torch.equal(checkpoint["embed.wte.weight"], checkpoint[TIED])  # the tie held through training
+    next_run = [*GPT_INIT, "trainer.max_steps=1", f"model.init_weights={exported}", *layout]
+    run = validate(make_config(next_run, tmp_path / "probe"))
+    net = start_from_init_weights(build_model(run.model, run.datamodule.spec), run.model)  # as a rank does
+    for name, tensor in net.state_dict().items():
+        assert torch.equal(tensor, checkpoint[name]), name
+    train(make_config(next_run, tmp_path / "next"))
+    assert logged_metric(tmp_path / "next", "val/loss")[0] == (0, last_val)  # exactly: the same weights, scored alike
 
 
 def test_zero3_starts_at_the_loss_of_one_process(make_config, tmp_path, weights):
