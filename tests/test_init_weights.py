@@ -74,7 +74,7 @@ def test_the_model_a_rank_builds_holds_the_files_tensors(make_config, tmp_path, 
     pytest.param("zero3", 2, marks=pytest.mark.slow),
 ])
 def test_a_run_starts_at_the_files_loss_and_its_export_starts_the_next(make_config, tmp_path, weights, preset,
-                                                                       ranks):
+                                                                       ranks, capsys):
     """A run from the file starts at the file's loss and records the file in ``results.json``; its last
     checkpoint, exported as safetensors, starts a second run at exactly the weights and loss the first ended
     with."""
@@ -86,6 +86,8 @@ def test_a_run_starts_at_the_files_loss_and_its_export_starts_the_next(make_conf
     assert (first_step, last_step) == (0, 2)  # scored before the first step and on the weights last.ckpt holds
     assert first_val == pytest.approx(val_loss_of_weights(run_dir, state), rel=1e-6)
     assert len(step_losses(run_dir)) == 2
+    assert f"model.init_weights: the model starts from {path.resolve()} ({len(state) - 1} tensors" in \
+        capsys.readouterr().out  # the job's start-up line
     recorded = json.loads((run_dir / "results.json").read_text())["init_weights"]
     assert recorded == {"path": str(path.resolve()), "tensors": len(state) - 1, "size_bytes": path.stat().st_size}
 
