@@ -61,6 +61,9 @@ def test_the_model_a_rank_builds_holds_the_files_tensors(make_config, tmp_path, 
     assert f"model.init_weights: the model starts from {path.resolve()} ({len(state) - 1} tensors, " \
            f"{path.stat().st_size:,} bytes), at step 0 with a fresh optimiser" in run.notices
     assert load_rank_file(rank_file(run), 1).init_weights == run.init_weights
+    continued = validate(make_config([*GPT_FAST, f"model.init_weights={path}", "resume=auto"], tmp_path / "again"))
+    assert any(line.endswith("bytes); resume=auto is set beside it: a checkpoint it finds replaces these weights")
+               for line in continued.notices), continued.notices
     net = start_from_init_weights(build_model(run.model, run.datamodule.spec), run.model)  # as a rank does
     seeded = build_model(validate(make_config(GPT_FAST, tmp_path / "seeded")).model, run.datamodule.spec)
     for name, tensor in net.state_dict().items():
