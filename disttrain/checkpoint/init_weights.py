@@ -6,7 +6,10 @@ device, strictly: a tensor missing, one the model has not, or one of another sha
 the key, the file and what the model expected, before any rank starts. Each rank then reads the file into the
 model it has just built on its device, before the model is laid out, so every layout (single, DDP, ZeRO, tensor
 or pipeline parallel) starts from the same weights. The file is read through the checkpoint package's one reader
-(``disttrain.checkpoint.io``): safetensors holds a JSON header and raw bytes, never code.
+(``disttrain.checkpoint.io``): safetensors holds a JSON header and raw bytes, never code. The job's check returns
+the file as it found it (``InitWeightsFile``: path, tensor count, size), which the run names in its start-up line
+and in ``results.json``. ``python -m disttrain.checkpoint.export RUN --format safetensors FILE`` writes such a file
+from a run's checkpoint.
 
 Unlike ``resume``, which continues a run (its weights, optimiser state, step and schedule), a run from
 ``init_weights`` starts at step 0 with a fresh optimiser and schedule; a ``resume`` set beside it wins. It is the
