@@ -143,9 +143,9 @@ class SafetensorsFolder:
             raise self.refuse(f"its {INDEX_FILE} is not JSON ({err})") from None
         shards = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(shards, dict) or not all(isinstance(name, str) for name in shards.values()):
-            found = ("has none" if shards is None else f"has one that is a {type(shards).__name__}"
-                     if not isinstance(shards, dict) else "names something other than a file in it")
-            raise self.refuse(f"its {INDEX_FILE} {found}, where a weight_map maps each tensor's name to its file")
+            found = ("has no weight_map" if shards is None else f"has a weight_map that is a {type(shards).__name__}"
+                     if not isinstance(shards, dict) else "has a weight_map naming something other than a file")
+            raise self.refuse(f"its {INDEX_FILE} {found} (a weight_map maps each tensor's name to its file)")
         names = sorted(set(shards.values()))
         absent = [name for name in names if not (self.path / name).is_file()]
         if absent:
