@@ -115,7 +115,8 @@ class SafetensorsFile:
         except SafetensorError as err:
             raise self.refuse(f"{self.path.name} {_what_is_wrong(self.path, err)}") from None
         except OSError as err:
-            raise self.refuse(f"{self.path.name} cannot be opened ({type(err).__name__}: {err.strerror or err})") from None
+            why = f"{type(err).__name__}: {err.strerror or err}"
+            raise self.refuse(f"{self.path.name} cannot be opened ({why})") from None
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ def test_a_mixture_with_an_expert_missing_is_one_line(tmp_path, make_config):
     tensors.pop("model.layers.1.block_sparse_moe.experts.2.w2.weight")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     base = [o for o in hf_overrides("mixtral", {}) if not o.startswith("model.arch")]
-    with pytest.raises(ConfigError, match=r"^model\.path=.* is invalid: weights of this model; the folder's "
+    with pytest.raises(ConfigError, match=r"^model\.path=.* is invalid: a folder of this model's safetensors "
+                                          r"weights; the folder's "
                                           r"model\.layers\.1\.block_sparse_moe\.experts\.0\.w2\.weight \(and 2 more\) "
                                           r"give model\.layers\.1\.mlp\.experts\.down_proj as \[3, 64, 128\], where "
                                           r"the model's is \[4, 64, 128\]$"):

@@ -101,7 +101,7 @@ class HFConfig:
         if not self.pretrained:
             return None
         return SafetensorsFolder(Path(self.path).expanduser(), ConfigRefusal(
-            "model.path", self.path, "a folder of this model's safetensors weights (model.pretrained=true)"))
+            "model.path", self.path, "a folder of this model's safetensors weights"))
 
     def attention(self, config: Any) -> tuple[str, str | None]:
         """The attention implementation the model of ``config`` is built with, and a notice where none was asked
