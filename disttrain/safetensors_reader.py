@@ -92,9 +92,9 @@ class SafetensorsFile:
 
     def part(self, name: str, box: Box) -> torch.Tensor:
         """The ``box`` of tensor ``name``: the only bytes read (a rank's shard, slice or experts)."""
-        # opened per read: the file is memory-mapped, and pages read stay resident until it is closed
         from safetensors import SafetensorError
 
+        # opened per read: the file is memory-mapped, and pages read stay resident until it is closed
         with self._opened() as handle:
             try:
                 saved = handle.get_slice(name)
@@ -142,6 +142,9 @@ class SafetensorsFolder:
             index_json = json.loads(index.read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise self.refuse(f"its {INDEX_FILE} is not JSON ({err})") from None
+        except OSError as err:
+            raise self.refuse(f"its {INDEX_FILE} cannot be read ({type(err).__name__}: {err.strerror or err})") \
+                from None
         shards = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(shards, dict) or not all(isinstance(name, str) for name in shards.values()):
             found = ("has no weight_map" if shards is None else f"has a weight_map that is a {type(shards).__name__}"
@@ -157,16 +160,16 @@ class SafetensorsFolder:
     def headers(self) -> dict[str, TensorHeader]:
         """Each tensor its files hold, from their headers alone; refused as :meth:`files` and
         :meth:`SafetensorsFile.headers` say."""
-        return read_headers(self.files())
+        return _read_headers(self.files())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of its files, on the CPU; refused as :meth:`headers` says, before any tensor is read."""
         files = self.files()
-        read_headers(files)  # every file whole before the first is read: one refusal, not a half-read folder
+        _read_headers(files)  # every file whole before the first is read: one refusal, not a half-read folder
         return {name: tensor for file in files for name, tensor in file.tensors().items()}
 
 
-def read_headers(files: Iterable[SafetensorsFile]) -> dict[str, TensorHeader]:
+def _read_headers(files: Iterable[SafetensorsFile]) -> dict[str, TensorHeader]:
     """Each tensor ``files`` hold, from their headers alone (a tensor in two files: the later file's)."""
     return {name: header for file in files for name, header in file.headers().items()}
 
