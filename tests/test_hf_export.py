@@ -198,3 +198,45 @@ def test_init_from_mismatches_are_config_errors(make_config, tmp_path):
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             validate(make_config(["model=llama", "data=pydocs", *overrides]))
+
+
+def _sharded(index_text: str):
+    """The folder's weights as one shard beside an index of the given text."""
+    def change(folder: Path) -> None:
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        (folder / "model.safetensors.index.json").write_text(index_text)
+
+    return change
+
+
+def _cut_short(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+BAD_LLAMA_WEIGHTS = {
+    "index-not-json": (_sharded("{oops"), "its model.safetensors.index.json is not JSON (Expecting property name"),
+    "index-names-missing-shard": (
+        _sharded(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})),
+        "its model.safetensors.index.json names model-00002-of-00002.safetensors, which is not there"),
+    "shard-cut-short": (_cut_short, "model.safetensors is cut short by 100 bytes ("),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LLAMA_WEIGHTS))
+def test_init_from_weights_that_are_not_whole_are_one_line_before_any_rank(make_config, tmp_path, case):
+    """An index that is not JSON or names a shard the folder lacks, or a shard cut short, is refused in one line
+    naming ``model.init_from`` and the file while the job validates, from the headers alone; a rank's read of the
+    tensors refuses it in the same line."""
+    change, expected = BAD_LLAMA_WEIGHTS[case]
+    folder = tmp_path / "hf"
+    seeded_hf_llama(folder)
+    change(folder)
+    with pytest.raises(ConfigError) as checked:
+        validate(make_config(["model=llama", "data=pydocs", f"model.init_from={folder}", *HF_SETTINGS]))
+    line = str(checked.value)
+    assert line.startswith(f"model.init_from='{folder}' is invalid: an HF Llama folder with whole safetensors "
+                           "weights; ") and expected in line and "\n" not in line, line
+    with pytest.raises(ConfigError) as read:
+        import_hf_llama(folder)
+    assert str(read.value) == line

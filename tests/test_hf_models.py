@@ -212,7 +212,7 @@ def _indexed(text: str):
 
 BAD_FOLDERS = {
     "cut-short": (lambda f: (f / WEIGHTS).write_bytes((f / WEIGHTS).read_bytes()[:-100]),
-                  [f"{WEIGHTS} is ", "where its header's tensors end at byte", "(cut short)"]),
+                  [f"{WEIGHTS} is cut short by 100 bytes (", "where its header's tensors end at byte"]),
     "garbage-header": (lambda f: (f / WEIGHTS).write_bytes(b"\x20" + bytes(7) + b"{not json" + bytes(100)),
                        [f"{WEIGHTS} is not a safetensors file", "invalid JSON in header"]),
     "wrong-shape": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(32)})),
@@ -221,12 +221,12 @@ BAD_FOLDERS = {
                        ["no file of the folder holds model.layers.1.mlp.up_proj.weight"]),
     "integer-dtype": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})),
                       [f"{WEIGHTS} holds model.norm.weight as I32, which does not cast to the model's float32"]),
-    "index-not-json": (_indexed("{oops"), ["model.safetensors.index.json is JSON; it is not (Expecting"]),
+    "index-not-json": (_indexed("{oops"), ["its model.safetensors.index.json is not JSON (Expecting"]),
     "index-without-weight-map": (_indexed('{"metadata": {}}'),
-                                 ["model.safetensors.index.json has a weight_map", "it has none"]),
+                                 ["its model.safetensors.index.json has no weight_map"]),
     "index-names-absent-shard": (_indexed(json.dumps({"weight_map": {"lm_head.weight": "model-00002.safetensors"}})),
-                                 ["every file its model.safetensors.index.json names; model-00002.safetensors is "
-                                  "not there"]),
+                                 ["its model.safetensors.index.json names model-00002.safetensors, which is not "
+                                  "there"]),
 }
 
 

@@ -36,6 +36,13 @@ def saved_mixture(folder: Path, arch: str) -> Path:
     return folder
 
 
+def weights_of(folder: Path):
+    """``folder``'s safetensors weights, refused as ``model.path`` (as ``model.pretrained=true`` reads them)."""
+    from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFolder
+
+    return SafetensorsFolder(folder, ConfigRefusal("model.path", str(folder), "a folder of safetensors weights"))
+
+
 def saved_names(folder: Path) -> set[str]:
     """The tensor names of a folder's ``model.safetensors``."""
     from safetensors import safe_open
@@ -65,15 +72,13 @@ def test_each_rank_reads_only_the_experts_it_holds(tmp_path, monkeypatch):
     import transformers
 
     from disttrain.models.hf import conversion as hf_conversion
-    from disttrain.models.hf.weights import saved_headers, weight_files
 
     folder = saved_mixture(tmp_path / "hf", "mixtral")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     holder = torch.nn.Module()
     object.__setattr__(holder, "_model", model)
     state = model.state_dict()
-    sources = hf_conversion.saved_sources(state, saved_headers(weight_files(folder), "model.path", str(folder)),
-                                          hf_conversion.conversion_of(holder))
+    sources = hf_conversion.saved_sources(state, weights_of(folder).headers(), hf_conversion.conversion_of(holder))
     read = []
     monkeypatch.setattr(hf_conversion.Saved, "read", lambda self, box, read_box=hf_conversion.Saved.read: (
         read.append(self.name), read_box(self, box))[1])
@@ -97,7 +102,8 @@ def test_a_mixture_with_an_expert_missing_is_one_line(tmp_path, make_config):
     tensors.pop("model.layers.1.block_sparse_moe.experts.2.w2.weight")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     base = [o for o in hf_overrides("mixtral", {}) if not o.startswith("model.arch")]
-    with pytest.raises(ConfigError, match=r"^model\.path=.* is invalid: weights of this model; the folder's "
+    with pytest.raises(ConfigError, match=r"^model\.path=.* is invalid: a folder of this model's safetensors "
+                                          r"weights; the folder's "
                                           r"model\.layers\.1\.block_sparse_moe\.experts\.0\.w2\.weight \(and 2 more\) "
                                           r"give model\.layers\.1\.mlp\.experts\.down_proj as \[3, 64, 128\], where "
                                           r"the model's is \[4, 64, 128\]$"):
@@ -147,13 +153,11 @@ def test_a_converter_with_another_operation_runs_as_transformers_runs_it(tmp_pat
     from transformers.core_model_loading import Transpose, WeightConverter
 
     from disttrain.models.hf.conversion import Conversion, Converted, saved_sources
-    from disttrain.models.hf.weights import saved_headers
 
     saved = torch.arange(15.0).reshape(3, 5)
     save_file({"layer.w_in.weight": saved}, tmp_path / "model.safetensors")
     conversion = Conversion([WeightConverter("w_in.weight", "w_out.weight", [Transpose(0, 1)])])
-    sources = saved_sources(["layer.w_out.weight"], saved_headers([tmp_path / "model.safetensors"], "model.path",
-                                                                  str(tmp_path)), conversion)
+    sources = saved_sources(["layer.w_out.weight"], weights_of(tmp_path).headers(), conversion)
     source = sources["layer.w_out.weight"]
     assert isinstance(source, Converted) and source.shape == (5, 3)
     torch.testing.assert_close(source.read(((1, 4), (0, 2))), saved.T[1:4, 0:2], rtol=0, atol=0)
@@ -165,7 +169,6 @@ def test_a_folder_of_grouped_experts_is_read_by_its_own_names(tmp_path):
     from safetensors.torch import save_file
 
     from disttrain.models.hf.conversion import Saved, conversion_of, saved_sources
-    from disttrain.models.hf.weights import saved_headers
 
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model("qwen3_moe", vocab_size=256, **HF_MOE["qwen3_moe"]))
@@ -173,6 +176,5 @@ def test_a_folder_of_grouped_experts_is_read_by_its_own_names(tmp_path):
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, tmp_path / "model.safetensors")
     holder = torch.nn.Module()
     object.__setattr__(holder, "_model", model)
-    sources = saved_sources(state, saved_headers([tmp_path / "model.safetensors"], "model.path", str(tmp_path)),
-                            conversion_of(holder))
+    sources = saved_sources(state, weights_of(tmp_path).headers(), conversion_of(holder))
     assert set(sources) == set(state) and all(isinstance(s, Saved) and s.name == n for n, s in sources.items())

@@ -87,6 +87,29 @@ def test_the_graph_sees_deferred_and_package_imports():
     assert graph.has_edge("disttrain.rank.kinds", "disttrain.rank.kinds.federated")
 
 
+SAFETENSORS_READER = "disttrain.safetensors_reader"
+"""The one module that reads safetensors files; every other module reads through it."""
+SAFETENSORS_READS = {"safe_open", "load_file", "load", "load_model"}
+"""safetensors' functions that read a file (``safetensors`` and ``safetensors.torch``); its writers are free to use."""
+
+
+def test_safetensors_files_are_read_in_one_module():
+    """No module but the reader imports safetensors' readers (nor ``safetensors`` whole, whose readers it holds),
+    so every read of a safetensors file refuses a bad one in the reader's one line (cut short by how many bytes, an
+    index that is not JSON, a missing shard)."""
+    modules = module_names()
+    assert SAFETENSORS_READER in modules
+    readers = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))) if name != SAFETENSORS_READER else ():
+            whole = isinstance(node, ast.Import) and any(a.name.split(".")[0] == "safetensors" for a in node.names)
+            reads = isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "safetensors" and any(
+                alias.name in SAFETENSORS_READS for alias in node.names)
+            if whole or reads:
+                readers.append(f"{name}:{node.lineno}")
+    assert not readers, f"safetensors read outside {SAFETENSORS_READER}: {readers}"
+
+
 CONFIG_ERROR_WITHOUT_LIGHTNING = """
 import sys
 from hydra import compose, initialize_config_dir

@@ -152,8 +152,16 @@ def test_a_tensor_of_another_shape_is_named(make_config, tmp_path, weights):
 def test_a_file_that_is_not_safetensors_is_refused(make_config, tmp_path):
     text = tmp_path / "notes.safetensors"
     text.write_text("these are not weights\n")
-    assert "it is not a safetensors file" in refusal(make_config, tmp_path, text)
-    assert "there is no such file" in refusal(make_config, tmp_path, tmp_path / "absent.safetensors")
+    assert "notes.safetensors is not a safetensors file" in refusal(make_config, tmp_path, text)
+    assert "absent.safetensors is not there" in refusal(make_config, tmp_path, tmp_path / "absent.safetensors")
+
+
+def test_a_file_cut_short_is_refused_by_how_many_bytes(make_config, tmp_path, weights):
+    path, _ = weights
+    short = tmp_path / "cut.safetensors"
+    short.write_bytes(path.read_bytes()[:-40])
+    message = refusal(make_config, tmp_path, short)
+    assert "a safetensors file of the model's state_dict; cut.safetensors is cut short by 40 bytes (" in message
 
 
 class _Touch:
@@ -174,7 +182,7 @@ def test_a_pickle_is_refused_and_runs_nothing(make_config, tmp_path, writer):
         crafted.write_bytes(pickle.dumps({"embed.wte.weight": _Touch(marker)}))
     else:
         torch.save({"embed.wte.weight": _Touch(marker)}, crafted)
-    assert "it is not a safetensors file" in refusal(make_config, tmp_path, crafted)
+    assert "crafted.safetensors is not a safetensors file" in refusal(make_config, tmp_path, crafted)
     assert not marker.exists()
 
 

@@ -5,11 +5,11 @@ token embedding, once under either name). The job checks the file's header again
 device, strictly: a tensor missing, one the model has not, or one of another shape is one ``ConfigError`` naming
 the key, the file and what the model expected, before any rank starts. Each rank then reads the file into the
 model it has just built on its device, before the model is laid out, so every layout (single, DDP, ZeRO, tensor
-or pipeline parallel) starts from the same weights. The file is read through the checkpoint package's one reader
-(``disttrain.checkpoint.io``): safetensors holds a JSON header and raw bytes, never code. The job's check returns
-the file as it found it (``InitWeightsFile``: path, tensor count, size), which the run names in its start-up line
-and in ``results.json``. ``python -m disttrain.checkpoint.export RUN --format safetensors FILE`` writes such a file
-from a run's checkpoint.
+or pipeline parallel) starts from the same weights. The file is read through the one reader of safetensors files
+(``disttrain.safetensors_reader``): a JSON header and raw bytes, never code. The job's check returns the file as it
+found it (``InitWeightsFile``: path, tensor count, size), which the run names in its start-up line and in
+``results.json``. ``python -m disttrain.checkpoint.export RUN --format safetensors FILE`` writes such a file from a
+run's checkpoint.
 
 Unlike ``resume``, which continues a run (its weights, optimiser state, step and schedule), a run from
 ``init_weights`` starts at step 0 with a fresh optimiser and schedule; a ``resume`` set beside it wins. It is the
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFile
 
 INIT_WEIGHTS_KEY = "model.init_weights"
 """The config key this module reads and names in its refusals."""
@@ -86,19 +87,19 @@ def _expected(net: nn.Module) -> dict[str, tuple[list[str], torch.Tensor]]:
     return {names[0]: (names, tensor) for names, tensor in groups.values()}
 
 
+def init_weights_file(path: str) -> SafetensorsFile:
+    """The file ``model.init_weights`` names (resolved, as ``init_weights_of`` gives it), refused as a ConfigError
+    on that key: by the job's check and by each rank's read alike."""
+    return SafetensorsFile(Path(path), ConfigRefusal(INIT_WEIGHTS_KEY, path, "a safetensors file of the model's "
+                                                                                "state_dict"))
+
+
 def check_init_weights(net: nn.Module, path: str) -> InitWeightsFile:
     """``path``'s safetensors header holds every tensor of ``net`` (built on the meta device, possibly with
     adapters) at its shape, in a dtype it casts from, and nothing else: ConfigError naming ``model.init_weights``,
     the file, the tensor and what the model expects otherwise. Reads the header alone; returns what the run
     records of the file."""
-    # here, not at the top: the reader imports torch.distributed.checkpoint, which the job needs for nothing else
-    from disttrain.checkpoint.io import CheckpointReadError, safetensors_headers
-
-    try:
-        saved = safetensors_headers(Path(path))
-    except CheckpointReadError as err:
-        raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of the model's state_dict; {err.cause}") \
-            from None
+    saved = init_weights_file(path).headers()
     groups = _expected(net)
     names = {name: tensor for group, tensor in groups.values() for name in group}
     unexpected = [name for name in saved if name not in names]
@@ -111,7 +112,7 @@ def check_init_weights(net: nn.Module, path: str) -> InitWeightsFile:
         more = f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it lacks "
                           f"{missing[0]}{more}, of shape {list(names[missing[0]].shape)}")
-    for name, (shape, dtype) in saved.items():
+    for name, (_, shape, dtype) in saved.items():
         tensor = names[name]
         if tuple(shape) != tuple(tensor.shape):
             raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it holds "
@@ -127,9 +128,7 @@ def load_init_weights(net: nn.Module, path: str) -> None:
     """Replace ``net``'s parameters and persistent buffers (a model with real tensors, before its layout) with
     ``path``'s tensors, cast to the model's dtypes. A tied weight stored under several names must hold the same
     values under each. ValueError naming the file where it does not fit (the job checked it before)."""
-    from disttrain.checkpoint.io import load_safetensors
-
-    saved = load_safetensors(Path(path))
+    saved = init_weights_file(path).tensors()
     groups = _expected(net)
     extra = sorted(set(saved) - {name for group, _ in groups.values() for name in group})
     if extra:

@@ -6,8 +6,9 @@ A checkpoint folder holds ``meta.pt`` (Lightning's loop, callback and scheduler 
 ``_load_state_dict_from_keys``'s alike), either of which runs whatever a crafted file asks for. Here ``.metadata``
 is unpickled once, through an allow-list of the index's own classes, and ``meta.pt`` and every stored object load
 with ``weights_only=True``. Every read of a checkpoint (resume, export, generation, the tests' helpers) goes
-through the functions below, and so does the read of a run's starting weights (``model.init_weights``: a
-safetensors file, whose JSON header and raw bytes hold nothing that runs).
+through the functions below. Safetensors files (a run's starting weights: ``model.init_weights``, a Hugging Face
+folder) hold a JSON header and raw bytes, nothing that runs, and have a reader of their own below this package,
+``disttrain.safetensors_reader``, which the models read through too.
 """
 
 from __future__ import annotations
@@ -236,43 +237,11 @@ def check_checkpoint(checkpoint: Path) -> None:
 def load_weights_file(path: Path) -> dict[str, Any]:
     """A consolidated weights file (what ``python -m disttrain.checkpoint.export`` writes, or another trainer's
     ``torch.save`` of tensors): plain data only; ``CheckpointReadError`` naming the file otherwise. A run's
-    starting weights (``model.init_weights``) are safetensors instead, read by :func:`load_safetensors`."""
+    starting weights (``model.init_weights``) are safetensors instead, read by ``disttrain.safetensors_reader``."""
     try:
         return plain_data(Path(path), "it")
     except UnsafeCheckpointError as err:
         raise CheckpointReadError(path, str(err)) from None
-
-
-def safetensors_headers(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Each tensor a safetensors file holds: its shape and safetensors dtype (``F32``, ``BF16``, ...), read from the
-    header alone (no tensor is read). ``CheckpointReadError`` naming the file where it is missing or is not a whole
-    safetensors file (a pickle, a ``torch.save`` archive, a file cut short): safetensors parses a JSON header and
-    raw bytes, so nothing in the file is ever run."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointReadError(path, "there is no such file")
-    try:
-        # opening checks the header and that its data offsets cover the file exactly
-        with safe_open(str(path), framework="pt") as handle:
-            return {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
-                    for name in handle.keys()}
-    except (SafetensorError, OSError) as err:
-        raise CheckpointReadError(path, f"it is not a safetensors file ({_cause(err)})") from None
-
-
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, on the CPU; ``CheckpointReadError`` naming the file as
-    :func:`safetensors_headers` says."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    safetensors_headers(path)  # the one refusal of a file that is not safetensors, before any tensor is read
-    try:
-        return load_file(str(path), device="cpu")
-    except (SafetensorError, OSError) as err:
-        raise CheckpointReadError(path, f"it is not a safetensors file ({_cause(err)})") from None
 
 
 def one_process() -> bool:

@@ -35,7 +35,7 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
-from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama
+from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama, weights_folder
 from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
 
@@ -114,8 +114,10 @@ class LlamaConfig:
 
     def _with_sizes_of_init_from(self) -> LlamaConfig:
         """This config with its null sizes taken from ``init_from``'s config.json (and ``init_from`` cleared);
-        ConfigError where a size or setting given here differs from the folder's."""
+        ConfigError where a size or setting given here differs from the folder's, or where its safetensors weights
+        are not whole (their headers are read here, before any rank reads the tensors)."""
         hf = read_hf_llama(self.init_from)
+        weights_folder(self.init_from).headers()
         for key in SIZES:
             given = getattr(self, key)
             if given is not None and given != hf.sizes[key]:

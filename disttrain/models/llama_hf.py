@@ -10,7 +10,6 @@ export, as Meta's own Llama-to-HF conversion does, and back on import; every oth
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from disttrain.errors import ConfigError
+from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFolder
 
 INIT_KEY = "model.init_from"
 """The config key through which a run starts from an HF Llama folder (named in the errors of this module)."""
@@ -178,29 +178,18 @@ def read_hf_llama(folder: str | Path) -> HFLlama:
                    float(config.rms_norm_eps), bool(config.tie_word_embeddings))
 
 
-def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder's ``model.safetensors``, or of the shards its
-    ``model.safetensors.index.json`` lists; ConfigError when it has neither."""
-    from safetensors.torch import load_file
-
-    path = Path(folder)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ConfigError(INIT_KEY, str(folder), "a folder with model.safetensors or model.safetensors.index.json")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(path / name))
-    return state
+def weights_folder(folder: str | Path) -> SafetensorsFolder:
+    """The safetensors weights of the HF Llama folder ``model.init_from`` names (``model.safetensors``, or the
+    shards its ``model.safetensors.index.json`` lists), refused as a ConfigError on that key: by the job's check of
+    their headers and by each rank's read alike."""
+    return SafetensorsFolder(Path(folder), ConfigRefusal(INIT_KEY, str(folder), "an HF Llama folder with whole "
+                                                                                "safetensors weights"))
 
 
 def import_hf_llama(folder: str | Path) -> tuple[HFLlama, dict[str, torch.Tensor]]:
     """An HF Llama folder as the built-in Llama's sizes and settings and its state dict (names and layouts mapped
     back); ConfigError when the folder does not fit the built-in Llama."""
     hf = read_hf_llama(folder)
-    state = from_hf_state_dict(read_safetensors_folder(folder), hf.sizes["n_layer"], hf.sizes["n_head"],
+    state = from_hf_state_dict(weights_folder(folder).tensors(), hf.sizes["n_layer"], hf.sizes["n_head"],
                                hf.sizes["n_kv_head"], tied=hf.tied)
     return hf, state

@@ -39,10 +39,12 @@ dict or tuple holding them: see ``logits_of``). It qualifies for a
     keeps its heads (``disttrain.models.heads.HeadBlocks``: blocks of the head dimension along its rows or columns),
     for a matrix optimiser that steps each head as its own matrix (``optim.per_head``).
 
-``pretrained(self) -> str | None`` (optional)
+``pretrained(self) -> SafetensorsFolder | None`` (optional)
     A folder of Hugging Face safetensors whose tensors, by this model's parameter names (or, for a ``model=hf``
     model, in a layout ``transformers`` converts from: ``disttrain.models.hf.conversion``), replace its
-    initialisation once the model is laid out over its ranks (each rank reads only what it holds).
+    initialisation once the model is laid out over its ranks (each rank reads only what it holds). The
+    ``disttrain.safetensors_reader.SafetensorsFolder`` carries the refusal its reads raise (a ConfigError on the
+    key that named the folder), so the job's check and every rank's read refuse it in the same line.
 
 ``pretrained_conversion(self)`` (optional, beside ``pretrained``)
     How the folder's tensors convert into this model's where their layout differs (a ``Conversion`` of

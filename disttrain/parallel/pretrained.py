@@ -11,7 +11,6 @@ per expert, as ``save_pretrained`` writes them) are read through ``transformers`
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,27 +20,29 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from disttrain.models.hf.conversion import Conversion, Source, saved_sources
-from disttrain.models.hf.weights import saved_headers, weight_files
+from disttrain.safetensors_reader import SafetensorsFolder
 
 
-def load_pretrained(model: nn.Module, folder: str, conversion: Conversion | None = None,
+def load_pretrained(model: nn.Module, folder: SafetensorsFolder, conversion: Conversion | None = None,
                     adapters: dict[str, Any] | None = None) -> None:
     """Replace ``model``'s parameters and persistent buffers with the folder's tensors of the same names, or those
     ``conversion`` (the model's ``pretrained_conversion``, taken before it was laid out) converts into them.
     ``adapters``: the initial values of LoRA adapters, which the folder does not hold
     (``disttrain.models.lora.initial_adapter_sources``, taken before the model was laid out).
 
-    A name the folder lacks is an error, except a weight tied to one it holds (a head sharing the token
-    embedding is saved once) and an adapter of ``adapters``.
+    A name the folder lacks is the folder's own refusal (one line on the key that named it), except a weight tied
+    to one it holds (a head sharing the token embedding is saved once) and an adapter of ``adapters``; so is a
+    file no longer whole.
     """
     state = get_model_state_dict(model)  # the parameters' own tensors (sharded, sliced), written in place below
-    saved = saved_headers(weight_files(Path(folder)), "model.path", folder)
+    saved = folder.headers()  # a folder changed since the job checked it is refused as the job would have
     sources: dict[str, Any] = {**saved_sources(state, saved, conversion), **(adapters or {})}
     storages = {_storage(tensor): name for name, tensor in state.items() if name in sources}
     tied = {name for name, tensor in state.items() if name not in sources and _storage(tensor) in storages}
     missing = sorted(set(state) - set(sources) - tied)
     if missing:
-        raise ValueError(f"{folder} holds no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''} of the model")
+        raise folder.refuse(f"no file of the folder holds {missing[0]}"
+                            f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}")
     with torch.no_grad():
         for name, tensor in state.items():
             if name not in tied:

@@ -20,8 +20,8 @@ import torch
 from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.hf import balance as hf_balance
-from disttrain.models.hf.weights import INDEX_FILE, WEIGHTS_FILE, weight_files
 from disttrain.models.lora import LoRAConfig
+from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFolder
 
 CONFIG_FILE = "config.json"
 """The architecture file of a Hugging Face model folder."""
@@ -90,10 +90,18 @@ class HFConfig:
             config, transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
         if refusal:
             raise ConfigError("model.output_router_logits", True, refusal)
-        if self.pretrained and not weight_files(Path(self.path).expanduser()):
-            raise ConfigError("model.path", self.path, f"a folder with {WEIGHTS_FILE} or its shards and "
-                              f"{INDEX_FILE}, with model.pretrained=true")
+        starting_weights = self.pretrained_folder()
+        if starting_weights is not None:
+            starting_weights.files()  # the headers are checked against the model built on the meta device
         return config
+
+    def pretrained_folder(self) -> SafetensorsFolder | None:
+        """The folder whose safetensors weights the model starts from (``model.pretrained=true``), refused as a
+        ConfigError on ``model.path``; None for a seeded random initialisation."""
+        if not self.pretrained:
+            return None
+        return SafetensorsFolder(Path(self.path).expanduser(), ConfigRefusal(
+            "model.path", self.path, "a folder of this model's safetensors weights"))
 
     def attention(self, config: Any) -> tuple[str, str | None]:
         """The attention implementation the model of ``config`` is built with, and a notice where none was asked

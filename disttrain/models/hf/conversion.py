@@ -14,7 +14,7 @@ against ``transformers`` running the converter on meta tensors), and any box of 
 it by reading only the parts of the saved tensors that the box covers: a rank holding some experts (ep, tp) reads
 only those experts' tensors, a ZeRO-3 rank only its rows. A converter with other operations runs
 ``transformers``' own operations on the whole saved tensors it converts, and the box is cut from the result.
-Nothing is read but safetensors.
+Nothing is read but safetensors, through ``disttrain.safetensors_reader``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from disttrain.models.lora import base_name
-
-Box = tuple[tuple[int, int], ...]
-"""A region of a tensor: ``(start, stop)`` on each of its dims."""
+from disttrain.safetensors_reader import Box, SafetensorsFile, TensorHeader
 
 
 @dataclass
@@ -60,19 +57,20 @@ def conversion_of(net: Any) -> Conversion | None:
 class Saved:
     """One tensor of a safetensors file."""
 
-    path: Path
+    file: SafetensorsFile
     name: str
     shape: tuple[int, ...]
     dtype: str
     """Its safetensors dtype (``F32``, ``BF16``, ...)."""
 
+    @classmethod
+    def of(cls, name: str, header: TensorHeader) -> Saved:
+        """The tensor ``name`` that ``header`` describes."""
+        return cls(header.file, name, header.shape, header.dtype)
+
     def read(self, box: Box) -> torch.Tensor:
         """The ``box`` of the tensor, the only bytes read."""
-        from safetensors import safe_open
-
-        # opened per read: the file is memory-mapped, and pages read stay resident until it is closed
-        with safe_open(str(self.path), framework="pt") as handle:
-            return handle.get_slice(self.name)[tuple(slice(start, stop) for start, stop in box)]
+        return self.file.part(self.name, box)
 
     def leaves(self) -> list[Saved]:
         """The saved tensors read."""
@@ -157,7 +155,7 @@ Source = Saved | Stacked | Joined | Converted
 """Where one of the model's tensors comes from."""
 
 
-def saved_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, ...], str]],
+def saved_sources(names: Iterable[str], saved: dict[str, TensorHeader],
                   conversion: Conversion | None) -> dict[str, Source]:
     """The source of each of ``names`` (the model's tensors) that the folder's tensors ``saved`` (name -> file,
     shape, dtype) give, through ``conversion``'s renamings and converters (None: each by its own name). A base
@@ -168,12 +166,12 @@ def saved_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, 
     return {by_base[name]: source for name, source in found.items()}
 
 
-def _base_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, ...], str]],
+def _base_sources(names: Iterable[str], saved: dict[str, TensorHeader],
                   conversion: Conversion | None) -> dict[str, Source]:
     """``saved_sources`` of names without adapters."""
     wanted = dict.fromkeys(names, True)
     if conversion is None:
-        return {name: Saved(saved[name][0], name, *saved[name][1:]) for name in wanted if name in saved}
+        return {name: Saved.of(name, saved[name]) for name in wanted if name in saved}
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     renamings = [t for t in conversion.transforms if isinstance(t, WeightRenaming)]
@@ -188,7 +186,7 @@ def _base_sources(names: Iterable[str], saved: dict[str, tuple[Path, tuple[int, 
             renamed, pattern = key, None
         if renamed not in wanted:
             continue
-        leaf = Saved(saved[key][0], key, *saved[key][1:])
+        leaf = Saved.of(key, saved[key])
         if pattern is None:
             sources.setdefault(renamed, leaf)
         else:

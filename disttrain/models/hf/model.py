@@ -10,7 +10,6 @@ and ZeRO.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,13 +28,14 @@ from disttrain.models.hf.config import HFConfig, one_line
 from disttrain.models.hf.conversion import Conversion, conversion_of
 from disttrain.models.meta import on_meta_device
 from disttrain.models.registry import MODELS
+from disttrain.safetensors_reader import SafetensorsFolder
 
 
 class HFCausalLM(nn.Module):
     """A ``transformers`` causal LM whose ``forward`` maps token ids to logits, holding the model's own
     submodules under their own names (so parameter names are the Hugging Face checkpoint's)."""
 
-    def __init__(self, model: nn.Module, pretrained: str | None = None, block_size: int | None = None,
+    def __init__(self, model: nn.Module, pretrained: SafetensorsFolder | None = None, block_size: int | None = None,
                  document_end: int | None = None) -> None:
         """``document_end``: the token that closes each document of packed windows, whose documents then attend
         only within themselves, at positions restarting at each (``disttrain.models.documents``)."""
@@ -44,7 +44,7 @@ class HFCausalLM(nn.Module):
             self.add_module(name, child)
         self.hf_config = model.config
         """The ``transformers`` config the model was built from (exported with its weights)."""
-        self.pretrained_path = pretrained
+        self.pretrained_folder = pretrained
         """The folder whose safetensors weights replace the random initialisation once the model is laid out."""
         # kept outside the module tree: its submodules are this module's own children
         object.__setattr__(self, "_model", model)
@@ -111,9 +111,9 @@ class HFCausalLM(nn.Module):
         """The decoder layers (the classes the model names as never split)."""
         return hf_plan.layer_lists(self)
 
-    def pretrained(self) -> str | None:
+    def pretrained(self) -> SafetensorsFolder | None:
         """The folder of weights to start from (None: the seeded random initialisation)."""
-        return self.pretrained_path
+        return self.pretrained_folder
 
     def pretrained_conversion(self) -> Conversion | None:
         """How ``transformers`` converts a folder's tensors into this model's (a mixture's experts saved one tensor
@@ -151,5 +151,5 @@ def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
             raise ConfigError("model.arch" if cfg.arch else "model.path", cfg.arch or cfg.path,
                               f"a config transformers builds a model of; {type(config).__name__} fails with "
                               f"{one_line(err)}") from None
-    return HFCausalLM(model, str(Path(cfg.path).expanduser()) if cfg.pretrained else None, spec.block_size,
+    return HFCausalLM(model, cfg.pretrained_folder(), spec.block_size,
                       spec.document_end)
