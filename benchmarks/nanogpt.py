@@ -288,7 +288,9 @@ def run_disttrain(data_dir: Path, steps: int, seed: int, extra: list[str], run_d
     if done.returncode:
         raise RuntimeError(f"disttrain failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     results = json.loads((run_dir / "results.json").read_text())
-    result = {"tokens_per_s": results["tokens_per_sec"], "val_bpb": results["metrics"]["val/bpb"],
+    # every token of these files is one byte; disttrain names bits per byte only at a byte vocabulary (256), not
+    # at GPT-2's padded one, so its loss in nats per token converts here
+    result = {"tokens_per_s": results["tokens_per_sec"], "val_bpb": results["metrics"]["val/loss"] / math.log(2),
               "precision": results.get("precision", ""),
               "first_step_s": results["throughput"]["time_to_first_step_s"]}
     if init_weights is not None:
