@@ -27,13 +27,13 @@ train: install
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# On a GPU machine (make install TORCH_SPEC=torch): the GPU measurements still owed, about 10 minutes in all on an
-# H200, each line bounded by its steps (and throughput_mfu.py's --run-timeout-s): one-rank ZeRO-3 in float8 beside one
-# process in float8 on the 1.2B Llama, now that the float8 scales are precomputed once per step; QLoRA's nf4 base
-# beside a bf16 base (bitsandbytes' CUDA kernels); GPT-2's shape compiled whole beside per block
-# (trainer.compile_scope) at batch 12, the MFU goal's model; and, with NANOGPT=path/to/nanoGPT, disttrain's and
-# nanoGPT's loss curves from the same initial weights at GPT-2's size. benchmarks/README.md (GPU section) names the
-# rows each line fills.
+# On a GPU machine (make install TORCH_SPEC=torch): the GPU measurements still owed, sized for about 10 minutes in
+# all on an H200 (from the step rates benchmarks/README.md gives; not timed yet), each line bounded by its steps (and
+# throughput_mfu.py's --run-timeout-s): one-rank ZeRO-3 in float8 beside one process in float8 on the 1.2B Llama, now
+# that the float8 scales are precomputed once per step; QLoRA's nf4 base beside a bf16 base (bitsandbytes' CUDA
+# kernels); GPT-2's shape compiled whole beside per block (trainer.compile_scope) at batch 12, the MFU goal's model;
+# and, with NANOGPT=path/to/nanoGPT, disttrain's and nanoGPT's loss curves from the same initial weights at GPT-2's
+# size. benchmarks/README.md (GPU section) names the rows each line fills.
 test-gpu: install
 	$(PY) benchmarks/throughput_mfu.py --device cuda --cases llama1b --steps 30 --sides single-compile-fp8,zero3-compile-fp8 --run-timeout-s 240
 	$(PY) benchmarks/qlora.py --device cuda
