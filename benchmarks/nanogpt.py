@@ -1,7 +1,7 @@
 """disttrain's GPT recipe side by side with nanoGPT's ``train.py``: tokens/s and validation loss at equal steps.
 
     python benchmarks/nanogpt.py --nanogpt PATH [--steps 300] [--rounds 3] [--variants fp32,bf16,compile,auto]
-        [--same-init]
+        [--same-init] [--device cpu|cuda]
 
 PATH is a checkout of https://github.com/karpathy/nanoGPT (its ``train.py``, ``model.py`` and
 ``configurator.py`` are run from a scratch directory, as they are but for the seed: round ``k`` replaces
@@ -28,6 +28,17 @@ differs (nanoGPT samples random windows with its own generator, disttrain reads 
 the comparison is the loss curves at an equal start, over the seeds: each side's training loss at the same steps
 (nanoGPT's per-iteration lines, disttrain's CSV log), averaged over windows of steps and over the rounds, beside
 the final validation bits per byte by the one estimator.
+
+``--device cuda``: the same comparison on a GPU at GPT-2 124M's size (12 layers, 12 heads, width 768, context 1024,
+GPT-2's vocabulary padded to 50304, of which the bytes use the first 256) and nanoGPT's batch of 12 sequences, with
+nanoGPT's GPU settings (``--device=cuda --dtype=bfloat16 --compile=True``: bf16 autocast over fp32 weights, the whole
+model compiled; its learning rate 6e-4 to 6e-5 and betas (0.9, 0.95)) and disttrain's matching ones
+(``trainer.accelerator=cuda``, ``bf16-mixed``, ``trainer.compile_scope=model``: the ``bf16+compile-model``
+variant); gradient accumulation 1 and 100 warm-up steps on both, as on the CPU. The validation estimator runs on the
+GPU under the same bf16 autocast. The corpus is small for this model: the header line says how many passes over the
+training file the run makes, and past the first the two data orders (random windows against shuffled fixed
+windows) weigh on the curves more than on the CPU. The tokens/s columns are each side's own clock with its
+compilation in the first steps; ``throughput_mfu.py`` is the speed measurement.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,16 +64,62 @@ sys.path.insert(0, str(ROOT))
 
 from machine import cpu_features, cpu_model  # noqa: E402
 
-BATCH, BLOCK = 12, 64
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py")
 VARIANTS = {
     "fp32": ["trainer.precision=32-true"],
     "bf16": ["trainer.precision=bf16-mixed"],
     "compile": ["trainer.compile=true"],
     "bf16+compile": ["trainer.precision=bf16-mixed", "trainer.compile=true"],
+    "bf16+compile-model": ["trainer.precision=bf16-mixed", "trainer.compile=true", "trainer.compile_scope=model"],
     "auto": ["trainer.precision=auto"],
 }
 """disttrain's configurations, by the name the table gives them."""
+GPT2_VOCAB = 50304
+"""GPT-2's vocabulary padded to a multiple of 64: nanoGPT's when its data folder names none."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The model, batch and schedule both sides train at on one device, and each side's flags for that device."""
+
+    device: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block: int
+    """Context length in tokens."""
+    batch: int
+    """Sequences per optimiser step (no gradient accumulation on either side)."""
+    meta_vocab: int | None
+    """The vocabulary ``meta.pkl`` names (None: no meta.pkl, and nanoGPT takes ``GPT2_VOCAB``)."""
+    lr: float
+    min_lr: float
+    beta2: float
+    warmup: int
+    """Warm-up steps of both sides' learning rate (nanoGPT's cosine divides by the steps after them)."""
+    nanogpt_flags: tuple[str, ...]
+    """nanoGPT's ``train.py`` flags for the device, its precision and compilation."""
+    disttrain_overrides: tuple[str, ...]
+    """disttrain's overrides beyond ``recipe=gpt_pydocs``'s model and device."""
+    variants: str
+    """``--variants``' default here."""
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary both models are built with."""
+        return self.meta_vocab or GPT2_VOCAB
+
+
+SETTINGS = {
+    "cpu": Setting("cpu", 4, 4, 128, 64, 12, 256, 1e-3, 1e-4, 0.99, 100, ("--device=cpu", "--compile=False"), (),
+                   "fp32,bf16,compile,auto"),
+    "cuda": Setting("cuda", 12, 12, 768, 1024, 12, None, 6e-4, 6e-5, 0.95, 100,
+                    ("--device=cuda", "--compile=True", "--dtype=bfloat16"),
+                    ("model.flavour=gpt2", f"model.vocab_size={GPT2_VOCAB}", "trainer.accelerator=cuda",
+                     "trainer.devices=1"), "bf16+compile-model"),
+}
+"""By ``--device``: nanoGPT's CPU settings (its README's small model), and GPT-2 124M at nanoGPT's GPU defaults
+(batch 12 x 1024, lr 6e-4 to 6e-5, betas (0.9, 0.95), bf16, compiled), its warm-up shortened to the CPU's 100."""
 
 
 def write_corpus(data_dir: Path, vocab_size: int | None = 256) -> None:
@@ -85,8 +143,8 @@ def iterations(stdout: str) -> dict[int, tuple[float, float]]:
             for m in re.finditer(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", stdout, re.M)}
 
 
-def run_nanogpt(workdir: Path, steps: int, seed: int, same_init: Path | None = None) -> dict:
-    """nanoGPT's train.py at its CPU settings and ``seed``; tokens/s over iterations 1..steps-1, the val bpb
+def run_nanogpt(workdir: Path, steps: int, seed: int, setting: Setting, same_init: Path | None = None) -> dict:
+    """nanoGPT's train.py at ``setting`` and ``seed``; tokens/s over iterations 1..steps-1, the val bpb
     of its final checkpoint by disttrain's estimator, its own estimate and its loss at each iteration. With
     ``same_init`` (the file disttrain starts from), its train.py also writes the model it built, which must equal
     the file."""
@@ -100,12 +158,13 @@ def run_nanogpt(workdir: Path, steps: int, seed: int, same_init: Path | None = N
     if same_init is not None:  # writing the model draws no random number: its training is unchanged
         script = script.replace(built, f"{built}    torch.save(model.state_dict(), {str(out / 'init.pt')!r})\n", 1)
     (workdir / "train_seeded.py").write_text(script)
+    s = setting
     args = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
-            "--eval_iters=100", "--dataset=pydocs", "--device=cpu", "--compile=False",
-            "--log_interval=1", f"--block_size={BLOCK}", f"--batch_size={BATCH}", "--n_layer=4", "--n_head=4",
-            "--n_embd=128", "--dropout=0.0", "--learning_rate=1e-3", "--min_lr=1e-4", "--beta2=0.99",
-            "--warmup_iters=100", "--always_save_checkpoint=True", "--gradient_accumulation_steps=1",
-            f"--out_dir={out}"]
+            "--eval_iters=100", "--dataset=pydocs", *s.nanogpt_flags,
+            "--log_interval=1", f"--block_size={s.block}", f"--batch_size={s.batch}", f"--n_layer={s.n_layer}",
+            f"--n_head={s.n_head}", f"--n_embd={s.n_embd}", "--dropout=0.0", f"--learning_rate={s.lr:g}",
+            f"--min_lr={s.min_lr:g}", f"--beta2={s.beta2:g}", f"--warmup_iters={s.warmup}",
+            "--always_save_checkpoint=True", "--gradient_accumulation_steps=1", f"--out_dir={out}"]
     done = subprocess.run([sys.executable, "train_seeded.py", *args], cwd=workdir, capture_output=True, text=True,
                           env=os.environ.copy())
     if done.returncode:
@@ -115,8 +174,8 @@ def run_nanogpt(workdir: Path, steps: int, seed: int, same_init: Path | None = N
     vals = [float(m[1]) for m in re.finditer(r"val loss ([\d.]+)", done.stdout)]
     # iteration 0 and the last one include the evaluations that run before them
     steady = [times[i] for i in range(1, steps) if i in times]
-    result = {"tokens_per_s": BATCH * BLOCK / (statistics.mean(steady) / 1000),
-              "val_bpb": every_window_bpb(out / "ckpt.pt", workdir / "data" / "pydocs" / "val.bin"),
+    result = {"tokens_per_s": s.batch * s.block / (statistics.mean(steady) / 1000),
+              "val_bpb": every_window_bpb(out / "ckpt.pt", workdir / "data" / "pydocs" / "val.bin", s),
               "own_estimate_bpb": vals[-1] / math.log(2), "losses": [logged[i][0] for i in range(steps)]}
     if same_init is not None:
         result["start_difference"] = check_same_start(out / "init.pt", same_init)
@@ -129,7 +188,7 @@ def disttrain_names(state: dict) -> dict:
     state = {key.removeprefix("_orig_mod.").removeprefix("transformer."): value for key, value in state.items()}
     ours = {"embed.wte.weight": state["wte.weight"], "embed.wpe.weight": state["wpe.weight"],
             "ln_f.weight": state["ln_f.weight"], "lm_head.weight": state["lm_head.weight"]}
-    for i in range(4):
+    for i in range(sum(key.endswith(".attn.c_attn.weight") for key in state)):
         q, k, v = state[f"h.{i}.attn.c_attn.weight"].chunk(3)
         ours.update({f"blocks.{i}.ln_1.weight": state[f"h.{i}.ln_1.weight"], f"blocks.{i}.attn.q.weight": q,
                      f"blocks.{i}.attn.k.weight": k, f"blocks.{i}.attn.v.weight": v,
@@ -140,8 +199,8 @@ def disttrain_names(state: dict) -> dict:
     return ours
 
 
-def write_nanogpt_init(workdir: Path, seed: int, path: Path) -> Path:
-    """nanoGPT's initial model at ``seed``, built as its ``train.py`` builds it at these settings (seed, then
+def write_nanogpt_init(workdir: Path, seed: int, path: Path, setting: Setting) -> Path:
+    """nanoGPT's initial model at ``seed``, built as its ``train.py`` builds it at ``setting`` (seed, then
     ``GPT(config)`` of its ``model.py``, nothing drawn between), written under disttrain's names to ``path`` (a
     safetensors file; the head, tied to the embedding, once)."""
     import importlib.util
@@ -153,8 +212,8 @@ def write_nanogpt_init(workdir: Path, seed: int, path: Path) -> Path:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(seed)
-    model = module.GPT(module.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=BLOCK, bias=False,
-                                        vocab_size=256, dropout=0.0))
+    model = module.GPT(module.GPTConfig(n_layer=setting.n_layer, n_head=setting.n_head, n_embd=setting.n_embd,
+                                        block_size=setting.block, bias=False, vocab_size=setting.vocab, dropout=0.0))
     state = disttrain_names(model.state_dict())
     del state["lm_head.weight"]  # disttrain's GPT ties it to embed.wte.weight, as nanoGPT does
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path))
@@ -181,46 +240,60 @@ def check_same_start(nanogpt_init: Path, file: Path) -> float:
     return max(differences.values())
 
 
-def every_window_bpb(checkpoint: Path, val_file: Path) -> float:
+def every_window_bpb(checkpoint: Path, val_file: Path, setting: Setting) -> float:
     """Bits per byte of nanoGPT's checkpoint over every non-overlapping window of ``val_file``, computed by
-    disttrain's GPT (the same architecture: nanoGPT's fused ``c_attn`` rows are query, key and value)."""
+    disttrain's GPT (the same architecture: nanoGPT's fused ``c_attn`` rows are query, key and value) on
+    ``setting``'s device: fp32 on the CPU, under bf16 autocast on a GPU (as both sides trained and disttrain
+    validates there)."""
+    import contextlib
+
     import torch
 
     from disttrain.checkpoint.io import load_weights_file
     from disttrain.data.windows import TokenWindows
     from disttrain.models.gpt import GPT, GPTDims
 
-    model = GPT(GPTDims(n_layer=4, n_head=4, n_embd=128, block_size=BLOCK, vocab_size=256), bias=False)
+    s = setting
+    model = GPT(GPTDims(n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd, block_size=s.block,
+                        vocab_size=s.vocab), bias=False)
     model.load_state_dict(disttrain_names(load_weights_file(checkpoint)["model"]))
-    windows = TokenWindows(np.fromfile(val_file, dtype=np.uint16), BLOCK)
+    model.to(s.device)
+    windows = TokenWindows(np.fromfile(val_file, dtype=np.uint16), s.block)
+    per_batch = max(1, 16384 // s.block)  # a batch's logits stay a few GB at GPT-2's vocabulary
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if s.device == "cuda" else contextlib.nullcontext())
     nats, tokens = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(windows), 256):
-            x, y = windows.get_batch(list(range(start, min(start + 256, len(windows)))))
-            nats += torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+    with torch.no_grad(), autocast:
+        for start in range(0, len(windows), per_batch):
+            x, y = (t.to(s.device) for t in windows.get_batch(list(range(start, min(start + per_batch,
+                                                                                      len(windows))))))
+            nats += torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(),
+                                                      reduction="sum").item()
             tokens += y.numel()
     return nats / tokens / math.log(2)
 
 
-def run_disttrain(data_dir: Path, steps: int, seed: int, extra: list[str], run_dir: Path,
+def run_disttrain(data_dir: Path, steps: int, seed: int, extra: list[str], run_dir: Path, setting: Setting,
                   init_weights: Path | None = None) -> dict:
-    """``recipe=gpt_pydocs`` on the same files and hyper-parameters; tokens/s and val bpb from results.json. With
-    ``init_weights``, started from that file, and the loss of every step from the CSV log."""
+    """``recipe=gpt_pydocs`` on the same files and hyper-parameters, at ``setting``; tokens/s and val bpb from
+    results.json. With ``init_weights``, started from that file, and the loss of every step from the CSV log."""
     if init_weights is not None:  # every step logged, as nanoGPT's log_interval=1 prints every iteration
         extra = [*extra, f"model.init_weights={init_weights}", "trainer.log_every_n_steps=1"]
-    args = ["recipe=gpt_pydocs", "data=tokens", f"data.path={data_dir}", "data.vocab_size=256",
-            f"data.block_size={BLOCK}", "model.bias=false", f"batch.global_size={BATCH}",
+    s = setting
+    args = ["recipe=gpt_pydocs", "data=tokens", f"data.path={data_dir}", f"data.vocab_size={s.vocab}",
+            f"data.block_size={s.block}", "model.bias=false", f"batch.global_size={s.batch}",
             f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=null",
-            "trainer.run_test=false", "optim.lr=1e-3", "optim.betas=[0.9,0.99]", "optim.weight_decay=0.1",
-            "scheduler.warmup_fraction=null", "scheduler.warmup_steps=100", "scheduler.min_lr_ratio=0.1",
-            "trainer.gradient_clip_val=1.0", "logger=csv", "expect=null", f"seed={seed}", *extra,
-            f"hydra.run.dir={run_dir}"]
+            "trainer.run_test=false", f"optim.lr={s.lr:g}", f"optim.betas=[0.9,{s.beta2:g}]",
+            "optim.weight_decay=0.1", "scheduler.warmup_fraction=null", f"scheduler.warmup_steps={s.warmup}",
+            f"scheduler.min_lr_ratio={s.min_lr / s.lr:g}", "trainer.gradient_clip_val=1.0", "logger=csv",
+            "expect=null", f"seed={seed}", *s.disttrain_overrides, *extra, f"hydra.run.dir={run_dir}"]
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode:
         raise RuntimeError(f"disttrain failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     results = json.loads((run_dir / "results.json").read_text())
-    result = {"tokens_per_s": results["tokens_per_sec"], "val_bpb": results["metrics"]["val/bpb"],
+    # every token of these files is one byte; disttrain names bits per byte only at a byte vocabulary (256), not
+    # at GPT-2's padded one, so its loss in nats per token converts here
+    result = {"tokens_per_s": results["tokens_per_sec"], "val_bpb": results["metrics"]["val/loss"] / math.log(2),
               "precision": results.get("precision", ""),
               "first_step_s": results["throughput"]["time_to_first_step_s"]}
     if init_weights is not None:
@@ -271,38 +344,47 @@ def main() -> None:
     """Run both sides, alternating, and print the table and the headline ratio."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanogpt", required=True, type=Path, help="a checkout of karpathy/nanoGPT")
+    parser.add_argument("--device", choices=tuple(SETTINGS), default="cpu",
+                        help="cpu: nanoGPT's CPU settings; cuda: GPT-2 124M at nanoGPT's GPU settings")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each with its own seed (1337 + round)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--variants", default="fp32,bf16,compile,auto",
-                        help=f"disttrain configurations, from {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", help=f"disttrain configurations, from {', '.join(VARIANTS)} (default: "
+                                           + "; ".join(f"{s.variants} on {d}" for d, s in SETTINGS.items()) + ")")
     parser.add_argument("--same-init", action="store_true",
                         help="start disttrain from nanoGPT's initial weights of each round (model.init_weights) "
                              "and compare the loss curves")
     args = parser.parse_args()
-    variants = args.variants.split(",")
+    setting = SETTINGS[args.device]
+    variants = (args.variants or setting.variants).split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not all((args.nanogpt / f).is_file() for f in NANOGPT_FILES):
         sys.exit(f"Error: --variants {unknown} unknown (one of {', '.join(VARIANTS)})" if unknown else
                  f"Error: --nanogpt {args.nanogpt} holds no {', '.join(NANOGPT_FILES)}")
-    if args.steps <= 100:  # nanoGPT's cosine then divides by lr_decay_iters - warmup_iters = 0
-        sys.exit(f"Error: --steps {args.steps} must exceed the 100 warm-up steps both sides take")
+    if args.steps <= setting.warmup:  # nanoGPT's cosine then divides by lr_decay_iters - warmup_iters = 0
+        sys.exit(f"Error: --steps {args.steps} must exceed the {setting.warmup} warm-up steps both sides take")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("Error: --device cuda: torch sees no GPU here (--device cpu runs nanoGPT's CPU settings)")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         for name in NANOGPT_FILES:
             shutil.copy(args.nanogpt / name, work / name)
-        write_corpus(work / "data" / "pydocs")
+        write_corpus(work / "data" / "pydocs", setting.meta_vocab)
+        training_tokens = (work / "data" / "pydocs" / "train.bin").stat().st_size // 2
         for round_ in range(args.rounds):
             seed = 1337 + round_
-            start = write_nanogpt_init(work, seed, work / f"init-{seed}.safetensors") if args.same_init else None
+            start = (write_nanogpt_init(work, seed, work / f"init-{seed}.safetensors", setting) if args.same_init
+                     else None)
             for variant in ["nanoGPT", *variants]:
                 if variant == "nanoGPT":
-                    result = run_nanogpt(work, args.steps, seed, start)
+                    result = run_nanogpt(work, args.steps, seed, setting, start)
                 else:
                     result = run_disttrain(work / "data" / "pydocs", args.steps, seed, VARIANTS[variant],
-                                           work / f"run-{variant}-{round_}", start)
+                                           work / f"run-{variant}-{round_}", setting, start)
                 shown = {key: value for key, value in result.items() if key != "losses"}
                 print(f"round {round_ + 1} (seed {seed}) {variant}: {shown}", flush=True)
                 results.setdefault(variant, []).append(result)
@@ -311,8 +393,11 @@ def main() -> None:
     reference = speed["nanoGPT"]
     start = ("both sides from nanoGPT's initial weights of the round's seed (model.init_weights)" if args.same_init
              else "each side from its own initialisation")
-    print(f"\nCPU: {cpu_model()} ({cpu_features()}), {args.threads} threads, one process, {args.steps} steps "
-          f"of batch {BATCH} x {BLOCK} tokens, {args.rounds} rounds (seeds 1337..{1336 + args.rounds}), {start}\n")
+    gpu = f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; host " if args.device == "cuda" else ""
+    passes = args.steps * setting.batch * setting.block / training_tokens
+    print(f"\n{gpu}CPU: {cpu_model()} ({cpu_features()}), {args.threads} threads, one process, {args.steps} steps "
+          f"of batch {setting.batch} x {setting.block} tokens ({passes:.2g} passes over the training file), "
+          f"{args.rounds} rounds (seeds 1337..{1336 + args.rounds}), {start}\n")
     print("| trainer | precision | tokens/s (best round) | vs nanoGPT | val bpb, mean of the seeds (range) "
           "| first step (s) |")
     print("|---|---|---:|---:|---:|---:|")

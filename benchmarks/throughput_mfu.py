@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,16 +51,45 @@ from plain_fsdp import run_plain  # noqa: E402
 from throughput_workloads import CPU_WORKLOADS, PEAK_BF16, VOCAB, WARMUP, WORKLOADS, Row, Workload  # noqa: E402
 
 
-def disttrain_overrides(w: Workload, data_dir: Path, steps: int, parallel: str, compile_mode: str | None,
-                        checkpointing: str, device: str, log_every: int = 10) -> list[str]:
+@dataclass(frozen=True)
+class Side:
+    """One disttrain configuration that ``--sides`` names."""
+
+    parallel: str
+    """The ``parallel`` preset."""
+    compile_mode: str | None = None
+    """torch.compile's mode (``trainer.compile_mode``); None: eager."""
+    compile_scope: str = "blocks"
+    """What one compiled region is (``trainer.compile_scope``): each block, or the whole model."""
+    checkpointing: str = "none"
+    """``parallel.activation_checkpoint``."""
+    fp8: str = "none"
+    """``trainer.fp8``'s recipe (its MFU is still counted against the bf16 peak)."""
+
+    def label(self) -> str:
+        """The side as the table names it."""
+        compiled = {None: "", "default": " compile"}.get(self.compile_mode, f" {self.compile_mode}")
+        return (f"disttrain {self.parallel}{compiled}"
+                + (" whole model" if self.compile_mode is not None and self.compile_scope == "model" else "")
+                + (f" ac={self.checkpointing}" if self.checkpointing != "none" else "")
+                + (f" fp8={self.fp8}" if self.fp8 != "none" else ""))
+
+    def overrides(self) -> list[str]:
+        """Its disttrain overrides."""
+        return [f"parallel={self.parallel}", f"trainer.compile={str(self.compile_mode is not None).lower()}",
+                f"trainer.compile_mode={self.compile_mode or 'default'}",
+                f"trainer.compile_scope={self.compile_scope if self.compile_mode is not None else 'blocks'}",
+                f"parallel.activation_checkpoint={self.checkpointing}", f"trainer.fp8={self.fp8}"]
+
+
+def disttrain_overrides(w: Workload, data_dir: Path, steps: int, side: Side, device: str,
+                        log_every: int = 10) -> list[str]:
     """The measured disttrain run: training only (no validation, test or checkpoints), a CSV row every
     ``log_every`` steps (a logged step reads its metrics back to the host: a GPU synchronisation each)."""
     return [*w.model, "data=tokens", f"data.path={data_dir}", f"data.vocab_size={VOCAB}",
             f"data.block_size={w.block}", f"model.vocab_size={VOCAB}", f"batch.global_size={w.batch}",
-            f"parallel={parallel}", "trainer.devices=1", f"trainer.accelerator={device}",
-            "trainer.precision=bf16-mixed", f"trainer.compile={str(compile_mode is not None).lower()}",
-            f"trainer.compile_mode={compile_mode or 'default'}",
-            f"parallel.activation_checkpoint={checkpointing}", f"trainer.max_steps={steps}",
+            *side.overrides(), "trainer.devices=1", f"trainer.accelerator={device}",
+            "trainer.precision=bf16-mixed", f"trainer.max_steps={steps}",
             "trainer.limit_val_batches=0", "trainer.run_test=false", f"trainer.log_every_n_steps={log_every}",
             "logger=csv", "checkpoint.save_last=false", "checkpoint.save_top_k=0", "plots=false",
             "optim=adamw", "optim.lr=6e-4", "optim.betas=[0.9,0.95]", "optim.weight_decay=0.1",
@@ -82,19 +112,16 @@ def run_train_py(args: list[str], run_dir: Path, timeout: float) -> subprocess.C
     return done
 
 
-def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compile_mode: str | None,
-                  checkpointing: str, device: str, scratch: Path, timeout: float, log_every: int = 10,
-                  profile_dir: Path | None = None, fp8: str = "none") -> Row:
+def run_disttrain(w: Workload, data_dir: Path, steps: int, side: Side, device: str, scratch: Path, timeout: float,
+                  log_every: int = 10, profile_dir: Path | None = None) -> Row:
     """One disttrain run: its tokens/s, last loss and peak memory, and ``mode=plan``'s prediction for the same
     config (on a GPU, for eager runs); with ``profile_dir``, a second run of the same config profiles five steps
     from step 21, with Python stacks, into ``profile_dir/<run>`` (``callbacks=profile``) and the row's note says
     what it found (the profiler slows the steps it records and writes its files inside the loop: that run's rate
-    is not the row's). ``fp8``: ``trainer.fp8``'s recipe (its MFU is still counted against the bf16 peak)."""
-    label = f"disttrain {parallel}" + {None: "", "default": " compile"}.get(compile_mode, f" {compile_mode}") + (
-        f" ac={checkpointing}" if checkpointing != "none" else "") + (f" fp8={fp8}" if fp8 != "none" else "")
+    is not the row's)."""
+    label = side.label()
     run_dir = scratch / re.sub(r"\W+", "-", f"{w.name}-{label}")
-    args = [*disttrain_overrides(w, data_dir, steps, parallel, compile_mode, checkpointing, device, log_every),
-            f"trainer.fp8={fp8}"]
+    args = disttrain_overrides(w, data_dir, steps, side, device, log_every)
     run_train_py(args, run_dir, timeout)
     results = json.loads((run_dir / "results.json").read_text())
     energy = results.get("energy") or {}
@@ -109,7 +136,7 @@ def run_disttrain(w: Workload, data_dir: Path, steps: int, parallel: str, compil
         done = run_train_py([*args, *profiling], run_dir.with_name(run_dir.name + "-profile"), timeout)
         row.note = next((line for line in done.stdout.splitlines() if line.startswith("profile of steps")), "")
     # the plan models eager activations in bf16; compiled and float8 rows are read beside
-    if device == "cuda" and compile_mode is None and fp8 == "none":
+    if device == "cuda" and side.compile_mode is None and side.fp8 == "none":
         plan_dir = run_dir.with_name(run_dir.name + "-plan")
         run_train_py([*args, "mode=plan", "plan.profile=h100_sxm"], plan_dir, timeout)
         row.predicted_gb = json.loads((plan_dir / "plan.json").read_text())["total_bytes"] / 1e9
@@ -199,18 +226,29 @@ def print_table(rows: list[Row], workloads: list[Workload], device: str, steps: 
                      "plain FSDP2", "plain FSDP2 autocast"):
             if ours and peer in by_side:
                 print(f"{name}: fastest disttrain ({ours[1]}) vs {peer}: {ours[0] / by_side[peer]:.3f}x tokens/s")
+        for side, reference in PAIRED_SIDES:
+            mine, theirs = (by_side.get(DISTTRAIN_SIDES[s].label()) for s in (side, reference))
+            if mine and theirs:
+                print(f"{name}: {side} vs {reference}: {mine / theirs:.3f}x tokens/s")
 
 
-DISTTRAIN_SIDES = {"single": ("single", None, "none"), "single-compile": ("single", "default", "none"),
-                   "single-cudagraphs": ("single", "reduce-overhead", "none"),
-                   "zero3": ("zero3", None, "none"), "zero3-compile": ("zero3", "default", "none"),
-                   "ac": ("single", None, "full"),
-                   "single-compile-fp8": ("single", "default", "none", "tensorwise"),
-                   "single-compile-fp8-rowwise": ("single", "default", "none", "rowwise"),
-                   "zero3-compile-fp8": ("zero3", "default", "none", "tensorwise")}
-"""disttrain's runs by ``--sides`` name: preset, torch.compile's mode (None: eager), activation checkpointing, and
-``trainer.fp8``'s recipe where the run trains its linear layers in float8 (a GPU of compute capability 8.9 or
-more), compiled, as torchao's float8 training is meant to run: its casts fuse into the neighbouring kernels."""
+DISTTRAIN_SIDES = {"single": Side("single"), "single-compile": Side("single", "default"),
+                   "single-compile-model": Side("single", "default", compile_scope="model"),
+                   "single-cudagraphs": Side("single", "reduce-overhead"),
+                   "zero3": Side("zero3"), "zero3-compile": Side("zero3", "default"),
+                   "ac": Side("single", checkpointing="full"),
+                   "single-compile-fp8": Side("single", "default", fp8="tensorwise"),
+                   "single-compile-fp8-rowwise": Side("single", "default", fp8="rowwise"),
+                   "zero3-compile-fp8": Side("zero3", "default", fp8="tensorwise")}
+"""disttrain's runs by ``--sides`` name. A compiled side compiles each block on its own (``trainer.compile_scope``'s
+default) unless its name ends in ``-model`` (the whole model as one graph, as nanoGPT compiles it). The float8 sides
+train their linear layers in float8 (a GPU of compute capability 8.9 or more), compiled, as torchao's float8
+training is meant to run: its casts fuse into the neighbouring kernels."""
+
+PAIRED_SIDES = (("single-compile-model", "single-compile"), ("zero3-compile-fp8", "single-compile-fp8"),
+                ("single-compile-fp8", "single-compile"))
+"""Pairs of ``--sides`` whose ratio of tokens/s the table ends with when both ran: the whole-model compile over
+the per-block one, one-rank ZeRO-3 in float8 over one process in float8, float8 over bf16."""
 
 
 def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) -> Row:
@@ -221,9 +259,8 @@ def run_side(side: str, w: Workload, args: argparse.Namespace, scratch: Path) ->
                          autocast=side == "plain-autocast")
     if side == "nanogpt":
         return run_nanogpt(args.nanogpt, w, tokens, args.steps, args.device, scratch, args.run_timeout_s)
-    parallel, compile_mode, checkpointing, *fp8 = DISTTRAIN_SIDES[side]
-    return run_disttrain(w, tokens, args.steps, parallel, compile_mode, checkpointing, args.device, scratch,
-                         args.run_timeout_s, args.log_every_n_steps, args.profile_dir, *fp8)
+    return run_disttrain(w, tokens, args.steps, DISTTRAIN_SIDES[side], args.device, scratch, args.run_timeout_s,
+                         args.log_every_n_steps, args.profile_dir)
 
 
 def main() -> None:
@@ -237,7 +274,8 @@ def main() -> None:
     parser.add_argument("--sides",
                         default="single,single-compile,single-cudagraphs,zero3,zero3-compile,ac,plain,plain-autocast,"
                                 "nanogpt",
-                        help="what runs of each workload: single, single-compile, single-cudagraphs (compile_mode="
+                        help="what runs of each workload: single, single-compile (each block compiled), "
+                             "single-compile-model (the whole model as one graph), single-cudagraphs (compile_mode="
                              "reduce-overhead), zero3, zero3-compile (disttrain), "
                              "ac (single, full activation checkpointing), single-compile-fp8, "
                              "single-compile-fp8-rowwise, zero3-compile-fp8 (trainer.fp8), plain (plain FSDP2 loop, "

@@ -154,6 +154,22 @@ def test_nf4_layer_rejects_a_weight_of_another_shape():
         layer.load_state_dict({"weight": torch.zeros(4, BLOCK_SIZE), "bias": torch.zeros(4)})
 
 
+def test_the_quant_state_follows_the_codes_to_their_device_and_keeps_its_dtype():
+    """bitsandbytes' kernels read the blocks' absmax by pointer, unchecked: moving the layer moves its quant state
+    with the codes (here to the meta device, the other device a CPU has; on a GPU machine, a layer quantised on the
+    CPU and then moved), and a dtype conversion of the module leaves the codes uint8 and the absmax fp32, the
+    dtypes those kernels take."""
+    layer = NF4Linear(torch.nn.Linear(2 * BLOCK_SIZE, 4, bias=False))
+    x = torch.randn(3, 2 * BLOCK_SIZE, generator=torch.Generator().manual_seed(0))
+    before = layer(x)
+    layer.to(torch.float16)
+    assert (layer.weight.dtype, layer.quant_state.absmax.dtype) == (torch.uint8, torch.float32)
+    assert torch.equal(layer(x), before)
+    layer.to("meta")
+    held = {"codes": layer.weight, "absmax": layer.quant_state.absmax, "code book": layer.quant_state.code}
+    assert {name: tensor.device.type for name, tensor in held.items()} == dict.fromkeys(held, "meta")
+
+
 LEARN = [*WIDE, *FAMILIES["sgd"], "trainer.max_steps=12", "trainer.val_check_interval=12"]
 """A dozen steps of plain SGD: the adapters' random start puts the loss well above what they reach."""
 

@@ -79,6 +79,17 @@ class NF4Linear(nn.Module):
 
         return dequantize_4bit(self.weight.data, self.quant_state)
 
+    def _apply(self, fn, recurse: bool = True) -> NF4Linear:
+        # nn.Module moves parameters and buffers alone; the quant state (the blocks' absmax, nf4's code book) follows
+        # the codes to their device here, as bitsandbytes' Params4bit.to moves its own. Its kernels read the absmax
+        # by pointer, unchecked, so codes on the GPU beside an absmax left on the CPU (a layer quantised on the CPU
+        # and then moved) read the wrong memory. The runner quantises on the device, after the move; the layer
+        # holds on its own wherever it is moved. Only the device follows:
+        # a dtype conversion of the module leaves the absmax in fp32, the one dtype the kernels take for it.
+        super()._apply(fn, recurse)
+        self.quant_state.to(self.weight.device)
+        return self
+
     def held_bytes(self) -> int:
         """Bytes of the quantised weight: its codes and the blocks' absmax."""
         return self.weight.nbytes + self.quant_state.absmax.nbytes
