@@ -25,6 +25,12 @@ WIDE_GPT_IN_22_MB = ["parallel=auto", "model=gpt", "model.n_layer=4", "model.n_e
 """A GPT whose state outgrows 22 MB per rank unless ZeRO-2/3 shard its parameters over the 2 ranks; its 3 heads
 leave tensor parallelism out and its tied embedding a pipeline."""
 
+WIDE_LLAMA_IN_23_MB = ["parallel=auto", "model=llama", "model.n_layer=4", "model.n_embd=192", "model.n_head=3",
+                       "model.n_kv_head=3", "data=pydocs", "trainer.devices=2", "batch.global_size=4",
+                       "plan.profile=h100_sxm", "plan.memory_gb=0.023"]
+"""As ``WIDE_GPT_IN_22_MB`` with untied weights: in 23 MB per rank ZeRO-2/3 fit, and a pipeline of its two
+halves."""
+
 
 @pytest.fixture
 def slow_link(monkeypatch, tmp_path) -> None:
@@ -54,8 +60,8 @@ def test_compile_leaves_the_pipelines_out_of_the_choice_and_its_listing(slow_lin
     listed, excluded = notice.split("\n  excluded by ")
     assert "pp=" not in listed  # neither chosen nor among those that fit
     assert exclusion.count == 3 and not any(e.layout.pp > 1 for e in [*run.choice.ranked, *run.choice.too_big])
-    assert excluded == (f"trainer.compile=true: 3 pipelines (stages are not compiled yet); the best of them: "
-                        f"{pipeline.layout.describe()}: {pipeline.step_s * 1e3:.3g} ms/step predicted, "
+    assert excluded == ("trainer.compile=true: pipelines (stages are not compiled yet), 3 candidate(s); the best of "
+                        f"them: {pipeline.layout.describe()}: {pipeline.step_s * 1e3:.3g} ms/step predicted, "
                         f"{human_bytes(pipeline.total_bytes)} of 12.6 GB per rank"), notice
     drawn = pictures.draw_candidates(run.choice, tmp_path / "plan_candidates.png")
     assert drawn.rows() and not any("pp=" in row for row in drawn.rows())
@@ -79,3 +85,12 @@ def test_scope_model_where_only_sharded_parameters_fit_is_named_with_what_runs(m
                        r"\(ZeRO-2/3: FSDP2's hooks stop a whole-model graph\), and only those fit \(the best: "
                        r"dp_shard=2 zero3 micro=1x1\)$"):
         validate(make_config([*WIDE_GPT_IN_22_MB, "trainer.compile=true", "trainer.compile_scope=model"]))
+
+
+def test_where_two_compile_settings_refuse_every_layout_that_fits_both_are_named(make_config) -> None:
+    with pytest.raises(ConfigError, match=r"^trainer.compile_scope='model' is invalid: blocks with parallel=auto on "
+                       r"2 rank\(s\) of h100_sxm with 23 MB per device: it refuses layouts that shard parameters "
+                       r"\(ZeRO-2/3: FSDP2's hooks stop a whole-model graph\), among them the best layout that fits "
+                       r"\(dp_shard=2 zero3 ac=full micro=2x1\); the others that fit are refused by "
+                       r"trainer.compile=true: pipelines \(stages are not compiled yet\)$"):
+        validate(make_config([*WIDE_LLAMA_IN_23_MB, "trainer.compile=true", "trainer.compile_scope=model"]))

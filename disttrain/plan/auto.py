@@ -53,9 +53,9 @@ class Exclusion:
         return pick(self.fitting, objective) if self.fitting else None
 
     def line(self, objective: str) -> str:
-        """``excluded by trainer.compile=true: 4 pipelines (...); the best of them: ...``."""
+        """``excluded by trainer.compile=true: pipelines (...), 4 candidate(s); the best of them: ...``."""
         best = self.best(objective)
-        return (f"excluded by {self.refusal.setting}: {self.count} {self.refusal.excludes}; "
+        return (f"excluded by {self.refusal.setting}: {self.refusal.excludes}, {self.count} candidate(s); "
                 + (f"the best of them: {_line(best)}" if best else "none of them fits"))
 
 
@@ -110,8 +110,8 @@ class Choice:
         else:
             r, best = fitting[0][0].refusal, fitting[0][1]
             found = (f"and only those fit (the best: {best.layout.describe()})" if len(fitting) == 1 else
-                     f"among them the best layout that fits ({best.layout.describe()}); "
-                     + "; ".join(f"{x.refusal.setting} refuses the other {x.refusal.excludes}" for x, _ in fitting[1:]))
+                     f"among them the best layout that fits ({best.layout.describe()}); the others that fit are "
+                     "refused by " + "; ".join(f"{x.refusal.setting}: {x.refusal.excludes}" for x, _ in fitting[1:]))
         return ConfigError(r.key, r.value, f"{r.instead} with parallel=auto on {where}: it refuses {r.excludes}, "
                            f"{found}")
 
