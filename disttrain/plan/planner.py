@@ -165,9 +165,9 @@ def chosen_layout(choice: Choice, world: int, profile: HardwareProfile, alternat
     refused the layouts that fit, or that left no candidate at all (``Choice.refused``), else ``parallel=auto``."""
     why = choice.reason(alternatives)
     where = f"{world} rank(s) of {profile.name} with {human_bytes(profile.memory_bytes)} per device"
-    refused = choice.refused(where)
-    if refused is not None:
-        raise refused
+    blocked = choice.refused(where)  # a setting, not the memory, stands between the run and a layout
+    if blocked is not None:
+        raise blocked
     if choice.best is None:
         raise ConfigError("parallel", "auto", f"a layout that fits {where}: {why}")
     return choice.best.layout, f"parallel=auto ({profile.name}, {world} rank(s)): {why}"
