@@ -1,4 +1,8 @@
-"""The one error type users see for bad input."""
+"""The one error type users see for bad input, and a setting's refusal of a parallel layout that becomes one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
@@ -11,6 +15,35 @@ class ConfigError(ValueError):
     def __reduce__(self) -> tuple[type, tuple[str, object, str]]:
         # rebuilt from its three parts, so it crosses process boundaries (a rank's error reaching the job)
         return type(self), (self.key, self.value, self.allowed)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A setting that refuses a parallel layout, said two ways: the ``ConfigError`` a run of that layout raises
+    (``error``), and the few words with which ``parallel=auto`` reports the candidates it leaves out
+    (``excludes``). A rule returns one (``disttrain.config.trainer_checks.compile_refusal``); validation and the
+    planner read the same value."""
+
+    key: str
+    """The refusing setting's key, e.g. ``trainer.compile_scope``."""
+    value: object
+    """Its value, e.g. ``model``."""
+    instead: str
+    """What the setting may be instead, e.g. ``blocks``: the error's message starts with it."""
+    reason: str
+    """The rest of the error's message: under which layout and why, and what runs the value."""
+    excludes: str
+    """The layouts the setting refuses and why, in a few words (``pipelines (stages are not compiled yet)``): one
+    rule's text, the same for every layout it refuses."""
+
+    @property
+    def setting(self) -> str:
+        """``key=value`` as a user writes it, e.g. ``trainer.compile_scope='model'``."""
+        return f"{self.key}={spelled(self.value)}"
+
+    def error(self) -> ConfigError:
+        """The one-line error of a run whose own layout the setting refuses."""
+        return ConfigError(self.key, self.value, f"{self.instead} {self.reason}")
 
 
 class SaveFailed(RuntimeError):

@@ -89,7 +89,8 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile the model (in place, after its parallel layout) and the loss: a slower first step (tens of
     seconds), faster steps after it. What is one compiled region: ``trainer.compile_scope``; the loss is compiled
-    apart."""
+    apart. Not with pipeline parallelism; ``parallel=auto`` weighs only the layouts the compile settings allow
+    (``disttrain.config.trainer_checks.compile_refusal``)."""
     compile_scope: str = "blocks"
     """What ``trainer.compile`` compiles as one region. blocks: each transformer block (the model's
     ``shard_units``) on its own, embedding, final norm and head eager; the blocks share one compiled code, so what

@@ -1,15 +1,18 @@
-"""Checks of the ``trainer`` group's values that its types cannot express, and of ``trainer.compile_mode`` and
-``trainer.compile_scope`` against the layout they would run under."""
+"""Checks of the ``trainer`` group's values that its types cannot express, and the rule of the compile settings
+against the layout they would run under (``compile_refusal``)."""
 
 from __future__ import annotations
 
 from disttrain import checks
 from disttrain.config.precision import MATMUL_PRECISIONS
 from disttrain.config.schema import PRECISIONS, RANK_STARTS, TrainerConfig, fork_server_available
-from disttrain.errors import ConfigError
-from disttrain.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_MODES
+from disttrain.errors import ConfigError, Refusal
+from disttrain.parallel.compile import COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_MODES, Compilation
 from disttrain.parallel.float8 import FP8_RECIPES
 from disttrain.parallel.layout import Layout
+
+OTHER_MODES = " or ".join(mode for mode in COMPILE_MODES if mode not in CUDA_GRAPH_MODES)
+"""The modes a layout that refuses CUDA graphs runs (``default or max-autotune-no-cudagraphs``)."""
 
 
 def check_trainer(t: TrainerConfig) -> None:
@@ -47,34 +50,57 @@ def check_trainer(t: TrainerConfig) -> None:
                           "trainer.validate_before_training=true (which validates over limit_val_batches)")
     for key in ("val_check_interval", "limit_val_batches", "limit_test_batches"):
         checks.count_or_fraction(f"trainer.{key}", getattr(t, key), allow_zero=key != "val_check_interval")
+    check_compile_settings(t)
 
 
-def check_compile_mode(trainer: TrainerConfig, layout: Layout, accumulation: int) -> None:
-    """``trainer.compile_mode`` is one of torch.compile's modes, with ``trainer.compile`` on, and the modes that
-    record CUDA graphs run on one rank whose step launches no collective (a graph replays no communication) and
-    takes one micro-batch (the next micro-batch's replay would write over the gradients being summed)."""
-    mode = trainer.compile_mode
-    checks.one_of("trainer.compile_mode", mode, COMPILE_MODES)
-    if mode != "default" and not trainer.compile:
-        raise ConfigError("trainer.compile_mode", mode, "default unless trainer.compile=true")
+def check_compile_settings(t: TrainerConfig) -> None:
+    """``trainer.compile_mode`` is one of torch.compile's modes and ``trainer.compile_scope`` one of
+    ``COMPILE_SCOPES``, each other than its default only with ``trainer.compile`` on: what holds under any layout,
+    checked before ``parallel=auto`` weighs layouts against ``compile_refusal``."""
+    checks.one_of("trainer.compile_mode", t.compile_mode, COMPILE_MODES)
+    if t.compile_mode != "default" and not t.compile:
+        raise ConfigError("trainer.compile_mode", t.compile_mode, "default unless trainer.compile=true")
+    checks.one_of("trainer.compile_scope", t.compile_scope, COMPILE_SCOPES)
+    if t.compile_scope != "blocks" and not t.compile:
+        raise ConfigError("trainer.compile_scope", t.compile_scope, "blocks unless trainer.compile=true")
+
+
+def compile_refusal(compilation: Compilation | None, layout: Layout, accumulation: int) -> Refusal | None:
+    """How the run's compilation (``TrainerConfig.compilation``; None: eager) refuses ``layout`` with
+    ``accumulation`` micro-batches a step, or None where it runs there. The one rule of compilation against a
+    layout: validation raises its error for the run's layout, and ``parallel=auto`` weighs only the candidates it
+    leaves (``disttrain.plan.planner.weigh_layouts``).
+
+    The modes that record CUDA graphs run on one rank whose step launches no collective (a graph replays no
+    communication; checked first, as it refuses every layout of more than one rank, pipelines too) and takes one
+    micro-batch (the next micro-batch's replay would write over the gradients being summed); pipeline stages are not
+    compiled; the whole model as one graph runs without FSDP2, whose hooks on every unit stop dynamo inside the loop
+    over the units (``TrainerConfig.compile_scope``)."""
+    if compilation is None:
+        return None
+    mode, scope = compilation.mode, compilation.scope
     if mode in CUDA_GRAPH_MODES and (layout.world_size > 1 or layout.shards_optimizer_state):
-        raise ConfigError("trainer.compile_mode", mode, "default or max-autotune-no-cudagraphs on more than one "
-                          "rank or under ZeRO (CUDA graphs replay no collectives); parallel=single runs it")
+        return Refusal("trainer.compile_mode", mode, OTHER_MODES, "on more than one rank or under ZeRO (CUDA graphs "
+                       "replay no collectives); parallel=single runs it",
+                       "layouts of more than one rank or under ZeRO (CUDA graphs replay no collectives)")
     if mode in CUDA_GRAPH_MODES and accumulation > 1:
-        raise ConfigError("trainer.compile_mode", mode, f"default or max-autotune-no-cudagraphs with {accumulation} "
-                          "micro-batches a step (a replay writes over the gradients being summed); batch.micro_size "
-                          "equal to batch.global_size runs it")
-
-
-def check_compile_scope(trainer: TrainerConfig, layout: Layout) -> None:
-    """``trainer.compile_scope`` is one of ``COMPILE_SCOPES``, with ``trainer.compile`` on, and the whole model as
-    one graph runs without FSDP2: its hooks on every unit stop dynamo inside the loop over the units
-    (``TrainerConfig.compile_scope``)."""
-    scope = trainer.compile_scope
-    checks.one_of("trainer.compile_scope", scope, COMPILE_SCOPES)
-    if scope != "blocks" and not trainer.compile:
-        raise ConfigError("trainer.compile_scope", scope, "blocks unless trainer.compile=true")
+        return Refusal("trainer.compile_mode", mode, OTHER_MODES, f"with {accumulation} micro-batches a step (a "
+                       "replay writes over the gradients being summed); batch.micro_size equal to batch.global_size "
+                       "runs it", "layouts that accumulate micro-batches (a CUDA graph's replay writes over the "
+                       "gradients being summed)")
+    if layout.pp_enabled:
+        return Refusal("trainer.compile", True, "false", "with pipeline parallelism (stages are not compiled yet)",
+                       "pipelines (stages are not compiled yet)")
     if scope == "model" and layout.shards_parameters:
-        raise ConfigError("trainer.compile_scope", scope, f"blocks under this layout ({layout.describe()}): FSDP2's "
-                          "hooks on every block (ZeRO-2/3 shard the parameters) stop a whole-model graph at the "
-                          "first block, leaving the model's forward eager; parallel=single, ddp and tp run it")
+        return Refusal("trainer.compile_scope", scope, "blocks", f"under this layout ({layout.describe()}): FSDP2's "
+                       "hooks on every block (ZeRO-2/3 shard the parameters) stop a whole-model graph at the first "
+                       "block, leaving the model's forward eager; parallel=single, ddp and tp run it",
+                       "layouts that shard parameters (ZeRO-2/3: FSDP2's hooks stop a whole-model graph)")
+    return None
+
+
+def check_compile_layout(compilation: Compilation | None, layout: Layout, accumulation: int) -> None:
+    """Raise the error of ``compile_refusal`` where the run's compilation refuses its own layout."""
+    refusal = compile_refusal(compilation, layout, accumulation)
+    if refusal is not None:
+        raise refusal.error()

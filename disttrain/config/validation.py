@@ -25,7 +25,7 @@ from disttrain.config.resume import check_resume_fits, checkpoint_folder
 from disttrain.config.run import RunConfig
 from disttrain.config.schema import TrainConfig, TrainerConfig
 from disttrain.config.torchft_checks import check_torchft
-from disttrain.config.trainer_checks import check_compile_mode, check_compile_scope, check_trainer
+from disttrain.config.trainer_checks import check_compile_layout, check_trainer, compile_refusal
 from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
@@ -120,8 +120,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     p = top.parallel
     layout = Layout.on(p, world)
     p.check_layout(layout)
-    if top.trainer.compile and layout.pp_enabled:
-        raise ConfigError("trainer.compile", True, "false with pipeline parallelism (stages are not compiled yet)")
     top.comm.check_layout(layout, p.sync_every, p.servers)
     if hasattr(optim, "check_run"):  # an optimiser that exchanges over the ranks itself
         optim.check_run(layout, top.comm)
@@ -129,8 +127,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
         top.batch = elastic_batch(top.batch, Layout.on(p, largest).dp)
     batch = resolve_batch(top.batch, layout.dp)
-    check_compile_mode(top.trainer, layout, batch.accumulation)
-    check_compile_scope(top.trainer, layout)
+    check_compile_layout(top.trainer.compilation, layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
@@ -316,8 +313,9 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
 
 
 def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> tuple[Any, str]:
-    """``parallel=auto``: run the planner, put the chosen degrees, options and micro-batch into ``top`` and return
-    what it weighed (``disttrain.plan.auto.Choice``) and the notice that says why."""
+    """``parallel=auto``: run the planner over the layouts the compile settings allow (``compile_refusal``, the rule
+    a run's own layout is checked by), put the chosen degrees, options and micro-batch into ``top`` and return what
+    it weighed (``disttrain.plan.auto.Choice``) and the notice that says why."""
     from disttrain.data import build_datamodule
     from disttrain.plan.hardware import profile_of_plan
     from disttrain.plan.planner import apply_layout, chosen_layout, weigh_layouts
@@ -327,8 +325,10 @@ def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world:
                           "micro-batch and accumulation)")
     spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
     profile = profile_of_plan(top.plan)
+    compilation = top.trainer.compilation
     choice = weigh_layouts(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel, optim,
-                           top.trainer.precision, profile, top.plan.objective)
+                           top.trainer.precision, profile, top.plan.objective,
+                           lambda candidate: compile_refusal(compilation, candidate, candidate.accumulation))
     layout, notice = chosen_layout(choice, world, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation

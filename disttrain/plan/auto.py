@@ -8,6 +8,8 @@ divisor of dp_shard dividing every layer's experts), each activation-checkpointi
 selective, on every block), and micro-batches from the largest that divides the batch down; pipelines with 1F1B
 and 2 or 4 microbatches per stage. The objective (``plan.objective``) is the predicted step time or the predicted
 energy per token; predictions within ``TIE`` of the best count as a tie, which goes to the simplest layout.
+Candidates a setting of the run refuses (``trainer.compile`` and pipelines, say: ``Refusal``) are left out of the
+choice and its runners-up, and reported apart (``Exclusion``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from disttrain.errors import ConfigError, Refusal
 from disttrain.plan.estimate import Estimate
 from disttrain.plan.inputs import PlanInputs
 from disttrain.plan.layout import CHECKPOINT_POLICIES, Layout, expert_degrees
@@ -33,6 +36,30 @@ token (``Estimate.joules_per_token``; only on a profile with a power figure)."""
 
 
 @dataclass
+class Exclusion:
+    """The candidates one setting refused (one ``Refusal`` rule: its setting and what it excludes), left out of the
+    choice and its runners-up and predicted all the same: what the setting costs the run, or that it alone stands
+    between the run and a layout that fits."""
+
+    refusal: Refusal
+    """The refusal of the first candidate it refused (its ``setting`` and ``excludes`` are every one's)."""
+    count: int = 0
+    """Candidate layouts it refused, each micro-batch split counted."""
+    fitting: list[Estimate] = field(default_factory=list)
+    """Of each refused group of candidates (degrees and options), the first micro-batch split that fits."""
+
+    def best(self, objective: str) -> Estimate | None:
+        """The refused layout ``parallel=auto`` would pick (``pick``) were the setting other; None: none fits."""
+        return pick(self.fitting, objective) if self.fitting else None
+
+    def line(self, objective: str) -> str:
+        """``excluded by trainer.compile=true: pipelines (...), 4 candidate(s); the best of them: ...``."""
+        best = self.best(objective)
+        return (f"excluded by {self.refusal.setting}: {self.refusal.excludes}, {self.count} candidate(s); "
+                + (f"the best of them: {_line(best)}" if best else "none of them fits"))
+
+
+@dataclass
 class Choice:
     """What ``parallel=auto`` chose and what it weighed."""
 
@@ -46,21 +73,47 @@ class Choice:
     """What the choice minimised (``OBJECTIVES``)."""
     by_objective: dict[str, Estimate | None] = field(default_factory=dict)
     """Objective -> the layout it picks among those that fit (None: energy on a profile without a power figure)."""
+    excluded: list[Exclusion] = field(default_factory=list)
+    """The candidates the run's settings refuse, one ``Exclusion`` per rule (in none of the lists above)."""
 
     def reason(self, alternatives: int = 3) -> str:
-        """Why: the chosen prediction and what the other objective would have picked, the runners-up, and the
-        smallest layout that did not fit."""
+        """Why: the chosen prediction and what the other objective would have picked, the runners-up, the
+        smallest layout that did not fit, and the layouts the run's settings excluded."""
+        excluded = [x.line(self.objective) for x in self.excluded]
         if self.best is None:
             if not self.too_big:
-                return "no layout fits"
+                return "; ".join(["no layout fits", *excluded])
             closest = self.too_big[0]
-            return f"no layout fits; closest: {closest.layout.describe()}: {closest.overflow()}"
+            return "; ".join([f"no layout fits; closest: {closest.layout.describe()}: {closest.overflow()}",
+                              *excluded])
         lines = [f"chose {_line(self.best)} ({self.objectives_line()})"]
         lines += [f"  also fits: {_line(e)}" for e in self.ranked[1:1 + alternatives]]
         if self.too_big:
             lines.append(f"  does not fit: {self.too_big[0].layout.describe()}: {self.too_big[0].overflow()}")
-        return "\n".join(lines)
+        return "\n".join([*lines, *(f"  {line}" for line in excluded)])
 
+    def refused(self, where: str) -> ConfigError | None:
+        """Where no allowed layout fits ``where`` (``2 rank(s) of ...``), the error that names the setting in the
+        way: the one that refused the best layout that fits (and the others that refused layouts that fit), or,
+        where the settings leave no candidate at all, the one that refused the most. None where a layout was
+        chosen, or where no layout would fit whatever the settings (the planner's own error then)."""
+        if self.best is not None or not self.excluded:
+            return None
+        value = OBJECTIVES[self.objective]
+        fitting = sorted(((x, best) for x in self.excluded if (best := x.best(self.objective)) is not None),
+                         key=lambda pair: value(pair[1]))
+        if not fitting and self.too_big:
+            return None
+        if not fitting:
+            r = max(self.excluded, key=lambda x: x.count).refusal
+            found = "which is every layout it weighs"
+        else:
+            r, best = fitting[0][0].refusal, fitting[0][1]
+            found = (f"and only those fit (the best: {best.layout.describe()})" if len(fitting) == 1 else
+                     f"among them the best layout that fits ({best.layout.describe()}); the others that fit are "
+                     "refused by " + "; ".join(f"{x.refusal.setting}: {x.refusal.excludes}" for x, _ in fitting[1:]))
+        return ConfigError(r.key, r.value, f"{r.instead} with parallel=auto on {where}: it refuses {r.excludes}, "
+                           f"{found}")
 
     def objectives_line(self) -> str:
         """``objective time; energy would pick ...``: the objective chosen by and what each other one picks."""
@@ -184,27 +237,46 @@ def pick(fitting: list[Estimate], objective: str) -> Estimate:
 
 def choose(inputs: PlanInputs, world: int, global_batch: int, pipeline_units: int,
            valid: Callable[[Layout], bool] = lambda layout: True, accumulate_grads: str = "auto",
-           objective: str = "time") -> Choice:
+           objective: str = "time", refusal_of: Callable[[Layout], Refusal | None] = lambda layout: None) -> Choice:
     """The layout that fits with the least ``objective`` (``OBJECTIVES``; ties to the simplest), from
-    ``candidate_layouts`` that ``valid`` accepts; what each objective would pick beside it."""
-    fitting, too_big = [], []
+    ``candidate_layouts`` that ``valid`` accepts and the run's settings allow (``refusal_of``: the ``Refusal`` of a
+    layout, None where they allow it); what each objective would pick beside it, and what the settings excluded."""
+    fitting, too_big, excluded = [], [], {}
     for group in candidate_layouts(world, global_batch, inputs, pipeline_units, inputs.profile.devices_per_node,
                                    accumulate_grads):
-        group = [layout for layout in group if valid(layout)]
-        estimates = (inputs.estimate(layout) for layout in group)
-        last = None
-        for last in estimates:
-            if last.fits:
-                fitting.append(last)
-                break
-        else:
-            if last is not None:
-                too_big.append(last)
+        allowed, refused = [], {}
+        for layout in filter(valid, group):
+            refusal = refusal_of(layout)
+            if refusal is None:
+                allowed.append(layout)
+            else:
+                refused.setdefault((refusal.setting, refusal.excludes), []).append((layout, refusal))
+        fits, last = _first_fit(inputs, allowed)
+        if fits is not None:
+            fitting.append(fits)
+        elif last is not None:
+            too_big.append(last)
+        for rule, layouts in refused.items():
+            exclusion = excluded.setdefault(rule, Exclusion(layouts[0][1]))
+            exclusion.count += len(layouts)
+            fits, _ = _first_fit(inputs, [layout for layout, _ in layouts])
+            exclusion.fitting += [fits] if fits is not None else []
     too_big.sort(key=lambda e: e.total_bytes - e.capacity)
     if not fitting:
-        return Choice(None, [], too_big, objective)
+        return Choice(None, [], too_big, objective, excluded=list(excluded.values()))
     powered = inputs.profile.watts is not None
     by_objective = {name: pick(fitting, name) if name == "time" or powered else None for name in OBJECTIVES}
     best = by_objective[objective]
     ranked = [best] + sorted((e for e in fitting if e is not best), key=OBJECTIVES[objective])
-    return Choice(best, ranked, too_big, objective, by_objective)
+    return Choice(best, ranked, too_big, objective, by_objective, list(excluded.values()))
+
+
+def _first_fit(inputs: PlanInputs, group: list[Layout]) -> tuple[Estimate | None, Estimate | None]:
+    """The first layout of ``group`` (micro-batches from the largest down) that fits, predicted, and the last one
+    predicted (the smallest micro-batch where none fits; None for an empty group)."""
+    last = None
+    for layout in group:
+        last = inputs.estimate(layout)
+        if last.fits:
+            return last, last
+    return None, last

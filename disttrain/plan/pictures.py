@@ -183,7 +183,8 @@ def shown_candidates(choice: Choice, fitting: int = 12, too_big: int = 4) -> tup
 
 def draw_candidates(choice: Choice, path: Path) -> Picture | None:
     """The layouts ``parallel=auto`` weighed, side by side: memory per rank and predicted step time of each, the
-    chosen one marked, those that do not fit marked (hatched, at their smallest micro-batch)."""
+    chosen one marked, those that do not fit marked (hatched, at their smallest micro-batch); those the run's
+    settings excluded are counted in the note below, not drawn."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -216,10 +217,11 @@ def draw_candidates(choice: Choice, path: Path) -> Picture | None:
     slower, others = len(choice.ranked) - len(fitting), len(choice.too_big) - len(too_big)
     notes = ["one bar per layout at its fastest micro-batch that fits" +
              ("; those that do not fit (hatched) at their smallest" if too_big else "")]
-    if slower or others:
+    excluded = [f"{x.count} excluded by {x.refusal.setting}" for x in choice.excluded]  # as the notice leaves them out
+    if slower or others or excluded:
         notes.append("not drawn: " + ", ".join(part for part in (
             f"{slower} slower layout(s) that fit" if slower else "",
-            f"{others} more that do not fit" if others else "") if part))
+            f"{others} more that do not fit" if others else "", *excluded) if part))
     note = scale.off_scale_note(max(e.total_bytes for e in shown), "the largest peak drawn")
     notes += [note] if note else []
     figure.text(0.01, 0.0, "\n".join(notes), fontsize=8, style="italic", va="top")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, Refusal
 from disttrain.plan.auto import Choice, choose
 from disttrain.plan.devices import HardwareProfile
 from disttrain.plan.estimate import Estimate
@@ -129,10 +130,13 @@ def choose_parallel(net: nn.Module, spec: Any, world: int, global_batch: int, pa
 
 
 def weigh_layouts(net: nn.Module, spec: Any, world: int, global_batch: int, parallel: Any, optim: Any,
-                  precision: str, profile: HardwareProfile, objective: str = "time") -> Choice:
+                  precision: str, profile: HardwareProfile, objective: str = "time",
+                  refusal_of: Callable[[Layout], Refusal | None] = lambda layout: None) -> Choice:
     """``parallel=auto``'s weighing: every candidate layout the model and the run accept, predicted, the one that
     fits with the least ``objective`` chosen (``auto.Choice``: what ``chosen_layout`` reports and
-    ``plan_candidates.png`` draws); ConfigError for energy on a profile without a power figure."""
+    ``plan_candidates.png`` draws); ConfigError for energy on a profile without a power figure. ``refusal_of``:
+    the rule of the run's other settings (the compile settings': ``trainer_checks.compile_refusal``), whose
+    refused candidates are left out of the choice and reported apart (``auto.Exclusion``)."""
     from disttrain.parallel.dims import ParallelDims
     from disttrain.parallel.model_checks import check_model_plan
 
@@ -153,15 +157,19 @@ def weigh_layouts(net: nn.Module, spec: Any, world: int, global_batch: int, para
         return True
 
     return choose(inputs, world, global_batch, len(inputs.stats.pipeline_units), valid, parallel.accumulate_grads,
-                  objective)
+                  objective, refusal_of)
 
 
 def chosen_layout(choice: Choice, world: int, profile: HardwareProfile, alternatives: int = 3) -> tuple[Layout, str]:
-    """The layout ``choice`` chose and the lines that say why (ConfigError if nothing fits)."""
+    """The layout ``choice`` chose and the lines that say why. ConfigError if nothing fits: naming the setting that
+    refused the layouts that fit, or that left no candidate at all (``Choice.refused``), else ``parallel=auto``."""
     why = choice.reason(alternatives)
+    where = f"{world} rank(s) of {profile.name} with {human_bytes(profile.memory_bytes)} per device"
+    blocked = choice.refused(where)  # a setting, not the memory, stands between the run and a layout
+    if blocked is not None:
+        raise blocked
     if choice.best is None:
-        raise ConfigError("parallel", "auto", f"a layout that fits {world} rank(s) of {profile.name} with "
-                          f"{human_bytes(profile.memory_bytes)} per device: {why}")
+        raise ConfigError("parallel", "auto", f"a layout that fits {where}: {why}")
     return choice.best.layout, f"parallel=auto ({profile.name}, {world} rank(s)): {why}"
 
 
