@@ -27,6 +27,7 @@ from machine import cpu_model  # noqa: E402
 
 from disttrain.models.lora import LoRAConfig, add_adapters, lora_layers  # noqa: E402
 from disttrain.models.nf4 import NF4Linear, quantise_adapted_bases  # noqa: E402
+from disttrain.quiet_imports import quiet_imports  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIZES = {"cpu": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -38,7 +39,8 @@ SIZES = {"cpu": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4
 
 def build(base_dtype: str, sizes: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
     """The Llama with adapters, its frozen base held as ``base_dtype`` says, on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    with quiet_imports():
+        from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**{k: v for k, v in sizes.items() if k not in ("seq", "batch")},
                          max_position_embeddings=sizes["seq"], use_cache=False)

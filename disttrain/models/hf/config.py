@@ -21,6 +21,7 @@ from disttrain.data.spec import DataSpec
 from disttrain.errors import ConfigError
 from disttrain.models.hf import balance as hf_balance
 from disttrain.models.lora import LoRAConfig
+from disttrain.quiet_imports import transformers_with_models
 from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFolder
 
 CONFIG_FILE = "config.json"
@@ -106,8 +107,7 @@ class HFConfig:
     def attention(self, config: Any) -> tuple[str, str | None]:
         """The attention implementation the model of ``config`` is built with, and a notice where none was asked
         for and its class has no SDPA; ConfigError for one its class lacks."""
-        import transformers
-
+        transformers = _transformers()
         model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         allowed = attention_implementations(model_class)
         if self.attn_implementation is None:
@@ -178,11 +178,10 @@ def one_line(err: BaseException) -> str:
 
 def _transformers() -> Any:
     try:
-        import transformers
+        return transformers_with_models()
     except ImportError:
         raise ConfigError("model.name", "hf", "a built-in model unless transformers is installed "
                           "(pip install 'disttrain[hf]')") from None
-    return transformers
 
 
 def _known_types(model_type: str) -> str:

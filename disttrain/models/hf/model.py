@@ -28,6 +28,7 @@ from disttrain.models.hf.config import HFConfig, one_line
 from disttrain.models.hf.conversion import Conversion, conversion_of
 from disttrain.models.meta import on_meta_device
 from disttrain.models.registry import MODELS
+from disttrain.quiet_imports import transformers_with_models
 from disttrain.safetensors_reader import SafetensorsFolder
 
 
@@ -136,8 +137,7 @@ def build_hf(cfg: HFConfig, spec: DataSpec) -> HFCausalLM:
     it, ``disttrain.models.hf.pipeline``), over a sequence split where the architecture allows one
     (``disttrain.models.hf.attention``). A config ``transformers`` cannot build a model of is a ConfigError naming
     the source and what it raised."""
-    import transformers
-
+    transformers = transformers_with_models()
     config = cfg.validate(spec)
     config.use_cache = False
     implementation, _ = cfg.attention(config)
