@@ -71,12 +71,12 @@ def test_text_losses_per_source_over_the_real_targets_and_each_epoch_afresh():
     tested = {key: float(value) for key, value in metrics.take_epoch("test").items()}
     validated = {key: float(value) for key, value in metrics.take_epoch("val").items()}
     want = direct_losses([third])
-    assert tested == {"test/loss": pytest.approx(want["all"], rel=1e-6),
-                      "test/ppl": pytest.approx(math.exp(want["all"]), rel=1e-6),
-                      "test/bpb": pytest.approx(want["all"] / math.log(2.0), rel=1e-6),
-                      "test/loss/code": pytest.approx(want["code"], rel=1e-6),
-                      "test/loss/prose": pytest.approx(want["prose"], rel=1e-6)}
-    assert validated["val/loss"] == pytest.approx(want["all"], rel=1e-6)
+    for stage, got in (("test", tested), ("val", validated)):
+        assert got == {f"{stage}/loss": pytest.approx(want["all"], rel=1e-6),
+                       f"{stage}/ppl": pytest.approx(math.exp(want["all"]), rel=1e-6),
+                       f"{stage}/bpb": pytest.approx(want["all"] / math.log(2.0), rel=1e-6),
+                       f"{stage}/loss/code": pytest.approx(want["code"], rel=1e-6),
+                       f"{stage}/loss/prose": pytest.approx(want["prose"], rel=1e-6)}, stage
     assert metrics.latest == validated
 
 
