@@ -261,7 +261,7 @@ class TrainTask(pl.LightningModule):
         metrics."""
         inputs, targets, *sources = batch
         logits = logits_of(self.net(inputs))
-        self.evaluation.add_batch(stage, logits, targets, *sources)
+        self.evaluation.add_batch(stage, logits, targets, sources[0] if sources else None)
 
     def _log_eval_epoch(self, stage: str) -> None:
         """Log ``stage``'s metrics over all ranks, numbered by the steps the evaluated weights have taken."""
