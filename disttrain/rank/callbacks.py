@@ -298,8 +298,9 @@ class ScoreBeforeTraining(pl.Callback):
     weights training starts from, at the starting step. Lightning logs nothing of a sanity validation itself."""
 
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the task's newest evaluation (``eval_metrics``, already reduced over the ranks) to every logger."""
-        metrics = {**pl_module.eval_metrics, "epoch": float(trainer.current_epoch)}
+        """Write the task's newest evaluation (``evaluation.latest``, already reduced over the ranks) to every
+        logger."""
+        metrics = {**pl_module.evaluation.latest, "epoch": float(trainer.current_epoch)}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         if trainer.is_global_zero:

@@ -2,10 +2,10 @@
 
 A data module whose evaluation batches are ``(inputs, targets, sources)`` (``sources`` shaped as the targets: the
 index of each target's source, e.g. a mixture's held-out documents source after source) names its sources in
-``DataSpec.eval_sources``; the task then keeps one ``SourceLoss`` per stage beside its overall loss. The per-source
-loss is the mean cross-entropy over that source's real targets (``IGNORE_INDEX`` padding counts nowhere), summed
-and counted over all ranks at the epoch's end as the overall loss's metric is, so it is the loss one process
-computes on that source's windows alone.
+``DataSpec.eval_sources``; the task's ``EvalMetrics`` (``disttrain.rank.eval_metrics``) then keeps one
+``SourceLoss`` per stage beside its overall loss. The per-source loss is the mean cross-entropy over that source's
+real targets (``IGNORE_INDEX`` padding counts nowhere), summed and counted over all ranks at the epoch's end as the
+overall loss's metric is, so it is the loss one process computes on that source's windows alone.
 """
 
 from __future__ import annotations

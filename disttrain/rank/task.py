@@ -1,4 +1,5 @@
-"""The LightningModule that trains any registered model: loss, metrics and optimiser wiring."""
+"""The LightningModule that trains any registered model: loss, step accounting and optimiser wiring; its
+evaluation's metrics are kept by ``EvalMetrics`` (``disttrain.rank.eval_metrics``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
 from disttrain.checkpoint.optimizer_state import unwrapped
-from disttrain.data.base import IGNORE_INDEX
 from disttrain.data.spec import DataSpec
 from disttrain.fault.steps import StepAgreement
 from disttrain.fault.stops import SkippedStep
@@ -26,14 +24,13 @@ from disttrain.optim.scheduler import apply_rate_of_current_step
 from disttrain.parallel.clip import clip_grad_norm, grad_norm, scale_grads
 from disttrain.parallel.compile import CUDA_GRAPH_MODES
 from disttrain.parallel.strategy import DistTrainStrategy
+from disttrain.rank.eval_metrics import EvalMetrics
 from disttrain.rank.loss import loss_function
-from disttrain.rank.source_loss import SourceLoss
 from disttrain.rank.target_mean import StepTargets
 
 FOLD_EVERY = 256
 """Applied batch losses kept before they are added to the epoch's sums (bounds what an epoch holds)."""
 
-LN2 = math.log(2.0)
 # Epoch metrics are logged from torchmetrics' compute(), which has already reduced them over all ranks.
 warnings.filterwarnings("ignore", message=r".*It is recommended to use `self.log\(.*sync_dist=True")
 
@@ -62,7 +59,6 @@ class TrainTask(pl.LightningModule):
         norm is the same number everywhere and decides a non-finite step without a collective of its own; the
         loss and the preemption flag are then reduced on logged steps only. False: every step reduces them."""
         self.net = net
-        self.spec = spec
         self.loss_fn = loss_function(compile_mode)
         """The cross-entropy of logits against targets, compiled with the model or eager."""
         self.step_targets = StepTargets(loss_mean) if loss_mean != "batch" else None
@@ -74,8 +70,6 @@ class TrainTask(pl.LightningModule):
         self.optim_cfg = optim_cfg
         self.scheduler_cfg = scheduler_cfg
         self.total_steps = total_steps
-        self.is_text = spec.kind == "text"
-        self.is_bytes = self.is_text and spec.vocab_size == 256
         self._step_loss: list[torch.Tensor] = []
         self._unapplied_losses: list[torch.Tensor] = []
         """This rank's batch losses of the optimiser step being taken, until it is applied or skipped."""
@@ -94,23 +88,8 @@ class TrainTask(pl.LightningModule):
         drops a non-finite step on the device (``configure_optimizers`` decides)."""
         self._dropped: torch.Tensor | None = None
         """The device flag of the step being taken: 1.0 where its optimiser dropped it (a deferred check)."""
-        self.losses = nn.ModuleDict({f"{stage}_loss": MeanMetric() for stage in ("val", "test")})
-        self.source_losses = nn.ModuleDict({f"{stage}_loss": SourceLoss(len(spec.eval_sources))
-                                            for stage in ("val", "test")}) if spec.eval_sources else None
-        """Where evaluation batches name each target's source (``DataSpec.eval_sources``): each source's loss."""
-        self.eval_metrics: dict[str, float] = {}
-        """The metrics of the newest validation or test epoch as logged (``val/loss``, ...), reduced over the
-        ranks."""
-        if not self.is_text:
-            self.accuracies = nn.ModuleDict({
-                f"{stage}_acc": MulticlassAccuracy(spec.num_classes, average="micro", ignore_index=IGNORE_INDEX)
-                for stage in ("val", "test")
-            })
-
-    @property
-    def monitor(self) -> tuple[str, str]:
-        """The validation metric that ranks checkpoints, and whether higher ("max") or lower is better."""
-        return ("val/loss", "min") if self.is_text else ("val/acc", "max")
+        self.evaluation = EvalMetrics(spec, self.loss_fn)
+        """The validation and test epochs' metrics, which the evaluation hooks add to and log."""
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits of the wrapped model."""
@@ -278,66 +257,16 @@ class TrainTask(pl.LightningModule):
             self.log("epoch", float(self.current_epoch), on_step=on_step, on_epoch=not on_step, sync_dist=False)
 
     def _eval_step(self, stage: str, batch: tuple[torch.Tensor, ...]) -> None:
+        """Score an evaluation batch, ``(inputs, targets)`` or ``(inputs, targets, sources)``, into ``stage``'s
+        metrics."""
         inputs, targets, *sources = batch
         logits = logits_of(self.net(inputs))
-        loss_sum = self.loss_fn(logits, targets, "sum")
-        self._update_eval_metrics(stage, loss_sum.detach(), logits.detach(), targets)
-        if sources:
-            self._update_source_losses(stage, logits, targets, sources[0])
+        self.evaluation.add_batch(stage, logits, targets, sources[0] if sources else None)
 
-    def _update_source_losses(self, stage: str, logits: torch.Tensor | None, targets: torch.Tensor,
-                              sources: torch.Tensor) -> None:
-        """Add a batch's per-target losses to the sums of their sources (``sources``: each target's source, where
-        the data names them). ``logits`` None: this rank computed none (a pipeline's stage before the last); it adds
-        nothing but counts the batch, so that it joins the epoch's sum over the ranks as the others do."""
-        if self.source_losses is None:
-            return
-        metric = self.source_losses[f"{stage}_loss"]
-        if logits is None:
-            nothing = targets.new_empty(0)
-            metric.update(nothing.float(), nothing, nothing)
-            return
-        # a second, per-target cross-entropy: the overall loss stays the summed one it has always been
-        metric.update(self.loss_fn(logits, targets, "none").detach(), targets, sources)
-
-    def _update_eval_metrics(self, stage: str, loss_sum: torch.Tensor, logits: torch.Tensor,
-                             targets: torch.Tensor) -> None:
-        """Add a batch's summed loss and its predictions; padding targets (``IGNORE_INDEX``) count nowhere."""
-        count = (targets != IGNORE_INDEX).sum()
-        self.losses[f"{stage}_loss"].update(loss_sum / count.clamp(min=1), weight=count)
-        if not self.is_text:
-            self.accuracies[f"{stage}_acc"].update(logits, targets)
-
-    def _eval_epoch_end(self, stage: str) -> None:
-        # Metrics sync across ranks in compute(); logged values are already global.
-        loss = self.losses[f"{stage}_loss"].compute()
-        metrics = {f"{stage}/loss": loss}
-        if self.is_text:
-            metrics[f"{stage}/ppl"] = torch.exp(loss)
-            if self.is_bytes:
-                metrics[f"{stage}/bpb"] = loss / LN2
-        else:
-            metrics[f"{stage}/acc"] = self.accuracies[f"{stage}_acc"].compute()
-            self.accuracies[f"{stage}_acc"].reset()
-        self.losses[f"{stage}_loss"].reset()
-        metrics.update(self._source_metrics(stage))
-        self.eval_metrics = {key: float(value) for key, value in metrics.items()}
-        self.log_dict(metrics, prog_bar=stage == "val", sync_dist=False)
-        self._log_position(self.global_step)  # the steps the evaluated weights have taken
-
-    def _source_metrics(self, stage: str) -> dict[str, torch.Tensor]:
-        """``<stage>/loss/<source>`` of every source the epoch's batches reached, over all ranks (none where the
-        batches named no source)."""
-        if self.source_losses is None:
-            return {}
-        metric = self.source_losses[f"{stage}_loss"]
-        if not metric.update_count:  # the same on every rank: all evaluate the same number of batches
-            return {}
-        losses, counts = metric.compute()
-        metric.reset()
-        # a source none of the epoch's batches reached (``limit_val_batches`` stops before it) has no loss to log
-        return {f"{stage}/loss/{name}": loss for name, loss, count in zip(self.spec.eval_sources, losses, counts,
-                                                                           strict=True) if count > 0}
+    def _log_eval_epoch(self, stage: str) -> None:
+        """Log ``stage``'s metrics over all ranks, numbered by the steps the evaluated weights have taken."""
+        self.log_dict(self.evaluation.take_epoch(stage), prog_bar=stage == "val", sync_dist=False)
+        self._log_position(self.global_step)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Accumulate validation loss (and accuracy for images)."""
@@ -345,7 +274,7 @@ class TrainTask(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Log global validation metrics."""
-        self._eval_epoch_end("val")
+        self._log_eval_epoch("val")
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Accumulate test loss (and accuracy for images)."""
@@ -353,7 +282,7 @@ class TrainTask(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         """Log global test metrics."""
-        self._eval_epoch_end("test")
+        self._log_eval_epoch("test")
 
     def on_train_epoch_end(self) -> None:
         """Log the epoch's mean training loss over all ranks and applied steps (nan where none was applied)."""

@@ -31,7 +31,7 @@ def build_trainer(run: RunConfig, task: pl.LightningModule, kind: RunKind, meter
     t = cfg.trainer
     plan = run.plan
     monitor, mode = (cfg.checkpoint.monitor, mode_of(cfg.checkpoint.monitor)) if cfg.checkpoint.monitor \
-        else task.monitor
+        else task.evaluation.monitor
     callbacks: list[pl.Callback] = [
         NewestAndBestCheckpoint(
             dirpath=Path(cfg.run_dir) / "checkpoints",

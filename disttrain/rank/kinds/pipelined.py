@@ -97,9 +97,9 @@ class PipelineTask(ManualStepTask):
         if result is not None:  # last stage: undo the training-time scaling of the loss function
             scaled, logits = result
             loss_sum = scaled.detach() * self.accumulation * targets.numel()
-            self._update_eval_metrics(stage, loss_sum, logits.detach(), targets)
+            self.evaluation.add_loss(stage, loss_sum, logits.detach(), targets)
         if sources:  # the last stage's logits of the whole batch (the schedule merges its micro-batches')
-            self._update_source_losses(stage, logits, targets, sources[0])
+            self.evaluation.add_source_losses(stage, logits, targets, sources[0])
 
 
 class Pipelined(RunKind):
