@@ -224,20 +224,45 @@ def _cut_short(folder: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-100])
 
 
+def _rewritten(change):
+    """A change to the folder's tensors (a dict by HF name), saved back over its ``model.safetensors``."""
+    def rewrite(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    return rewrite
+
+
 BAD_LLAMA_WEIGHTS = {
     "index-not-json": (_sharded("{oops"), "its model.safetensors.index.json is not JSON (Expecting property name"),
     "index-names-missing-shard": (
         _sharded(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})),
         "its model.safetensors.index.json names model-00002-of-00002.safetensors, which is not there"),
     "shard-cut-short": (_cut_short, "model.safetensors is cut short by 100 bytes ("),
+    "missing-tensor": (_rewritten(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+                       "it lacks model.layers.1.mlp.up_proj.weight (the model's layers.1.feed_forward.w3.weight), "
+                       "of shape [160, 64]"),
+    "extra-tensor": (_rewritten(lambda t: t.update({"model.layers.2.input_layernorm.weight": torch.ones(64)})),
+                     "model.safetensors holds model.layers.2.input_layernorm.weight, which the model has not (the "
+                     "model's first: model.embed_tokens.weight)"),
+    "wrong-shape": (_rewritten(lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.ones(64, 64)})),
+                    "model.safetensors holds model.layers.0.self_attn.k_proj.weight as [64, 64], where the model's "
+                    "layers.0.attention.k.weight is [32, 64]"),
+    "integer-dtype": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})),
+                      "model.safetensors holds model.norm.weight as I32, which does not cast to the model's "
+                      "norm.weight, float32 (one of F16, BF16, F32, F64, F8_E4M3, F8_E5M2)"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_LLAMA_WEIGHTS))
-def test_init_from_weights_that_are_not_whole_are_one_line_before_any_rank(make_config, tmp_path, case):
-    """An index that is not JSON or names a shard the folder lacks, or a shard cut short, is refused in one line
-    naming ``model.init_from`` and the file while the job validates, from the headers alone; a rank's read of the
-    tensors refuses it in the same line."""
+def test_init_from_weights_that_do_not_fit_are_one_line_before_any_rank(make_config, tmp_path, case):
+    """An index that is not JSON or names a shard the folder lacks, a shard cut short, a tensor the model lacks or
+    the folder lacks, one of another shape or of a dtype that does not cast: refused in one line naming
+    ``model.init_from``, the folder, the tensor and what the model expects while the job validates, from the
+    headers alone; a rank's read of the tensors refuses it in the same line before reading any."""
     change, expected = BAD_LLAMA_WEIGHTS[case]
     folder = tmp_path / "hf"
     seeded_hf_llama(folder)
@@ -250,3 +275,15 @@ def test_init_from_weights_that_are_not_whole_are_one_line_before_any_rank(make_
     with pytest.raises(ConfigError) as read:
         import_hf_llama(folder, Llama(SEEDED_DIMS).state_dict())
     assert str(read.value) == line
+
+
+def test_init_from_leaves_the_rotary_buffers_of_older_checkpoints_alone(make_config, tmp_path):
+    """Older HF checkpoints saved each layer's ``rotary_emb.inv_freq``: recomputed from the config, neither read
+    nor refused, by the job's check and by a rank's read."""
+    folder = tmp_path / "hf"
+    seeded_hf_llama(folder)
+    _rewritten(lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                   for i in range(2)}))(folder)
+    validate(make_config(["model=llama", "data=pydocs", f"model.init_from={folder}", *HF_SETTINGS]))
+    model = Llama(SEEDED_DIMS)
+    assert import_hf_llama(folder, model.state_dict()).keys() == model.state_dict().keys()
