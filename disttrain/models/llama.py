@@ -89,7 +89,8 @@ class LlamaConfig:
     """A Hugging Face Llama folder (config.json and safetensors weights) whose weights the model starts from,
     loaded on the CPU when the model is built, before any parallelism. Sizes left null come from its
     config.json (not the flavour); sizes set, rope_theta and norm_eps must equal its own. An HF model with tied
-    embeddings starts with the output layer a copy of the embedding. None: random initialisation."""
+    embeddings starts with the output layer a copy of the embedding. Its tensors' names, shapes and dtypes are
+    checked against the model from their headers before any rank starts. None: random initialisation."""
     init_weights: str | None = None
     """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
     (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""

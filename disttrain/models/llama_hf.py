@@ -6,6 +6,9 @@ change of layout is rotary: the built-in ``apply_rotary`` rotates the interleave
 of each head, HF Llama's ``rotate_half`` the pairs ``(i, i + head_dim/2)``, at the same frequency
 ``theta**(-2i/head_dim)``. So the rows of the query and key projections are permuted within each head on
 export, as Meta's own Llama-to-HF conversion does, and back on import; every other tensor keeps its layout.
+Since the permutation keeps shapes, a folder fits the model when each tensor's HF counterpart is there at the
+model's shape (``hf_llama_sources``, by the one rule of ``disttrain.models.weights_fit``): the job checks it from
+the headers against the model built on the meta device, and a rank again before it reads a tensor.
 """
 
 from __future__ import annotations
