@@ -7,7 +7,8 @@ reads each rank's part), llama's ``model.init_from`` (``disttrain.models.llama_h
 the file and what is wrong with it (cut short by how many bytes, not safetensors, an index that is not JSON, has no
 ``weight_map`` or names a missing file), raised as the caller's own error: the caller decides once who the user
 set the file through and hands that down as a value (``Refuse``) with the path, inside a ``SafetensorsFile`` or
-``SafetensorsFolder``, so every later read, on the job or on a rank, refuses in the same words.
+``SafetensorsFolder``, so every later read, on the job or on a rank, refuses in the same words. Whether the tensors
+read fit a model is a rule of its own, ``disttrain.models.weights_fit``.
 """
 
 from __future__ import annotations

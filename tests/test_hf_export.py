@@ -23,7 +23,15 @@ from disttrain.errors import ConfigError
 from disttrain.launch.job import train
 from disttrain.models import build_model
 from disttrain.models.llama import Llama, LlamaDims
-from disttrain.models.llama_hf import SIZES, from_hf_state_dict, hf_config, import_hf_llama, to_hf_state_dict
+from disttrain.models.llama_hf import (
+    SIZES,
+    from_hf_state_dict,
+    hf_config,
+    hf_names,
+    import_hf_llama,
+    read_hf_llama,
+    to_hf_state_dict,
+)
 from tests.conftest import ROOT
 
 TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2"]
@@ -32,6 +40,8 @@ LLAMA_RUN = [
     "trainer.max_steps=2", "trainer.limit_val_batches=1", "trainer.run_test=false", "logger=csv", "callbacks=none",
 ]
 DIMS = LlamaDims(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=256, mlp_hidden=192)
+SEEDED_DIMS = LlamaDims(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=256, mlp_hidden=160)
+"""The sizes of ``seeded_hf_llama``'s model."""
 
 
 def batch() -> torch.Tensor:
@@ -120,7 +130,7 @@ def test_builtin_to_hf_and_back_is_exact(tmp_path):
         param.data.normal_()
     sizes = {key: getattr(DIMS, key) for key in SIZES}
     write_hf_folder(hf_config(sizes, 32, 10000.0, 1e-5), to_hf_state_dict(model.state_dict(), 4, 2), tmp_path / "hf")
-    hf, state = import_hf_llama(tmp_path / "hf")
+    hf, state = read_hf_llama(tmp_path / "hf"), import_hf_llama(tmp_path / "hf", model.state_dict())
     assert hf.sizes == sizes and (hf.rope_theta, hf.norm_eps, hf.tied) == (10000.0, 1e-5, False)
     original = model.state_dict()
     assert state.keys() == original.keys()
@@ -129,7 +139,7 @@ def test_builtin_to_hf_and_back_is_exact(tmp_path):
     hf_state = to_hf_state_dict(original, 4, 2)
     assert not torch.equal(hf_state["model.layers.0.self_attn.q_proj.weight"], original["layers.0.attention.q.weight"])
     assert torch.equal(hf_state["model.layers.0.self_attn.v_proj.weight"], original["layers.0.attention.v.weight"])
-    assert from_hf_state_dict(hf_state, 2, 4, 2).keys() == original.keys()
+    assert from_hf_state_dict(hf_state, hf_names(original, hf_state, tied=False), 4, 2).keys() == original.keys()
 
 
 def seeded_hf_llama(folder: Path, tied: bool = False, **overrides) -> LlamaForCausalLM:
@@ -166,7 +176,7 @@ def test_a_run_starts_from_an_hf_llama(make_config, tmp_path):
     seeded_hf_llama(tmp_path / "hf")
     train(make_config([*LLAMA_RUN, f"model.init_from={tmp_path / 'hf'}", *HF_SETTINGS], tmp_path / "run"))
     weights = load_weights_file(export(tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "model.pt"))
-    _, imported = import_hf_llama(tmp_path / "hf")
+    imported = import_hf_llama(tmp_path / "hf", weights)
     # the imported weights moved by two small steps; a fresh model (N(0, 0.02), unit norms) is ~1 away from them
     assert max(max_diff(weights[name], imported[name]) for name in imported) < 0.05
 
@@ -214,20 +224,45 @@ def _cut_short(folder: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-100])
 
 
+def _rewritten(change):
+    """A change to the folder's tensors (a dict by HF name), saved back over its ``model.safetensors``."""
+    def rewrite(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    return rewrite
+
+
 BAD_LLAMA_WEIGHTS = {
     "index-not-json": (_sharded("{oops"), "its model.safetensors.index.json is not JSON (Expecting property name"),
     "index-names-missing-shard": (
         _sharded(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})),
         "its model.safetensors.index.json names model-00002-of-00002.safetensors, which is not there"),
     "shard-cut-short": (_cut_short, "model.safetensors is cut short by 100 bytes ("),
+    "missing-tensor": (_rewritten(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+                       "it lacks model.layers.1.mlp.up_proj.weight (the model's layers.1.feed_forward.w3.weight), "
+                       "of shape [160, 64]"),
+    "extra-tensor": (_rewritten(lambda t: t.update({"model.layers.2.input_layernorm.weight": torch.ones(64)})),
+                     "model.safetensors holds model.layers.2.input_layernorm.weight, which the model has not (the "
+                     "model's first: model.embed_tokens.weight)"),
+    "wrong-shape": (_rewritten(lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.ones(64, 64)})),
+                    "model.safetensors holds model.layers.0.self_attn.k_proj.weight as [64, 64], where the model's "
+                    "layers.0.attention.k.weight is [32, 64]"),
+    "integer-dtype": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})),
+                      "model.safetensors holds model.norm.weight as I32, which does not cast to the model's "
+                      "norm.weight, float32 (one of F16, BF16, F32, F64, F8_E4M3, F8_E5M2)"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_LLAMA_WEIGHTS))
-def test_init_from_weights_that_are_not_whole_are_one_line_before_any_rank(make_config, tmp_path, case):
-    """An index that is not JSON or names a shard the folder lacks, or a shard cut short, is refused in one line
-    naming ``model.init_from`` and the file while the job validates, from the headers alone; a rank's read of the
-    tensors refuses it in the same line."""
+def test_init_from_weights_that_do_not_fit_are_one_line_before_any_rank(make_config, tmp_path, case):
+    """An index that is not JSON or names a shard the folder lacks, a shard cut short, a tensor the model lacks or
+    the folder lacks, one of another shape or of a dtype that does not cast: refused in one line naming
+    ``model.init_from``, the folder, the tensor and what the model expects while the job validates, from the
+    headers alone; a rank's read of the tensors refuses it in the same line before reading any."""
     change, expected = BAD_LLAMA_WEIGHTS[case]
     folder = tmp_path / "hf"
     seeded_hf_llama(folder)
@@ -235,8 +270,20 @@ def test_init_from_weights_that_are_not_whole_are_one_line_before_any_rank(make_
     with pytest.raises(ConfigError) as checked:
         validate(make_config(["model=llama", "data=pydocs", f"model.init_from={folder}", *HF_SETTINGS]))
     line = str(checked.value)
-    assert line.startswith(f"model.init_from='{folder}' is invalid: an HF Llama folder with whole safetensors "
-                           "weights; ") and expected in line and "\n" not in line, line
+    assert line.startswith(f"model.init_from='{folder}' is invalid: an HF Llama folder whose safetensors "
+                           "weights are whole and fit the model; ") and expected in line and "\n" not in line, line
     with pytest.raises(ConfigError) as read:
-        import_hf_llama(folder)
+        import_hf_llama(folder, Llama(SEEDED_DIMS).state_dict())
     assert str(read.value) == line
+
+
+def test_init_from_leaves_the_rotary_buffers_of_older_checkpoints_alone(make_config, tmp_path):
+    """Older HF checkpoints saved each layer's ``rotary_emb.inv_freq``: recomputed from the config, neither read
+    nor refused, by the job's check and by a rank's read."""
+    folder = tmp_path / "hf"
+    seeded_hf_llama(folder)
+    _rewritten(lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                   for i in range(2)}))(folder)
+    validate(make_config(["model=llama", "data=pydocs", f"model.init_from={folder}", *HF_SETTINGS]))
+    model = Llama(SEEDED_DIMS)
+    assert import_hf_llama(folder, model.state_dict()).keys() == model.state_dict().keys()

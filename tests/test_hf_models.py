@@ -218,7 +218,7 @@ BAD_FOLDERS = {
     "wrong-shape": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(32)})),
                     [f"{WEIGHTS} holds model.norm.weight as [32], where the model's is [64]"]),
     "missing-tensor": (_rewritten(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-                       ["no file of the folder holds model.layers.1.mlp.up_proj.weight"]),
+                       ["it lacks model.layers.1.mlp.up_proj.weight, of shape [128, 64]"]),
     "integer-dtype": (_rewritten(lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})),
                       [f"{WEIGHTS} holds model.norm.weight as I32, which does not cast to the model's float32"]),
     "index-not-json": (_indexed("{oops"), ["its model.safetensors.index.json is not JSON (Expecting"]),

@@ -139,14 +139,14 @@ def test_an_unexpected_tensor_is_named(make_config, tmp_path, weights):
     _, state = weights
     state["blocks.2.attn.q.weight"] = torch.zeros(32, 32)
     message = refusal(make_config, tmp_path, write(state, tmp_path / "long.safetensors"))
-    assert "it holds blocks.2.attn.q.weight, which the model has not" in message
+    assert "long.safetensors holds blocks.2.attn.q.weight, which the model has not" in message
 
 
 def test_a_tensor_of_another_shape_is_named(make_config, tmp_path, weights):
     _, state = weights
     state["embed.wpe.weight"] = torch.zeros(64, 32)
     message = refusal(make_config, tmp_path, write(state, tmp_path / "wide.safetensors"))
-    assert "it holds embed.wpe.weight as [64, 32], where the model's is [32, 32]" in message
+    assert "wide.safetensors holds embed.wpe.weight as [64, 32], where the model's is [32, 32]" in message
 
 
 def test_a_file_that_is_not_safetensors_is_refused(make_config, tmp_path):

@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.models.weights_fit import Saved, base_state, check_fit, tied_groups
 from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFile
 
 INIT_WEIGHTS_KEY = "model.init_weights"
 """The config key this module reads and names in its refusals."""
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-"""The safetensors dtypes a floating-point tensor of the model is read from (cast to the model's dtype)."""
 
 
 @dataclass(frozen=True)
@@ -72,21 +71,6 @@ def init_weights_of(model: Any) -> str | None:
     return str(Path(path).expanduser().resolve())
 
 
-def _expected(net: nn.Module) -> dict[str, tuple[list[str], torch.Tensor]]:
-    """The model's state by tensor: per tensor, the names it goes by in the file (tied names share one tensor) and
-    the tensor. A model with LoRA adapters goes by the names of the model without them (the file holds the base
-    model; adapters start from their own initialisation)."""
-    from disttrain.models.lora import base_name, has_adapters, is_adapter
-
-    adapters = has_adapters(net)
-    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, tensor in net.state_dict(keep_vars=True).items():
-        if adapters and is_adapter(name):
-            continue
-        groups.setdefault(id(tensor), ([], tensor))[0].append(base_name(name) if adapters else name)
-    return {names[0]: (names, tensor) for names, tensor in groups.values()}
-
-
 def init_weights_file(path: str) -> SafetensorsFile:
     """The file ``model.init_weights`` names (resolved, as ``init_weights_of`` gives it), refused as a ConfigError
     on that key: by the job's check and by each rank's read alike."""
@@ -96,31 +80,14 @@ def init_weights_file(path: str) -> SafetensorsFile:
 
 def check_init_weights(net: nn.Module, path: str) -> InitWeightsFile:
     """``path``'s safetensors header holds every tensor of ``net`` (built on the meta device, possibly with
-    adapters) at its shape, in a dtype it casts from, and nothing else: ConfigError naming ``model.init_weights``,
-    the file, the tensor and what the model expects otherwise. Reads the header alone; returns what the run
-    records of the file."""
-    saved = init_weights_file(path).headers()
-    groups = _expected(net)
-    names = {name: tensor for group, tensor in groups.values() for name in group}
-    unexpected = [name for name in saved if name not in names]
-    if unexpected:
-        more = f" (nor {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it holds "
-                          f"{unexpected[0]}{more}, which the model has not (the model's first: {next(iter(names))})")
-    missing = [first for first, (group, _) in groups.items() if not any(name in saved for name in group)]
-    if missing:
-        more = f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it lacks "
-                          f"{missing[0]}{more}, of shape {list(names[missing[0]].shape)}")
-    for name, (_, shape, dtype) in saved.items():
-        tensor = names[name]
-        if tuple(shape) != tuple(tensor.shape):
-            raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it holds "
-                              f"{name} as {list(shape)}, where the model's is {list(tensor.shape)}")
-        if tensor.is_floating_point() and dtype not in FLOAT_DTYPES:
-            raise ConfigError(INIT_WEIGHTS_KEY, path, f"a safetensors file of this model's state_dict; it holds "
-                              f"{name} as {dtype}, where the model's {tensor.dtype} is read from one of "
-                              f"{', '.join(FLOAT_DTYPES)}")
+    adapters) at its shape, in a dtype it casts from, and nothing else, by the one rule of starting weights
+    (``disttrain.models.weights_fit``): ConfigError naming ``model.init_weights``, the file, the tensor and what
+    the model expects otherwise. Reads the header alone; returns what the run records of the file."""
+    file = init_weights_file(path)
+    saved = file.headers()
+    state = base_state(net)
+    check_fit(state, {name: Saved.of(name, saved[name]) for name in state if name in saved}, file.refuse,
+              strangers=[Saved.of(name, header) for name, header in saved.items() if name not in state])
     return InitWeightsFile(path, len(saved), Path(path).stat().st_size)
 
 
@@ -129,20 +96,21 @@ def load_init_weights(net: nn.Module, path: str) -> None:
     ``path``'s tensors, cast to the model's dtypes. A tied weight stored under several names must hold the same
     values under each. ValueError naming the file where it does not fit (the job checked it before)."""
     saved = init_weights_file(path).tensors()
-    groups = _expected(net)
-    extra = sorted(set(saved) - {name for group, _ in groups.values() for name in group})
+    state = base_state(net)
+    extra = sorted(set(saved) - set(state))
     if extra:
         raise ValueError(f"{path} holds {extra[0]}, which the model has not")
     with torch.no_grad():
-        for first, (group, tensor) in groups.items():
+        for group in tied_groups(state):
+            tensor = state[group[0]]
             present = [saved[name] for name in group if name in saved]
             if not present:
-                raise ValueError(f"{path} holds no tensor for {first} of the model")
+                raise ValueError(f"{path} holds no tensor for {group[0]} of the model")
             if any(not torch.equal(other, present[0]) for other in present[1:]):
                 raise ValueError(f"{path} holds different values under {', '.join(group)}, which the model ties "
                                  "(one tensor)")
             if tuple(present[0].shape) != tuple(tensor.shape):
-                raise ValueError(f"{path} holds {first} as {list(present[0].shape)}, where the model's is "
+                raise ValueError(f"{path} holds {group[0]} as {list(present[0].shape)}, where the model's is "
                                  f"{list(tensor.shape)}")
             tensor.copy_(present[0])
 

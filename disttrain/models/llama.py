@@ -35,7 +35,7 @@ from disttrain.models.attention import SequenceSplit, causal_attention, position
 from disttrain.models.dims import resolve_dims, sequence_length
 from disttrain.models.documents import PackedDocuments
 from disttrain.models.heads import COLUMNS, ROWS, HeadBlocks
-from disttrain.models.llama_hf import SIZES, import_hf_llama, read_hf_llama, weights_folder
+from disttrain.models.llama_hf import SIZES, hf_llama_sources, import_hf_llama, read_hf_llama
 from disttrain.models.lora import LoRAConfig
 from disttrain.models.registry import MODELS
 
@@ -89,7 +89,8 @@ class LlamaConfig:
     """A Hugging Face Llama folder (config.json and safetensors weights) whose weights the model starts from,
     loaded on the CPU when the model is built, before any parallelism. Sizes left null come from its
     config.json (not the flavour); sizes set, rope_theta and norm_eps must equal its own. An HF model with tied
-    embeddings starts with the output layer a copy of the embedding. None: random initialisation."""
+    embeddings starts with the output layer a copy of the embedding. Its tensors' names, shapes and dtypes are
+    checked against the model from their headers before any rank starts. None: random initialisation."""
     init_weights: str | None = None
     """A safetensors file of this model's ``state_dict()`` to start from instead of the seeded initialisation
     (``disttrain.checkpoint.init_weights``); not a ``resume``: step 0, a fresh optimiser. None: the seeded init."""
@@ -114,10 +115,9 @@ class LlamaConfig:
 
     def _with_sizes_of_init_from(self) -> LlamaConfig:
         """This config with its null sizes taken from ``init_from``'s config.json (and ``init_from`` cleared);
-        ConfigError where a size or setting given here differs from the folder's, or where its safetensors weights
-        are not whole (their headers are read here, before any rank reads the tensors)."""
+        ConfigError where a size or setting given here differs from the folder's. Its safetensors weights are held
+        against the model when it is built (``build_llama``: on the meta device, by the job, from their headers)."""
         hf = read_hf_llama(self.init_from)
-        weights_folder(self.init_from).headers()
         for key in SIZES:
             given = getattr(self, key)
             if given is not None and given != hf.sizes[key]:
@@ -392,10 +392,16 @@ class Llama(nn.Module):
 
 @MODELS.register("llama", LlamaConfig)
 def build_llama(cfg: LlamaConfig, spec: DataSpec) -> Llama:
-    """Build the Llama that ``cfg`` describes for the text of ``spec``."""
+    """Build the Llama that ``cfg`` describes for the text of ``spec``, starting from the weights of
+    ``cfg.init_from`` where set; built on the meta device, which has no values, the folder is only held against it
+    from its headers (the job's check, before any rank starts)."""
     dims = cfg.validate(spec)
     model = Llama(dims, dropout=cfg.dropout, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
                   attention_fp32=cfg.attention_fp32, document_end=spec.document_end)
-    if cfg.init_from is not None and not model.output.weight.is_meta:  # a model on the meta device has no values
-        model.load_state_dict(import_hf_llama(cfg.init_from)[1], strict=True)
+    if cfg.init_from is not None:
+        state = model.state_dict()
+        if model.output.weight.is_meta:  # no values to read into: the job's check, from the headers alone
+            hf_llama_sources(cfg.init_from, state)
+        else:
+            model.load_state_dict(import_hf_llama(cfg.init_from, state), strict=True)
     return model

@@ -6,11 +6,14 @@ change of layout is rotary: the built-in ``apply_rotary`` rotates the interleave
 of each head, HF Llama's ``rotate_half`` the pairs ``(i, i + head_dim/2)``, at the same frequency
 ``theta**(-2i/head_dim)``. So the rows of the query and key projections are permuted within each head on
 export, as Meta's own Llama-to-HF conversion does, and back on import; every other tensor keeps its layout.
+Since the permutation keeps shapes, a folder fits the model when each tensor's HF counterpart is there at the
+model's shape (``hf_llama_sources``, by the one rule of ``disttrain.models.weights_fit``): the job checks it from
+the headers against the model built on the meta device, and a rank again before it reads a tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from disttrain.errors import ConfigError
+from disttrain.models.weights_fit import Saved, check_fit
 from disttrain.safetensors_reader import ConfigRefusal, SafetensorsFolder
 
 INIT_KEY = "model.init_from"
@@ -40,6 +44,9 @@ _LAYER_NAMES = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
+_RECOMPUTED = "rotary_emb.inv_freq"
+"""The end of the name of a buffer some older HF checkpoints saved: recomputed from the config, so not a weight
+(neither read nor refused)."""
 _OUTER_NAMES = {"embed.tok.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
 
@@ -99,22 +106,26 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], n_head: int, n_kv_head: 
     return out
 
 
-def from_hf_state_dict(state: Mapping[str, torch.Tensor], n_layer: int, n_head: int, n_kv_head: int,
-                       tied: bool = False) -> dict[str, torch.Tensor]:
-    """The built-in Llama's state dict from an HF Llama's ``state``: every built-in name taken from its HF name
-    (queries and keys back to interleaved pairs); a tied HF model's embedding also fills ``output.weight``.
-    ConfigError naming the tensors that are missing or left over."""
-    names = [*_OUTER_NAMES, *(f"layers.{i}.{rest}" for i in range(n_layer) for rest in _LAYER_NAMES)]
-    wanted = {name: hf_name(name) for name in names}
-    if tied and "lm_head.weight" not in state:
-        wanted["output.weight"] = "model.embed_tokens.weight"
-    # buffers that some older HF checkpoints saved: recomputed from the config, so not weights
-    given = {key for key in state if not key.endswith("rotary_emb.inv_freq")}
-    missing, extra = sorted(set(wanted.values()) - given), sorted(given - set(wanted.values()))
-    if missing or extra:
-        raise ConfigError(INIT_KEY, None, f"an HF Llama's weights; missing {missing[:4]}, unexpected {extra[:4]}")
+def hf_names(names: Iterable[str], held: Container[str], tied: bool) -> dict[str, str]:
+    """The HF tensor each built-in tensor of ``names`` is read from, of those an HF Llama folder holds (``held``):
+    its counterpart (``hf_name``), or, for the output layer of a tied HF model saved without ``lm_head.weight``,
+    the token embedding. A name whose HF tensor is not held is left out."""
+    found = {}
+    for name in names:
+        key = hf_name(name)
+        if key not in held and tied and name == "output.weight":
+            key = _OUTER_NAMES["embed.tok.weight"]
+        if key in held:
+            found[name] = key
+    return found
+
+
+def from_hf_state_dict(state: Mapping[str, torch.Tensor], names: Mapping[str, str], n_head: int,
+                       n_kv_head: int) -> dict[str, torch.Tensor]:
+    """The built-in Llama's state dict from an HF Llama's tensors ``state``: each built-in name from the HF tensor
+    ``names`` maps it to (``hf_names``), queries and keys back to interleaved pairs."""
     out = {}
-    for name, key in wanted.items():
+    for name, key in names.items():
         heads = _heads_of(name, n_head, n_kv_head)
         out[name] = from_rotate_half(state[key], heads).contiguous() if heads else state[key].clone()
     return out
@@ -182,14 +193,31 @@ def weights_folder(folder: str | Path) -> SafetensorsFolder:
     """The safetensors weights of the HF Llama folder ``model.init_from`` names (``model.safetensors``, or the
     shards its ``model.safetensors.index.json`` lists), refused as a ConfigError on that key: by the job's check of
     their headers and by each rank's read alike."""
-    return SafetensorsFolder(Path(folder), ConfigRefusal(INIT_KEY, str(folder), "an HF Llama folder with whole "
-                                                                                "safetensors weights"))
+    return SafetensorsFolder(Path(folder), ConfigRefusal(INIT_KEY, str(folder), "an HF Llama folder whose safetensors "
+                                                                                "weights are whole and fit the model"))
 
 
-def import_hf_llama(folder: str | Path) -> tuple[HFLlama, dict[str, torch.Tensor]]:
-    """An HF Llama folder as the built-in Llama's sizes and settings and its state dict (names and layouts mapped
-    back); ConfigError when the folder does not fit the built-in Llama."""
+def hf_llama_sources(folder: str | Path, state: Mapping[str, torch.Tensor]) -> tuple[HFLlama, dict[str, str]]:
+    """The HF Llama folder ``model.init_from`` names, and the HF tensor each of the built-in model's tensors
+    ``state`` (real, or on the meta device) is read from, from the safetensors headers alone: held against the
+    model by the one rule of starting weights (``disttrain.models.weights_fit``), so a tensor the model lacks, one
+    the folder lacks, one of another shape or in a dtype that does not cast is a ConfigError on ``model.init_from``
+    naming the folder, the file, the tensor and what the model expects."""
     hf = read_hf_llama(folder)
-    state = from_hf_state_dict(weights_folder(folder).tensors(), hf.sizes["n_layer"], hf.sizes["n_head"],
-                               hf.sizes["n_kv_head"], tied=hf.tied)
-    return hf, state
+    weights = weights_folder(folder)
+    saved = weights.headers()
+    names = hf_names(state, saved, hf.tied)
+    read = set(names.values())
+    strangers = [Saved.of(key, header) for key, header in saved.items()
+                 if key not in read and not key.endswith(_RECOMPUTED)]
+    check_fit(state, {name: Saved.of(key, saved[key]) for name, key in names.items()}, weights.refuse,
+              strangers=strangers, saved_name=hf_name)
+    return hf, names
+
+
+def import_hf_llama(folder: str | Path, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF Llama folder ``model.init_from`` names as the state dict of the built-in model whose tensors are
+    ``state`` (names and layouts mapped back): checked by ``hf_llama_sources`` before any tensor is read, so a
+    rank refuses a folder as the job does."""
+    hf, names = hf_llama_sources(folder, state)
+    return from_hf_state_dict(weights_folder(folder).tensors(), names, hf.sizes["n_head"], hf.sizes["n_kv_head"])

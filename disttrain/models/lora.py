@@ -247,7 +247,7 @@ def adapter_summary(net: nn.Module) -> str | None:
 
 class InitialValue:
     """An adapter's initial value held in memory, read by boxes as a folder's tensor is
-    (``disttrain.models.hf.conversion.Saved``)."""
+    (``disttrain.models.weights_fit.Saved``)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from disttrain.models.hf.conversion import Conversion, Source, saved_sources
+from disttrain.models.weights_fit import lacking
 from disttrain.safetensors_reader import SafetensorsFolder
 
 
@@ -41,8 +42,7 @@ def load_pretrained(model: nn.Module, folder: SafetensorsFolder, conversion: Con
     tied = {name for name, tensor in state.items() if name not in sources and _storage(tensor) in storages}
     missing = sorted(set(state) - set(sources) - tied)
     if missing:
-        raise folder.refuse(f"no file of the folder holds {missing[0]}"
-                            f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+        raise folder.refuse(lacking(missing, state))
     with torch.no_grad():
         for name, tensor in state.items():
             if name not in tied:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from disttrain.models.lora import base_name
-from disttrain.safetensors_reader import Box, SafetensorsFile, TensorHeader
+from disttrain.models.weights_fit import Saved
+from disttrain.safetensors_reader import Box, TensorHeader
 
 
 @dataclass
@@ -51,30 +52,6 @@ def conversion_of(net: Any) -> Conversion | None:
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     return Conversion(get_model_conversion_mapping(model), model.base_model_prefix, model)
-
-
-@dataclass
-class Saved:
-    """One tensor of a safetensors file."""
-
-    file: SafetensorsFile
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    """Its safetensors dtype (``F32``, ``BF16``, ...)."""
-
-    @classmethod
-    def of(cls, name: str, header: TensorHeader) -> Saved:
-        """The tensor ``name`` that ``header`` describes."""
-        return cls(header.file, name, header.shape, header.dtype)
-
-    def read(self, box: Box) -> torch.Tensor:
-        """The ``box`` of the tensor, the only bytes read."""
-        return self.file.part(self.name, box)
-
-    def leaves(self) -> list[Saved]:
-        """The saved tensors read."""
-        return [self]
 
 
 @dataclass
