@@ -252,7 +252,8 @@ def test_zero3_optimiser_state_is_the_adapters_shard(tmp_path):
 def test_exported_adapters_and_merged_model_give_the_runs_logits(tmp_path):
     """A run's adapters exported in PEFT's format, loaded by ``PeftModel.from_pretrained`` on the folder the run
     started from, and the merged Hugging Face export (``--format hf``) give the run's own model's logits; greedy
-    generation from the run (``disttrain.generate``) is the merged model's own greedy ``generate``."""
+    generation from the run (``disttrain.generate``) is the merged model's own greedy ``generate``; the merged
+    safetensors export starts a ``model=hf`` run without adapters at the run's logits."""
     import transformers
     from peft import PeftModel
 
@@ -278,6 +279,11 @@ def test_exported_adapters_and_merged_model_give_the_runs_logits(tmp_path):
         assert (base_logits - ours).abs().max() > 1e-2  # the adapters have moved the model
         for exported in (adapted, merged):
             torch.testing.assert_close(exported(tokens).logits, ours, rtol=0, atol=1e-5)
+    # one weights file, adapters merged: a model=hf run without adapters on the same folder's config starts there
+    plain = [*HF_LLAMA, f"model.path={folder}"]
+    torch.testing.assert_close(merged_export_logits(run_dir, plain, tokens, tmp_path), ours, rtol=0,
+                               atol=MERGED_LOGITS_ATOL)
+    with torch.no_grad():
         prompt = tokens[0, :8].tolist()
         ours_greedy = sample(loaded.model, prompt, 8, loaded.spec.block_size, 0.0, 0, loaded.spec.vocab_size, None)
         theirs = merged.generate(tokens[:1, :8], max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -371,7 +377,8 @@ def test_dora_adapters_match_one_process_under_zero3(tmp_path):
 
 def test_a_builtin_llama_with_adapters_exports_merged_in_hf_format(tmp_path):
     """``--format hf`` of the built-in Llama merges the adapters before its weights are mapped to HF Llama's
-    (query and key rows permuted per head): ``from_pretrained`` gives the run's logits."""
+    (query and key rows permuted per head): ``from_pretrained`` gives the run's logits, as does a Llama without
+    adapters started from the merged safetensors export."""
     import transformers
 
     from disttrain.checkpoint.export import export_hf
@@ -387,4 +394,8 @@ def test_a_builtin_llama_with_adapters_exports_merged_in_hf_format(tmp_path):
     merged = transformers.AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "run", tmp_path / "merged"),
                                                                local_files_only=True).eval()
     with torch.no_grad():
-        torch.testing.assert_close(merged(tokens).logits, loaded.model(tokens), rtol=0, atol=1e-5)
+        ours = loaded.model(tokens)
+        torch.testing.assert_close(merged(tokens).logits, ours, rtol=0, atol=1e-5)
+    plain = [o for o in overrides if o not in ADAPTERS]
+    torch.testing.assert_close(merged_export_logits(tmp_path / "run", plain, tokens, tmp_path), ours, rtol=0,
+                               atol=MERGED_LOGITS_ATOL)
