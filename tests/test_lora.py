@@ -399,3 +399,20 @@ def test_a_builtin_llama_with_adapters_exports_merged_in_hf_format(tmp_path):
     plain = [o for o in overrides if o not in ADAPTERS]
     torch.testing.assert_close(merged_export_logits(tmp_path / "run", plain, tokens, tmp_path), ours, rtol=0,
                                atol=MERGED_LOGITS_ATOL)
+
+
+def test_a_moe_with_dora_adapters_exports_merged_and_starts_a_model_without_them(tmp_path):
+    """The merged export of a mixture-of-experts Llama with DoRA adapters (each row's magnitude merged too, by
+    PEFT's merge) starts a model without adapters at the run's logits."""
+    from disttrain.generate.loading import load_run
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+
+    plain = [*(o for o in BASE if not o.startswith("model")), "model=moe", "model.flavour=micro"]
+    train(compose_config([*plain, *ADAPTERS, "model.lora.dora=true"], tmp_path / "run"))
+    loaded = load_run(tmp_path / "run", "last")
+    tokens = torch.randint(0, loaded.spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = loaded.model(tokens)
+    torch.testing.assert_close(merged_export_logits(tmp_path / "run", plain, tokens, tmp_path), ours, rtol=0,
+                               atol=MERGED_LOGITS_ATOL)
