@@ -76,7 +76,9 @@ def exported_weights(source: Path, merge_adapters: bool = True) -> dict[str, Any
         return weights
     from disttrain.checkpoint.run_model import merged_model, run_config
 
-    return merged_model(run_config(checkpoint, run_dir), weights).weights
+    cfg = run_config(checkpoint, run_dir, "a LoRA checkpoint's adapters are merged on the model the run's config "
+                     "describes (--keep-adapters writes them unmerged)")
+    return merged_model(cfg, weights).weights
 
 
 def export(source: Path, output: Path, merge_adapters: bool = True) -> Path:

@@ -26,11 +26,12 @@ class MergedModel:
     ``q.base_layer.weight``), each adapted weight ``W + scale * B A`` by PEFT's own merge."""
 
 
-def run_config(checkpoint: Path, run_dir: Path) -> DictConfig:
+def run_config(checkpoint: Path, run_dir: Path, needed_for: str = "") -> DictConfig:
     """The resolved ``config.yaml`` of the run that wrote ``checkpoint``; FileNotFoundError naming the run
-    directory where it holds none."""
+    directory where it holds none, and what the config is ``needed_for`` where given."""
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"no config.yaml in {run_dir}, the run directory of {checkpoint}")
+        raise FileNotFoundError(f"no config.yaml in {run_dir}, the run directory of {checkpoint}"
+                                + (f": {needed_for}" if needed_for else ""))
     return OmegaConf.load(run_dir / "config.yaml")
 
 
