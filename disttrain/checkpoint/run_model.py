@@ -20,7 +20,8 @@ class MergedModel:
     model: Any
     """The typed model config of the run."""
     net: Any
-    """The network the run built, on the meta device, left without adapters and holding ``weights``."""
+    """The network the run built, on the meta device; a network with adapters is left without them, holding
+    ``weights``."""
     weights: dict[str, torch.Tensor]
     """The model's tensors under the names of the model without adapters (``q.weight``, not
     ``q.base_layer.weight``), each adapted weight ``W + scale * B A`` by PEFT's own merge."""
