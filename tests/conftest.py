@@ -275,12 +275,13 @@ def logged_metric(run_dir: Path, name: str) -> list[tuple[int, float]]:
 
 
 def exported_val_loss(run_dir: Path, checkpoint: Path, export_to: Path) -> float:
-    """Export ``checkpoint``, load it into the bare model in this process and return its validation loss
-    on the samples the run validated on (all of them, or the first ``limit_val_batches`` global batches)."""
+    """Export ``checkpoint`` as the run holds it (a LoRA run's adapters kept apart), load it into the bare model
+    of the run's config in this process and return its validation loss on the samples the run validated on (all
+    of them, or the first ``limit_val_batches`` global batches)."""
     from disttrain.checkpoint.export import export
     from disttrain.checkpoint.io import load_weights_file
 
-    return val_loss_of_weights(run_dir, load_weights_file(export(checkpoint, export_to)))
+    return val_loss_of_weights(run_dir, load_weights_file(export(checkpoint, export_to, merge_adapters=False)))
 
 
 def val_loss_of_weights(run_dir: Path, weights: dict) -> float:

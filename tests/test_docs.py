@@ -14,10 +14,10 @@ dry run runs too (one rank of the layout, the whole of such a job).
 
 Placeholders name the reader's own files, which the test makes (small) on first use: ``DIR`` and ``notes.txt``
 (a Hugging Face model folder and a text file, by ``tests.test_cli.with_own_files``), ``RUN_DIR`` and
-``outputs/runs/<time>`` (a finished run, trained here), ``TOKENS_DIR`` and ``IMAGES_DIR`` (token files and an
-image folder, by the helpers of ``test_cli`` and ``test_image_folder``), ``chat.jsonl`` and ``qa.parquet`` (chat
-rows, by ``test_chat_data``'s), ``TASKS_DIR`` and ``TUNED_RUN`` (task files over local data, and a run fine-tuned
-from ``DIR``, for ``eval``); a page's ```python block that starts
+``outputs/runs/<time>`` (a finished run, trained here), ``LORA_RUN`` (the same with LoRA adapters), ``TOKENS_DIR``
+and ``IMAGES_DIR`` (token files and an image folder, by the helpers of ``test_cli`` and ``test_image_folder``),
+``chat.jsonl`` and ``qa.parquet`` (chat rows, by ``test_chat_data``'s), ``TASKS_DIR`` and ``TUNED_RUN`` (task files
+over local data, and a run fine-tuned from ``DIR``, for ``eval``); a page's ```python block that starts
 with ``# NAME.py`` is that file, written where the commands run.
 
 The README's first block's ``train.py`` commands run whole, shortened by step counts, in ``tests/test_cli.py``
@@ -175,6 +175,14 @@ class OwnFiles:
         return str(self.folder / "run")
 
     @cached_property
+    def lora_run(self) -> str:
+        """A finished run's directory with LoRA adapters (``TINY_RUN`` with ``model.lora.rank=4``)."""
+        from disttrain.launch.job import train
+
+        train(compose_config([*TINY_RUN, "model.lora.rank=4"], self.folder / "lora_run"))
+        return str(self.folder / "lora_run")
+
+    @cached_property
     def tasks(self) -> str:
         """A folder of two lm-evaluation-harness task files over local JSONL (``test_eval_tasks``'s)."""
         from tests.test_eval_tasks import write_tasks
@@ -241,8 +249,9 @@ class OwnFiles:
 
     def fill(self, arg: str) -> str:
         """``arg`` with every placeholder replaced by the file made for it."""
-        for placeholder, made in (("outputs/runs/<time>", "run"), ("RUN_DIR", "run"), ("TOKENS_DIR", "tokens"),
-                                  ("IMAGES_DIR", "images"), ("chat.jsonl", "chat"), ("qa.parquet", "qa"),
+        for placeholder, made in (("outputs/runs/<time>", "run"), ("RUN_DIR", "run"), ("LORA_RUN", "lora_run"),
+                                  ("TOKENS_DIR", "tokens"), ("IMAGES_DIR", "images"), ("chat.jsonl", "chat"),
+                                  ("qa.parquet", "qa"),
                                   ("TASKS_DIR", "tasks"), ("TUNED_RUN", "tuned"), ("MIXTURE_DIR", "mixture")):
             if placeholder in arg:
                 arg = arg.replace(placeholder, getattr(self, made))

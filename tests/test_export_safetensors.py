@@ -86,3 +86,18 @@ def test_a_write_that_fails_leaves_the_file_that_was_there(tmp_path):
         write_atomically(output, crash)
     assert torch.equal(load_file(output)["w"], torch.ones(2))
     assert [path.name for path in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_a_lora_checkpoint_without_its_runs_config_is_refused_in_one_line_unless_kept_as_held(tmp_path, capsys):
+    """Merging a LoRA checkpoint's adapters needs the model its run's ``config.yaml`` describes: a checkpoint
+    folder without one is refused in one line that names it and ``--keep-adapters``, which writes it as held."""
+    state = {"attn.q.base_layer.weight": torch.ones(2, 2), "attn.q.lora_A.default.weight": torch.ones(1, 2)}
+    checkpoint = saved_checkpoint(tmp_path / "copied" / "last.ckpt", state)
+    assert export_status(checkpoint, "--format", "safetensors", tmp_path / "merged.safetensors") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"Error: no config.yaml in {tmp_path}, the run directory of {checkpoint}: a LoRA checkpoint's "
+                   "adapters are merged on the model the run's config describes (--keep-adapters writes them "
+                   "unmerged)"), err
+    assert not (tmp_path / "merged.safetensors").exists()
+    assert export_status(checkpoint, "--format", "safetensors", "--keep-adapters", tmp_path / "held.safetensors") == 0
+    assert load_file(tmp_path / "held.safetensors").keys() == state.keys()

@@ -24,7 +24,7 @@ def write_peft_folder(cfg: DictConfig, weights: dict[str, torch.Tensor], output:
     model other than ``hf``."""
     from safetensors.torch import save_file
 
-    from disttrain.checkpoint.hf import model_on_meta
+    from disttrain.checkpoint.run_model import model_on_meta
     from disttrain.models.lora import adapter_config, adapter_weights
 
     if cfg.model.get("name") != "hf":

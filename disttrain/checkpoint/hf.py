@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from disttrain.errors import ConfigError
 
@@ -28,25 +28,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
 """The files of a Hugging Face tokenizer folder that an export carries (data each: none is code);
 ``tokenizer.json`` is the one a folder must hold."""
-
-
-def model_on_meta(cfg: DictConfig) -> tuple[Any, Any]:
-    """The typed model config of a run's resolved ``config.yaml`` and the model it describes, built on the meta
-    device for the run's data."""
-    from disttrain.data import UserDataConfig, build_datamodule
-    from disttrain.models import MODELS, build_model
-    from disttrain.models.meta import on_meta_device
-    from disttrain.models.registry import with_open_fields
-
-    data = cfg.data
-    if "_target_" in data:
-        data = UserDataConfig(OmegaConf.to_container(data, resolve=True))
-    spec = build_datamodule(data, micro_batch_size=1, seed=cfg.get("seed", 0)).spec
-    # the run's config passed validation when it ran: merging the model node into its schema is all that is left
-    schema = MODELS.get(cfg.model.name).schema
-    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), with_open_fields(cfg.model, schema)))
-    with on_meta_device():
-        return model, build_model(model, spec)
 
 
 def check_hf_model(cfg: DictConfig) -> str:
@@ -61,13 +42,13 @@ def check_hf_model(cfg: DictConfig) -> str:
 def hf_folder(weights: dict[str, torch.Tensor], cfg: DictConfig) -> tuple[Any, dict[str, torch.Tensor]]:
     """The HF config and the HF-named weights of a run's consolidated ``weights``; ConfigError for a model
     without a Hugging Face format."""
+    from disttrain.checkpoint.run_model import merged_model
     from disttrain.models.llama_hf import SIZES, hf_config, to_hf_state_dict
-    from disttrain.models.lora import has_adapters, merged_weights
 
     name = check_hf_model(cfg)
-    model, net = model_on_meta(cfg)
-    if has_adapters(net):  # one model: each adapter merged into the weight it wraps, under the base model's names
-        weights = merged_weights(net, weights)
+    # one model: each adapter merged into the weight it wraps, under the base model's names
+    merged = merged_model(cfg, weights)
+    model, net, weights = merged.model, merged.net, merged.weights
     if name == "hf":
         config = copy.deepcopy(net.hf_config)
         # training runs without a KV cache; the exported model generates with one, as the original does

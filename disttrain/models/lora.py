@@ -16,6 +16,7 @@ reads the part of them it holds once the network is laid out, as it reads the fo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -39,6 +40,8 @@ BASE_DTYPES = {"keep": None, "bfloat16": torch.bfloat16, "nf4": None}
 built). ``nf4``'s adapted layers are quantised later, by the rank (``QUANTISED_BASES``)."""
 QUANTISED_BASES = ("nf4",)
 """``model.lora.base_dtype`` values whose adapted base layers a rank holds quantised (``disttrain.models.nf4``)."""
+BASE_LAYER = "base_layer"
+"""The name PEFT gives the layer an adapter wraps, inside the adapter's layer (``q.base_layer.weight``)."""
 INITIAL_ADAPTERS = "initial_adapters"
 """Attribute of a network built on the meta device: its adapters' initial values, by parameter name."""
 
@@ -206,7 +209,14 @@ def is_adapter(name: str) -> bool:
 def base_name(name: str) -> str:
     """The name a wrapped base weight has in the model without adapters (``q_proj.base_layer.weight`` ->
     ``q_proj.weight``), as a folder of base weights holds it."""
-    return ".".join(part for part in name.split(".") if part != "base_layer")
+    return ".".join(part for part in name.split(".") if part != BASE_LAYER)
+
+
+def holds_adapters(names: Iterable[str]) -> bool:
+    """Whether the names of a model's tensors (a checkpoint's) are those of a model with adapters, which wraps
+    each adapted layer as ``<module>.base_layer``. Reads the names alone, without PEFT, which an export of a
+    run without adapters does not need."""
+    return any(BASE_LAYER in name.split(".") for name in names)
 
 
 def _initial_adapters(net: nn.Module, lora: LoRAConfig) -> dict[str, torch.Tensor]:
@@ -293,7 +303,7 @@ def adapter_parts(module: nn.Module) -> tuple[str, str, str] | None:
     -> rank) and of its up projection (``lora_B``, rank -> output features); None for any other module."""
     if not (hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")):
         return None
-    return "base_layer", f"lora_A.{ADAPTER_NAME}", f"lora_B.{ADAPTER_NAME}"
+    return BASE_LAYER, f"lora_A.{ADAPTER_NAME}", f"lora_B.{ADAPTER_NAME}"
 
 
 def uses_dora(module: nn.Module) -> bool:
