@@ -267,7 +267,8 @@ def test_the_cnns_zero3_rank_holds_its_plan_and_about_zero1s_peak(tmp_path: Path
             for u in stats.shard_units}
     assert list(size) == ["blocks.0", "blocks.1"] and size["blocks.1"] > 0.7 * stats.params  # the premise
     buffers = block_buffers(stats, est.layout, state)
-    assert buffers.last_with_grads == (size["blocks.1"] + size["blocks.0"]) * state.param + size["blocks.1"] * state.grad
+    gathered = (size["blocks.1"] + size["blocks.0"]) * state.param  # its parameters, the first block's all-gather
+    assert buffers.last_with_grads == gathered + size["blocks.1"] * state.grad
     measured = {stage: dry_run(run) for stage, run in runs.items()}
     for stage, result in measured.items():
         # measured here (measured / planned): zero1 3.44 / 3.42 MB 1.005, zero3 3.42 / 3.50 MB 0.978 (0.936 with the
@@ -295,11 +296,12 @@ def test_full_checkpointing_keeps_less_than_selective_and_peaks_no_higher(tmp_pa
     runs = {policy: validate(compose_config([*WIDE_GPT, "mode=dryrun", f"parallel.activation_checkpoint={policy}"],
                                             tmp_path / policy)) for policy in ("full", "selective")}
     est, _, inputs = plan_of_run(runs["full"])
+    policies = ("full", "selective", "none")
     for cp, micro in [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]:
         by = {policy: inputs.estimate(replace(est.layout, cp=cp, dp_shard=2 // cp, micro_size=micro,
-                                              activation_checkpoint=policy)) for policy in ("none", "selective", "full")}
-        held = [by[policy].activations_held for policy in ("full", "selective", "none")]
-        peaks = [by[policy].total_bytes for policy in ("full", "selective", "none")]
+                                              activation_checkpoint=policy)) for policy in policies}
+        held = [by[policy].activations_held for policy in policies]
+        peaks = [by[policy].total_bytes for policy in policies]
         assert held == sorted(held) and held[0] < held[1], (cp, micro, held)
         assert peaks == sorted(peaks), (cp, micro, peaks)
         assert max(by["full"].phases, key=by["full"].phases.get) == "in_first_block", by["full"].phases
