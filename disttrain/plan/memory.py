@@ -267,9 +267,9 @@ class BlockBuffers:
     last_with_grads: float = 0.0
     """The last block's, its gradients whole."""
     earlier_start: float = 0.0
-    """An earlier block's as it starts (the last of them: most activations held)."""
+    """An earlier block's as it starts (the most of any)."""
     earlier_with_grads: float = 0.0
-    """An earlier block's, its gradients whole."""
+    """An earlier block's, its gradients whole (the most of any)."""
     first_start: float = 0.0
     """The first block's as it starts, when backward reaches it last of all (the last block's where it is the only
     one)."""
@@ -296,18 +296,16 @@ def block_buffers(stats: ModelStats, layout: Layout, state: StateBytes, float8_g
 
     sizes = [unit_bytes(u) for u in units]  # in forward order: backward runs them from the last
     gathers = layout.reshards_after_forward
-    waits = not layout.stage_keeps_whole
 
-    def start(i: int) -> float:  # its parameters and its own all-gather output, a later unit's reduce-scatter input
-        param = sizes[i][0]
-        waiting = sizes[i + 1][1] if waits and i + 1 < len(sizes) else 0.0
-        return (2 * param if gathers else 0.0) + waiting
+    def waiting(i: int) -> float:  # the later unit's reduce-scatter input
+        return sizes[i + 1][1] if i + 1 < len(sizes) and not layout.stage_keeps_whole else 0.0
 
-    def with_grads(i: int) -> float:  # its parameters, the previous unit's prefetched output (the first prefetches
-        # nothing), its whole gradients and a later unit's reduce-scatter input
+    def start(i: int) -> float:  # its parameters beside its own all-gather output
+        return (2 * sizes[i][0] if gathers else 0.0) + waiting(i)
+
+    def with_grads(i: int) -> float:  # its parameters beside the previous unit's output (the first prefetches none)
         prefetched = sizes[i - 1][0] if i > 0 else 0.0
-        waiting = sizes[i + 1][1] if waits and i + 1 < len(sizes) else 0.0
-        return (sizes[i][0] + prefetched if gathers else 0.0) + sizes[i][1] + waiting
+        return (sizes[i][0] + prefetched if gathers else 0.0) + sizes[i][1] + waiting(i)
 
     last = len(sizes) - 1
     earlier = range(last)
