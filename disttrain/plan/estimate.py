@@ -268,7 +268,7 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
                     if within(stats.param_unit[name], acts.first_block))
         pending = memory["grads"] * min(first / params, 1.0) if params else 0.0
         phases["in_first_block"] = (memory["params"] + memory["grads"] - pending + memory["optimizer"]
-                                    + acts.in_first_block + buffers.earlier_start + root.in_blocks)
+                                    + acts.in_first_block + buffers.first_start + root.in_blocks)
     return memory, phases
 
 

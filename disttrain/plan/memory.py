@@ -252,22 +252,27 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
 
 @dataclass(frozen=True)
 class BlockBuffers:
-    """ZeRO-2/3's short-lived buffers of the largest unit (of its experts, the rank's 1/ep) while backward runs
-    through the blocks, as its backward starts (``start``: its activations are all there) and once its gradients
-    are whole (``with_grads``: its activations are gone). Under ZeRO-3 the unit's gathered parameters and an
-    all-gather's output beside them (its own as it copies them out, or the previous unit's, prefetched); under
-    ZeRO-2/3 its whole gradients before their reduce-scatter and, in a block before the last, the later block's
-    reduce-scatter input, which FSDP2 frees only as the next reduce-scatter starts (not in a pipeline stage, which
-    reduces once when the step ends)."""
+    """ZeRO-2/3's short-lived buffers while backward runs through the blocks (of a unit's experts, the rank's 1/ep),
+    each unit's with its own sizes, as its backward starts (``start``: its activations are all there) and once its
+    gradients are whole (``with_grads``: its activations are gone). Under ZeRO-3 the unit's gathered parameters and
+    an all-gather's output beside them: its own as it copies them out, then, once FSDP2 has freed that, the one
+    backward comes to next (the unit before it), prefetched; under ZeRO-2/3 its whole gradients before their
+    reduce-scatter and, in a block before the last, the later block's reduce-scatter input, which FSDP2 frees only
+    as the next reduce-scatter starts (not in a pipeline stage, which reduces once when the step ends). Blocks of
+    unequal sizes (a CNN's stages) differ: the prefetched output beside the last block's gradients is the previous
+    block's, not another of the last one's."""
 
     last_start: float = 0.0
     """The last block's backward as it starts."""
     last_with_grads: float = 0.0
     """The last block's, its gradients whole."""
     earlier_start: float = 0.0
-    """An earlier block's as it starts (the last of them: most activations held)."""
+    """An earlier block's as it starts (the most of any)."""
     earlier_with_grads: float = 0.0
-    """An earlier block's, its gradients whole."""
+    """An earlier block's, its gradients whole (the most of any)."""
+    first_start: float = 0.0
+    """The first block's as it starts, when backward reaches it last of all (the last block's where it is the only
+    one)."""
 
     @property
     def most(self) -> float:
@@ -289,13 +294,23 @@ def block_buffers(stats: ModelStats, layout: Layout, state: StateBytes, float8_g
         return (sum(n * (1 if name in float8_gathered else state.param) for name, n in names),
                 sum(n for _, n in names) * state.grad)
 
-    sizes = [unit_bytes(u) for u in units]
-    param, grad = max(p for p, _ in sizes), max(g for _, g in sizes)
-    waiting = grad if len(units) > 1 and not layout.stage_keeps_whole else 0.0  # a later unit's reduce-scatter input
-    gathered = 2 * param if layout.reshards_after_forward else 0.0
-    # the first block prefetches nothing: once its own all-gather output is gone only its parameters stay
-    earlier = gathered if len(units) > 2 or not gathered else param
-    return BlockBuffers(gathered, gathered + grad, gathered + waiting, earlier + grad + waiting)
+    sizes = [unit_bytes(u) for u in units]  # in forward order: backward runs them from the last
+    gathers = layout.reshards_after_forward
+
+    def waiting(i: int) -> float:  # the later unit's reduce-scatter input
+        return sizes[i + 1][1] if i + 1 < len(sizes) and not layout.stage_keeps_whole else 0.0
+
+    def start(i: int) -> float:  # its parameters beside its own all-gather output
+        return (2 * sizes[i][0] if gathers else 0.0) + waiting(i)
+
+    def with_grads(i: int) -> float:  # its parameters beside the previous unit's output (the first prefetches none)
+        prefetched = sizes[i - 1][0] if i > 0 else 0.0
+        return (sizes[i][0] + prefetched if gathers else 0.0) + sizes[i][1] + waiting(i)
+
+    last = len(sizes) - 1
+    earlier = range(last)
+    return BlockBuffers(start(last), with_grads(last), max(map(start, earlier), default=0.0),
+                        max(map(with_grads, earlier), default=0.0), start(0))
 
 
 @dataclass(frozen=True)
