@@ -2,7 +2,8 @@
 bitsandbytes, frozen, a quarter of bf16's bytes; the adapters alone train; checkpoints hold the base dequantised
 (bf16), never the codes; the settings refused before any rank starts.
 
-The fast tests quantise a built GPT in this process; the slow ones train it through the runner (one process and
+The fast tests quantise a built GPT in this process, and hold the planner's pricing of the quantised base against
+the layers' own bytes and a dry run's measured memory; the slow ones train it through the runner (one process and
 DDP on 2 ranks) beside a bf16-base LoRA run from the same start.
 """
 

@@ -32,7 +32,12 @@ What it records, for one micro-batch:
 - for a ``bf16-mixed`` run, all of it as autocast makes it (``disttrain.plan.autocast``): every tensor in the dtype
   autocast gives it, the bf16 copies of the weights among the saved tensors, and what the loss's backward
   adds to what is saved before the logits' gradient is complete (its gradients, fp32 ones among them, less what
-  it frees by then).
+  it frees by then);
+- a QLoRA base (``model.lora.base_dtype=nf4``) as a rank holds and runs it: the pass quantises a copy of the model's
+  adapted layers (``disttrain.models.nf4``, on the meta device too), which keep nothing for backward but their codes
+  (a parameter: no bf16 copy of the weight), return their input's dtype and count the FLOPs of the product with the
+  dequantised weight (``ops.LIBRARY_FLOPS``); each is held at its codes and absmax per weight, and the dequantised
+  bf16 weight of the largest is a transient of backward (``ModelStats.dequantised_bytes``).
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
 
 
 class OpCounter(TorchDispatchMode):
-    """Reports each operator as an ``Op``: FLOPs by the formulas of ``registry`` and ``LIBRARY_FLOPS``, the bytes it reads and writes (views:
-    none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
+    """Reports each operator as an ``Op``: FLOPs by the formulas of ``registry`` and ``LIBRARY_FLOPS``, the bytes
+    it reads and writes (views: none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
 
     def __init__(self, registry: dict, on_op, on_call=None) -> None:
         super().__init__()
