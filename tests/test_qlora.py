@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -182,10 +183,13 @@ def test_the_plan_prices_the_nf4_base_at_what_its_layers_hold(make_config):
     from disttrain.plan.layout import Layout
     from disttrain.plan.planner import plan_inputs
 
-    run = validate(make_config([*WIDE, *NF4]))
-    net = build_model(run.model, run.datamodule.spec)
-    inputs = plan_inputs(net, run.datamodule.spec, 2, ParallelConfig(), OmegaConf.create({"name": "adamw"}),
-                         "bf16-mixed", PROFILES["h100_sxm"])
+    def planned(overrides: list[str]) -> tuple[torch.nn.Module, Any]:
+        run = validate(make_config([*WIDE, *overrides]))
+        net = build_model(run.model, run.datamodule.spec)
+        return net, plan_inputs(net, run.datamodule.spec, 2, ParallelConfig(), OmegaConf.create({"name": "adamw"}),
+                                "bf16-mixed", PROFILES["h100_sxm"])
+
+    net, inputs = planned(NF4)
     held = copy.deepcopy(net)
     quantise_adapted_bases(held)
     quantised = {f"{name}.weight": layer for name, layer in nf4_layers(held)}
@@ -202,6 +206,8 @@ def test_the_plan_prices_the_nf4_base_at_what_its_layers_hold(make_config):
     assert memory["optimizer"] == pytest.approx(adapters * 8) and memory["grads"] == pytest.approx(adapters * 4)
     widest = max(layer.in_features * layer.out_features for layer in quantised.values())
     assert memory["transient"] == widest * torch.bfloat16.itemsize
+    # the 4-bit products count the FLOPs of the bf16 base's (torch's formulas see no product inside them)
+    assert inputs.stats.total_flops == planned(BF16)[1].stats.total_flops > 0
 
 
 QLORA_LLAMA = ["model=llama", "model.flavour=micro", "model.n_embd=256", "model.mlp_hidden=768",
