@@ -225,6 +225,8 @@ def test_a_qlora_dry_run_holds_the_memory_the_plan_predicts(tmp_path):
     from tests.conftest import compose_config
 
     result = dry_run(validate(compose_config(QLORA_LLAMA, tmp_path)))
+    # measured here (measured / planned): 1.010 (a plan that priced the base as built and kept autocast's bf16
+    # copies of it: 0.703)
     print(f"measured / planned peak {result['peak_ratio']:.3f}")
     assert result["measured_peak_bytes"] == pytest.approx(result["planned_peak_bytes"], rel=0.05), result
     measured, planned = result["measured_moments_bytes"], result["planned_moments_bytes"]
