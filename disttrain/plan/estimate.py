@@ -251,8 +251,8 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
     """Per-rank memory terms and the bytes in use at the moments memory peaks (``Estimate.memory`` and
     ``Estimate.phases``): after forward, when backward reaches the first block (every later unit's gradient
     exists beside that block's activations) and after backward. ``float8_gathered``: parameters FSDP2 gathers in
-    float8; ``dequantised``: the largest weight a quantised layer dequantises for a product (``memory.
-    dequantised_weight``), a transient of every block's backward."""
+    float8; ``dequantised``: the largest weight a quantised layer dequantises for a product
+    (``memory.dequantised_weight``), a transient of every block's backward."""
     memory = model_state(params, layout, state, experts)
     memory["activations"] = acts.peak
     buffers = block_buffers(stats, layout, state, float8_gathered)
