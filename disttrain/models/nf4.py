@@ -90,9 +90,20 @@ class NF4Linear(nn.Module):
         self.quant_state.to(self.weight.device)
         return self
 
+    @property
+    def weights(self) -> int:
+        """Weights the layer holds (out x in), two to each byte of its codes."""
+        return self.out_features * self.in_features
+
     def held_bytes(self) -> int:
         """Bytes of the quantised weight: its codes and the blocks' absmax."""
         return self.weight.nbytes + self.quant_state.absmax.nbytes
+
+    def dequantised_bytes(self) -> int:
+        """Bytes of the bf16 weight a forward or backward makes from the codes for its matrix product, freed after
+        it: bitsandbytes dequantises the whole weight for the input's gradient, and for the product itself on a
+        CPU and, at a training batch's rows, on a GPU."""
+        return self.weights * COMPUTE_DTYPE.itemsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from bitsandbytes import matmul_4bit

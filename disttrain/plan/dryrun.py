@@ -124,6 +124,7 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from disttrain.data.spec import example_batch
+    from disttrain.models.nf4 import quantise_adapted_bases
     from disttrain.optim import build_optimizer
     from disttrain.parallel.context import sequence_split_of
     from disttrain.parallel.dims import MESH_DIM_NAMES
@@ -149,6 +150,7 @@ def _run_rank(run: Any, layout: Layout, rank: int, device: torch.device,
             slot = PipelineSlot(partial(scaled_cross_entropy, divisor=plan.loss_divisor), example)
         laid_out = lay_out(net, mesh, layout, cfg.parallel, device, _materializer(net), split, slot,
                            cfg.trainer.float8, precision=cfg.trainer.precision)
+        quantise_adapted_bases(laid_out)  # QLoRA's base, as the strategy quantises it once laid out
         if isinstance(laid_out, DistributedDataParallel):
             laid_out.register_comm_hook(None, _unsent)
         optimizer = build_optimizer(run.optim, laid_out)

@@ -39,6 +39,7 @@ from disttrain.plan.memory import (
     activations,
     activations_by_length,
     block_buffers,
+    dequantised_weight,
     model_state,
     root_unit,
     state_peak,
@@ -192,7 +193,8 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
                                     copies) for policy in CHECKPOINT_POLICIES}
     mine = policies[layout.activation_checkpoint]
     float8_gathered = frozenset(gathered_in_float8(stats, layout, float8))
-    memory, phases = _memory(stats, layout, state, params, experts, mine, float8_gathered)
+    memory, phases = _memory(stats, layout, state, params, experts, mine, float8_gathered,
+                             dequantised_weight(stats, ranks[0]))
     # the rows experts exchange are the normalised residual stream, which autocast leaves in fp32 (and on a CPU the
     # grouped product returns fp32 too): the pass's bytes under bf16-mixed as well
     f8 = None
@@ -244,12 +246,13 @@ def estimate(stats: ModelStats, layout: Layout, profile: HardwareProfile, state:
 
 
 def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float, experts: float,
-            acts: ActivationBytes, float8_gathered: frozenset[str] = frozenset()
+            acts: ActivationBytes, float8_gathered: frozenset[str] = frozenset(), dequantised: float = 0.0
             ) -> tuple[dict[str, float], dict[str, float]]:
     """Per-rank memory terms and the bytes in use at the moments memory peaks (``Estimate.memory`` and
     ``Estimate.phases``): after forward, when backward reaches the first block (every later unit's gradient
     exists beside that block's activations) and after backward. ``float8_gathered``: parameters FSDP2 gathers in
-    float8."""
+    float8; ``dequantised``: the largest weight a quantised layer dequantises for a product
+    (``memory.dequantised_weight``), a transient of every block's backward."""
     memory = model_state(params, layout, state, experts)
     memory["activations"] = acts.peak
     buffers = block_buffers(stats, layout, state, float8_gathered)
@@ -260,15 +263,17 @@ def _memory(stats: ModelStats, layout: Layout, state: StateBytes, params: float,
     # an earlier block's backward runs once the last block's activations are gone; a block's own gradients may
     # come while all of its activations are there (its widest part's backward runs first)
     earlier = acts.in_backward - acts.block_kept
-    in_blocks = max(acts.in_backward + buffers.last_with_grads, earlier + buffers.earlier_with_grads)
+    # a quantised layer's backward dequantises its weight beside what the block's backward holds (a forward, which
+    # holds less, does too)
+    in_blocks = max(acts.in_backward + buffers.last_with_grads, earlier + buffers.earlier_with_grads) + dequantised
     phases["after_forward"] += max(acts.at_start, acts.at_head + root.at_head, in_blocks + root.in_blocks)
-    memory["transient"] = max(buffers.most + root.in_blocks, root.at_head)
+    memory["transient"] = max(buffers.most + root.in_blocks + dequantised, root.at_head)
     if acts.first_block is not None:
         first = sum(n / (layout.tp if stats.tp_sharded.get(name) else 1) for name, n in stats.param_numel.items()
                     if within(stats.param_unit[name], acts.first_block))
         pending = memory["grads"] * min(first / params, 1.0) if params else 0.0
         phases["in_first_block"] = (memory["params"] + memory["grads"] - pending + memory["optimizer"]
-                                    + acts.in_first_block + buffers.first_start + root.in_blocks)
+                                    + acts.in_first_block + buffers.first_start + root.in_blocks + dequantised)
     return memory, phases
 
 
@@ -278,7 +283,8 @@ def _at_ep(stats: ModelStats, layout: Layout, state: StateBytes, ranks: list[lis
     params, experts = busiest_params(stats, layout, ranks)
     state = rank_state(stats, layout, busiest_units(stats, layout, ranks), state)
     memory, phases = _memory(stats, layout, state, params, experts, activations(
-        stats, ranks[0], layout, scale * act_dtype, weight_copies(layout, gather_bf16)))
+        stats, ranks[0], layout, scale * act_dtype, weight_copies(layout, gather_bf16)),
+        dequantised=dequantised_weight(stats, ranks[0]))
     traffic = collectives(stats, layout, state, params, ranks, scale * act_dtype, profile, gather_bf16, experts,
                           scale)
     return {**{term: memory[term] for term in ("params", "grads", "optimizer", "transient")},

@@ -250,6 +250,13 @@ def activations_by_length(stats: ModelStats, units: list[str] | None, layout: La
     return table
 
 
+def dequantised_weight(stats: ModelStats, units: list[str] | None) -> float:
+    """Bytes of the largest weight a layer held quantised on the rank holding ``units`` (QLoRA's nf4 base)
+    dequantises for one matrix product (``ModelStats.dequantised_bytes``): one at a time, whatever the tokens."""
+    return max((size for unit, size in stats.dequantised_bytes.items() if unit_on_rank(stats, unit, units)),
+               default=0)
+
+
 @dataclass(frozen=True)
 class BlockBuffers:
     """ZeRO-2/3's short-lived buffers while backward runs through the blocks (of a unit's experts, the rank's 1/ep),

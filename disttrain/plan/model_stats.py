@@ -32,7 +32,12 @@ What it records, for one micro-batch:
 - for a ``bf16-mixed`` run, all of it as autocast makes it (``disttrain.plan.autocast``): every tensor in the dtype
   autocast gives it, the bf16 copies of the weights among the saved tensors, and what the loss's backward
   adds to what is saved before the logits' gradient is complete (its gradients, fp32 ones among them, less what
-  it frees by then).
+  it frees by then);
+- a QLoRA base (``model.lora.base_dtype=nf4``) as a rank holds and runs it: the pass quantises a copy of the model's
+  adapted layers (``disttrain.models.nf4``, on the meta device too), which keep nothing for backward but their codes
+  (a parameter: no bf16 copy of the weight), return their input's dtype and count the FLOPs of the product with the
+  dequantised weight (``ops.LIBRARY_FLOPS``); each is held at its codes and absmax per weight, and the dequantised
+  bf16 weight of the largest is a transient of backward (``ModelStats.dequantised_bytes``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from torch import nn
 
 from disttrain.data.spec import DataSpec, example_batch
 from disttrain.models.documents import documents_of
+from disttrain.models.nf4 import QUANTISE_BASE, NF4Linear, nf4_layers, quantise_adapted_bases
 from disttrain.observe.tensor_bytes import LiveStorages
 from disttrain.plan.autocast import MetaAutocast
 from disttrain.plan.data_checks import WholeSequences
@@ -64,7 +70,8 @@ class ModelStats:
     tokens_per_sample: int
     """Tokens per sample (sequence length for text, 1 for images)."""
     param_numel: dict[str, int]
-    """Parameter name -> element count (a tied parameter once, under its first name)."""
+    """Parameter name -> element count (a tied parameter once, under its first name; the codes of a layer held
+    quantised, QLoRA's nf4 base: the weights they hold)."""
     param_unit: dict[str, str]
     """Parameter name -> the innermost tracked unit that owns it (``ROOT`` if none)."""
     units: list[str]
@@ -142,9 +149,11 @@ class ModelStats:
     """Bytes of the attention mask within packed documents (``disttrain.models.documents``): one per forward,
     which the first block to attend saved and the model keeps whatever the blocks' checkpointing (0: windows are
     not packed)."""
-    frozen: dict[str, int] = field(default_factory=dict)
-    """Frozen parameter name -> bytes per element it is held in (a LoRA run's base weights, at
-    ``model.lora.base_dtype``): no gradient, no optimiser state."""
+    frozen: dict[str, float] = field(default_factory=dict)
+    """Frozen parameter name -> bytes a rank holds per element of it (a LoRA run's base weights, at
+    ``model.lora.base_dtype``): its dtype's size, or for a layer held quantised (QLoRA's nf4 base) its codes and
+    the blocks' absmax over the weights they hold, a fraction (``NF4Linear.held_bytes``); no gradient, no
+    optimiser state."""
 
     param_rows: dict[str, int] = field(default_factory=dict)
     """Parameter name -> its first dimension, along which FSDP2 shards it (padded to a multiple of the shard
@@ -155,6 +164,10 @@ class ModelStats:
     loss_left_bytes: int | None = None
     """What the loss's backward leaves beside what forward saved once the logits' gradient is complete, as the
     head's backward starts: that gradient, less what the loss saved and has freed by then (None: not measured)."""
+    dequantised_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit name (or ``ROOT``) -> bytes of the largest weight a layer held quantised inside it (QLoRA's nf4 base)
+    dequantises for each of its matrix products, alive while that product runs, in forward and backward
+    (``NF4Linear.dequantised_bytes``); empty: the model holds no layer quantised."""
 
     @functools.cached_property
     def recomputed_ops(self) -> dict[str, list[Op]]:
@@ -235,15 +248,19 @@ class ModelStats:
 def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_units: list[str] | None = None,
                   shard_units: list[str] | None = None, tp_plan: dict[str, str] | None = None,
                   autocast: str | None = None) -> ModelStats:
-    """One forward and backward of ``net`` (on the meta device; a model on the CPU is moved there first, and
-    is left unchanged) on a micro-batch of ``micro_size``, recorded as ``ModelStats``; ``autocast``: the device
+    """One forward and backward of ``net`` (on the meta device; a model on the CPU, or one whose adapted base a
+    rank quantises, QLoRA's, is copied there first and quantised as a rank holds it, and is left unchanged) on a
+    micro-batch of ``micro_size``, recorded as ``ModelStats``; ``autocast``: the device
     (``cuda`` or ``cpu``) whose bf16 autocast forward and the loss run under, as a ``bf16-mixed`` step runs them
     (None: fp32)."""
-    if any(p.device.type != "meta" for p in net.parameters()):
+    if any(p.device.type != "meta" for p in net.parameters()) or getattr(net, QUANTISE_BASE, False):
         net = _meta_copy(net)
+    # QLoRA's base as a rank holds and runs it (its 4-bit layers, which save nothing for backward but their codes)
+    quantise_adapted_bases(net)
+    quantised = {f"{name}.weight": layer for name, layer in nf4_layers(net)}
     pipeline_units, shard_units = list(pipeline_units or []), list(shard_units or [])
     units = pipeline_units + [u for u in shard_units if u not in pipeline_units]
-    param_numel, param_unit = _parameters(net, units)
+    param_numel, param_unit = _parameters(net, units, quantised)
     recorder = PassRecorder(net, units, tp_plan or {})
     inputs, targets = example_batch(spec, micro_size, "meta")
     skip = {inputs.untyped_storage()._cdata, targets.untyped_storage()._cdata}
@@ -293,10 +310,32 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                       recorder.tp_weight_grads, recorder.tp_split, sorted(recorder.tp_gathering_units),
                       {u: recorder.tp_whole_ops[u] for u in recorder.tp_gathering_units}, loss_grad[0],
                       _document_mask_bytes(net),
-                      {name: p.element_size() for name, p in net.named_parameters()
-                       if name in param_numel and not p.requires_grad},
-                      {name: p.shape[0] if p.dim() else 1 for name, p in net.named_parameters() if name in param_numel},
-                      tp_row_split_parameters(net, tp_plan or {}, param_numel), loss_left[0])
+                      _frozen_bytes(net, param_numel, quantised), _rows(net, param_numel, quantised),
+                      tp_row_split_parameters(net, tp_plan or {}, param_numel), loss_left[0],
+                      _dequantised_bytes(quantised, param_unit))
+
+
+def _frozen_bytes(net: nn.Module, param_numel: dict[str, int], quantised: dict[str, NF4Linear]) -> dict[str, float]:
+    """``ModelStats.frozen`` of ``net``: each frozen parameter's element size, a quantised layer's held bytes per
+    weight."""
+    return {name: quantised[name].held_bytes() / quantised[name].weights if name in quantised else p.element_size()
+            for name, p in net.named_parameters() if name in param_numel and not p.requires_grad}
+
+
+def _rows(net: nn.Module, param_numel: dict[str, int], quantised: dict[str, NF4Linear]) -> dict[str, int]:
+    """``ModelStats.param_rows`` of ``net``: each parameter's first dimension (a quantised layer's output width,
+    not its codes')."""
+    return {name: quantised[name].out_features if name in quantised else p.shape[0] if p.dim() else 1
+            for name, p in net.named_parameters() if name in param_numel}
+
+
+def _dequantised_bytes(quantised: dict[str, NF4Linear], param_unit: dict[str, str]) -> dict[str, int]:
+    """``ModelStats.dequantised_bytes``: per unit, its largest quantised layer's dequantised weight."""
+    largest: dict[str, int] = {}
+    for name, layer in quantised.items():
+        unit = param_unit[name]
+        largest[unit] = max(largest.get(unit, 0), layer.dequantised_bytes())
+    return largest
 
 
 def _document_mask_bytes(net: nn.Module) -> int:
@@ -349,13 +388,15 @@ def _meta_copy(net: nn.Module) -> nn.Module:
     return copy.deepcopy(net).to("meta")
 
 
-def _parameters(net: nn.Module, units: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+def _parameters(net: nn.Module, units: list[str], quantised: dict[str, NF4Linear]
+                ) -> tuple[dict[str, int], dict[str, str]]:
+    """Parameter name -> element count (a quantised layer's codes: the weights they hold), and -> its unit."""
     numel, owner, seen = {}, {}, set()
     for name, param in net.named_parameters():  # named_parameters yields a tied parameter once
         if id(param) in seen:
             continue
         seen.add(id(param))
-        numel[name] = param.numel()
+        numel[name] = quantised[name].weights if name in quantised else param.numel()
         inside = [u for u in units if name.startswith(u + ".")]
         owner[name] = max(inside, key=len) if inside else ROOT
     return numel, owner

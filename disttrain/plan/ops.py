@@ -38,6 +38,25 @@ FLOP_REGISTRY = {
 """torch's FLOP formulas, with the CPU attention kernels and the grouped matrix product of experts."""
 
 
+def quantised_matmul_flops(a: torch.Tensor, b: torch.Tensor, shape_b: list[int], *args: Any, out_val: Any = None,
+                           **kwargs: Any) -> int:
+    """FLOPs of bitsandbytes' product of ``a`` (``[..., K]``) and a 4-bit weight of ``shape_b`` (``[N, K]``):
+    those of the product with the dequantised weight, 2 x M x N x K."""
+    n, k = shape_b
+    return 2 * (a.numel() // k) * n * k
+
+
+LIBRARY_FLOPS = {"bitsandbytes::gemm_4bit": quantised_matmul_flops}
+"""FLOP formulas of other libraries' operators, by qualified name (their library need not be loaded to name them):
+the 4-bit product of QLoRA's base (``disttrain.models.nf4``), whose dequantised weight no aten product sees."""
+
+
+def flop_formula(registry: dict, packet: Any) -> Any:
+    """The FLOP formula of an operator overload packet: ``registry``'s (torch's formulas), else ``LIBRARY_FLOPS``'
+    by its qualified name; None: it counts none."""
+    return registry.get(packet) or LIBRARY_FLOPS.get(getattr(packet, "_qualified_op_name", ""))
+
+
 def op_kind(packet: Any) -> str:
     """``matmul``, ``attention`` or ``other`` (element-wise work, norms, copies, views, convolutions) for an
     operator overload packet (``func._overloadpacket`` of an ``OpOverload``)."""
@@ -86,8 +105,8 @@ def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
 
 
 class OpCounter(TorchDispatchMode):
-    """Reports each operator as an ``Op``: FLOPs by torch's formulas, the bytes it reads and writes (views:
-    none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
+    """Reports each operator as an ``Op``: FLOPs by the formulas of ``registry`` and ``LIBRARY_FLOPS``, the bytes
+    it reads and writes (views: none), its kind; and, to ``on_call``, its kind, ``(args, kwargs)`` and outputs."""
 
     def __init__(self, registry: dict, on_op, on_call=None) -> None:
         super().__init__()
@@ -97,7 +116,8 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+        formula = flop_formula(self.registry, packet)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         nbytes = 0 if func.is_view else sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                                              if isinstance(t, torch.Tensor))
         kind = op_kind(packet)

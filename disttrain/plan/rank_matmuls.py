@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from disttrain.plan.ops import FLOP_REGISTRY, MATMUL_OPS
+from disttrain.plan.ops import FLOP_REGISTRY, MATMUL_OPS, flop_formula
 
 _aten = torch.ops.aten
 FIRST_FACTOR = {_aten.mm: 0, _aten.addmm: 1, _aten.bmm: 0, _aten.baddbmm: 1, _aten._scaled_mm: 0, _aten._grouped_mm: 0}
@@ -100,8 +100,8 @@ class MatmulRecorder(TorchDispatchMode):
         self.matmul_flops = 0
         """FLOPs of the products (``product_flops``)."""
         self.other_flops = 0
-        """FLOPs of the other operators the plan counts: fused attention forward and backward, convolutions
-        (torch's formulas, as the plan's: no product of theirs reaches the dispatcher)."""
+        """FLOPs of the other operators the plan counts: fused attention forward and backward, convolutions, the
+        4-bit products of a quantised base (the plan's formulas: no product of theirs reaches the dispatcher)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,10 +111,9 @@ class MatmulRecorder(TorchDispatchMode):
             self.calls[MatmulCall(func, tuple(_spec(a) for a in args),
                                   tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             self.matmul_flops += product_flops(func, tree_map(_local_or_value, args), _local(out))
-        elif packet in FLOP_REGISTRY:  # attention forward and backward, convolutions
-            self.other_flops += FLOP_REGISTRY[packet](*tree_map(_local_or_value, args),
-                                                          **tree_map(_local_or_value, kwargs),
-                                                          out_val=tree_map(_local_or_value, out))
+        elif (formula := flop_formula(FLOP_REGISTRY, packet)) is not None:  # attention, convolutions, 4-bit products
+            self.other_flops += formula(*tree_map(_local_or_value, args), **tree_map(_local_or_value, kwargs),
+                                        out_val=tree_map(_local_or_value, out))
         return out
 
     @property

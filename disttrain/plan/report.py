@@ -15,7 +15,7 @@ from disttrain.plan.pictures import CANDIDATES_FILE, MEMORY_FILE, draw_candidate
 from disttrain.plan.units import human_bytes, human_count
 
 TERMS = {"params": "parameters", "grads": "gradients", "optimizer": "optimiser state", "activations": "activations",
-         "transient": "transient (gathered units, unreduced gradients)"}
+         "transient": "transient (gathered units, unreduced gradients, dequantised weights)"}
 
 
 def render(e: Estimate, profile: HardwareProfile, params: int, model: str, stats: ModelStats | None = None) -> str:
