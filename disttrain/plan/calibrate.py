@@ -24,9 +24,10 @@ DEFAULT_LOOPBACK = Link(bandwidth=1e9, latency=100e-6)
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo where it exists)."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
