@@ -10,7 +10,6 @@ import ast
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "disttrain"
 JOB_SIDE = "disttrain.launch"
