@@ -183,7 +183,7 @@ def test_a_merged_export_starts_a_run_without_adapters_at_the_lora_models_output
     merged = merged_export_logits(run_dir, plain, tokens, tmp_path)
     torch.testing.assert_close(merged, ours, rtol=0, atol=MERGED_LOGITS_ATOL)
     refused = (r"^model\.init_weights=.* held\.safetensors holds \S+\.base_layer\.\S+ \(nor \d+ more\), "
-               r"which the model has not")
+               r"which the model has not .*; it holds a model with LoRA adapters, as an export with --keep-adapters")
     with pytest.raises(ConfigError, match=refused):
         started_from(plain, held, tmp_path / "refused")
     next_run = [*plain, "trainer.max_steps=1", "trainer.val_check_interval=1", "trainer.validate_before_training=true",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.models.lora import base_name, has_adapters, is_adapter
+from disttrain.models.lora import base_name, has_adapters, holds_adapters, is_adapter
 from disttrain.safetensors_reader import Box, Refuse, SafetensorsFile, TensorHeader
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
@@ -101,8 +101,10 @@ def check_fit(state: Mapping[str, torch.Tensor], sources: Mapping[str, Any], ref
     extra = list(strangers)
     if extra:
         more = f" (nor {len(extra) - 1} more)" if len(extra) > 1 else ""
+        hint = ("; it holds a model with LoRA adapters, as an export with --keep-adapters writes it: export the run "
+                "without that flag for its weights merged" if holds_adapters(t.name for t in extra) else "")
         raise refuse(f"{extra[0].file.path.name} holds {extra[0].name}{more}, which the model has not (the model's "
-                     f"first: {saved_name(next(iter(state)))})")
+                     f"first: {saved_name(next(iter(state)))}){hint}")
     missing = [names[0] for names in tied_groups(state) if not any(name in sources for name in names)]
     if missing:
         raise refuse(lacking(missing, state, saved_name))
