@@ -33,6 +33,7 @@ from disttrain.models.llama_hf import (
     to_hf_state_dict,
 )
 from tests.conftest import ROOT
+from tests.test_export_safetensors import export_status
 
 TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2"]
 LLAMA_RUN = [
@@ -53,21 +54,6 @@ def export_cli(*args: str | Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "disttrain.checkpoint.export", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=300)
-
-
-def export_here(*args: str | Path) -> int:
-    """The same command's entry point called in this process (a new interpreter spends 4 s importing torch and
-    the exporter): its exit status."""
-    from unittest import mock
-
-    from disttrain.checkpoint.export import main
-
-    with mock.patch.object(sys, "argv", ["export", *map(str, args)]):
-        try:
-            main()
-        except SystemExit as stop:
-            return stop.code if isinstance(stop.code, int) else 1
-    return 0
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,13 +89,13 @@ def test_a_run_exports_to_hf_and_transformers_computes_the_same_logits(make_conf
     run = validate(cfg, world_size=cfg.trainer.devices)
     model = build_model(run.model, build_datamodule(run.data, 1, 0).spec).eval()
     # the default format through the same command, from a run directory or a checkpoint folder alike
-    assert export_here(run_dir if source == "run" else checkpoint, tmp_path / "model.pt") == 0
+    assert export_status(run_dir if source == "run" else checkpoint, tmp_path / "model.pt") == 0
     model.load_state_dict(load_weights_file(tmp_path / "model.pt"), strict=True)
     with torch.no_grad():
         assert max_diff(hf(batch()).logits, model(batch())) <= 1e-5
 
     # exporting again replaces the folder whole
-    assert export_here(checkpoint, "--format", "hf", out) == 0
+    assert export_status(checkpoint, "--format", "hf", out) == 0
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
