@@ -9,6 +9,9 @@ attends in fp32 and casts the result back; every matrix product around it stays 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -16,6 +19,25 @@ import torch.nn.functional as F
 
 FP32_BELOW = 16384
 """On a CPU, bf16 attention with sequence length times head width below this runs in fp32 (see above)."""
+
+_META_STANDS_FOR: ContextVar[str] = ContextVar("meta_stands_for", default="meta")
+
+
+@contextmanager
+def meta_tensors_stand_for(device_type: str) -> Iterator[None]:
+    """Within it, attention on meta tensors decides as on ``device_type`` (``cpu`` or ``cuda``): the planner's
+    pass on the meta device stands for the device it plans for, and a CPU attends in fp32 where a GPU does not."""
+    token = _META_STANDS_FOR.set(device_type)
+    try:
+        yield
+    finally:
+        _META_STANDS_FOR.reset(token)
+
+
+def device_type_of(q: torch.Tensor) -> str:
+    """The device type ``q``'s attention decides by: its own, or for a meta tensor the one it stands for
+    (``meta_tensors_stand_for``)."""
+    return _META_STANDS_FOR.get() if q.is_meta else q.device.type
 
 
 class SequenceSplit(Protocol):
@@ -86,7 +108,7 @@ def attends_in_fp32(q: torch.Tensor, fp32: bool | None = None) -> bool:
         return False
     if fp32 is not None:
         return fp32
-    return q.device.type == "cpu" and q.size(-2) * q.size(-1) < FP32_BELOW
+    return device_type_of(q) == "cpu" and q.size(-2) * q.size(-1) < FP32_BELOW
 
 
 def causal_attention(
@@ -104,7 +126,7 @@ def causal_attention(
     if not attends_in_fp32(q, fp32):
         return _attend(q, k, v, dropout_p, documents)
     # autocast would cast the fp32 inputs straight back to bf16: attention is on its lower-precision list
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(device_type_of(q), enabled=False):
         y = _attend(q.float(), k.float(), v.float(), dropout_p, documents)
     return y.to(q.dtype)
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from disttrain.models.attention import attends_in_fp32, document_mask, repeat_kv_heads
+from disttrain.models.attention import attends_in_fp32, device_type_of, document_mask, repeat_kv_heads
 from disttrain.parallel import causal_blocks
 
 # torch 2.13 renamed the tensor collectives (the old names warn); earlier versions have only the old ones
@@ -161,7 +161,7 @@ class SequenceSplit:
         dtype = q.dtype
         if attends_in_fp32(q, fp32):  # see disttrain.models.attention: fp32 where torch's bf16 CPU kernel is slow
             q, k, v = q.float(), k.float(), v.float()
-        with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype is the one decided above
+        with torch.autocast(device_type_of(q), enabled=False):  # the inputs' dtype is the one decided above
             kernel = None if documents is not None else causal_blocks.supported(q, k, v, dropout_p)
             if kernel is not None:
                 y = causal_blocks.CausalChunks.apply(q, k, v, self.chunk_rows(q.size(2)), kernel)

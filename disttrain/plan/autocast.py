@@ -13,7 +13,14 @@ are cached until the mode ends, as autocast caches them until its context exits.
 The lists differ by device: ``cuda`` runs layer and RMS norms, softmax, ``exp``, ``pow`` and the like in fp32,
 the CPU only the losses and a few numerical routines. Where the pass follows one device, a model that branches
 on its tensors' device (CPU attention in fp32 at short sequences) takes its other branch: the meta device is
-neither.
+neither, unless the pass says which one its meta tensors stand for
+(``disttrain.models.attention.meta_tensors_stand_for``). A region a model turns autocast off in (that fp32
+attention) runs uncast here too under the CPU's lists: the mode holds the CPU's own autocast on while it runs (it
+casts no meta tensor) and reads it. CUDA's cannot be turned on without a GPU, and no model turns it off there.
+
+Every weight's copy is noted (``MetaAutocast.copies``), frozen ones too: autocast caches only the copies of weights
+that require gradients, and makes a frozen fp32 weight's (a LoRA base kept in fp32) again at each use, but a
+product saves it for its input's gradient all the same, one per layer whatever the tokens.
 
 The cross-entropy differs most, and it is the largest tensor of a language model's step. The CPU lists it: the
 bf16 logits are cast to fp32 and its log-softmax (fp32) is kept for backward, whose gradients start in fp32 (the
@@ -31,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -80,8 +88,8 @@ def _floating(value: Any) -> bool:
 
 class MetaAutocast(TorchFunctionMode):
     """Autocast to ``dtype`` with the operator lists of ``device_type`` (``cuda`` or ``cpu``), for any tensor (see
-    the module docstring). ``copies``: storage key -> each low-precision copy made of a weight (a leaf that
-    requires gradients, or a view of one), kept alive while the mode is: what autocast adds where parameters are
+    the module docstring). ``copies``: storage key -> each low-precision copy made of a weight (a parameter,
+    frozen or not, or a view of one), kept alive while the mode is: what autocast adds where parameters are
     fp32, and what FSDP2 spares when it gathers them in bf16."""
 
     def __init__(self, device_type: str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -92,12 +100,26 @@ class MetaAutocast(TorchFunctionMode):
         self.composed_cross_entropy = device_type == "cuda"  # on no CUDA list: runs as its parts (docstring)
         self.copies: dict[int, torch.Tensor] = {}
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the CPU's own autocast, held on while the mode runs, tells where a model turned autocast off
+        self._device_autocast = torch.autocast("cpu", dtype=dtype) if device_type == "cpu" else None
+
+    def __enter__(self):
+        if self._device_autocast is not None:
+            self._device_autocast.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._device_autocast is not None:
+                self._device_autocast.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         kind = self.policy_of.get(_NAMES.get(name, name))
-        if kind is None:
+        if kind is None or (self._device_autocast is not None and not torch.is_autocast_enabled("cpu")):
             return func(*args, **kwargs)
         if name == "cross_entropy" and self.composed_cross_entropy:
             return self._cross_entropy(func, args, kwargs)
@@ -143,7 +165,7 @@ class MetaAutocast(TorchFunctionMode):
         return self._cast(value, target)
 
     def _cast(self, t: torch.Tensor, target: torch.dtype) -> torch.Tensor:
-        weight = t.requires_grad and (t.is_leaf or (t._base is not None and t._base.is_leaf))
+        weight = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
         # autocast caches the low-precision casts of fp32 leaves (not of views of them) until it exits
         cached = target == self.dtype and t.dtype == torch.float32 and t.requires_grad and t.is_leaf
         if cached and id(t) in self._cache:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from disttrain.data.spec import DataSpec, example_batch
+from disttrain.models.attention import meta_tensors_stand_for
 from disttrain.models.documents import documents_of
 from disttrain.models.nf4 import QUANTISE_BASE, NF4Linear, nf4_layers, quantise_adapted_bases
 from disttrain.observe.tensor_bytes import LiveStorages
@@ -282,7 +283,9 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack(skip), lambda t: t):
             # autocast's mode comes last, so it casts attention's inputs before the fused kernel stands in; it
             # ends with forward, as a step's autocast context does (its cache of weight copies goes then)
-            with casting or contextlib.nullcontext():
+            # attention decides its dtype by the device the pass stands for (a CPU attends in fp32 at short
+            # sequences), which under autocast is autocast's
+            with casting or contextlib.nullcontext(), meta_tensors_stand_for(autocast or "meta"):
                 logits = net(inputs)
                 loss = cross_entropy(logits, targets)
             recorder.done_forward()
