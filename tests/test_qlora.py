@@ -154,25 +154,25 @@ def test_nf4_without_bitsandbytes_names_the_extra(make_config, monkeypatch):
         validate(make_config([*WIDE, *NF4]))
 
 
-QLORA_ON_TWO_H100 = ["model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", "model.n_layer=4",
+QLORA_ON_TWO_H100 = ["model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", "model.n_layer=2",
                      "model.tie_weights=false", "model.n_embd=256", *NF4, "parallel=auto", "mode=plan",
-                     "trainer.devices=2", "batch.global_size=8", "plan.profile=h100_sxm"]
-"""A QLoRA GPT of width 256 for ``parallel=auto`` on 2 H100s, whose plan ``plan.memory_gb`` squeezes: in 10.8 MB
-per rank a replica of its nf4 base fits with activation checkpointing alone, ZeRO-3 (its base sharded) without; in
-4.5 MB only a pipeline of its two halves fits."""
+                     "trainer.devices=2", "batch.global_size=4", "plan.profile=h100_sxm"]
+"""A QLoRA GPT of width 256 for ``parallel=auto`` on 2 H100s, whose plan ``plan.memory_gb`` squeezes: in 4.4 MB
+per rank a replica of its nf4 base fits a micro-batch of 2 with activation checkpointing alone, ZeRO-1 (its
+optimiser state sharded) without; in 3 MB only a pipeline of its two halves fits."""
 
 
 def test_parallel_auto_weighs_only_the_layouts_an_nf4_base_allows_and_lists_the_others(make_config) -> None:
     from disttrain.models.lora import base_layout_refusal
     from disttrain.plan.auto import TIE
 
-    run = validate(make_config([*QLORA_ON_TWO_H100, "plan.memory_gb=0.0108"]))
+    run = validate(make_config([*QLORA_ON_TWO_H100, "plan.memory_gb=0.0044"]))
     notice = next(n for n in run.notices if n.startswith("parallel=auto"))
     assert run.layout.wrapper == "ddp", notice  # and the run's own check of its layout passed
     (exclusion,) = run.choice.excluded
     sharded = exclusion.best("time")
-    assert sharded.layout.shards_parameters and sharded.step_s < run.choice.best.step_s / (1 + TIE), notice  # the
-    # premise: the best layout that fits shards the base, which parallel=auto would choose but for nf4
+    # the premise: the best layout that fits is a ZeRO stage, which parallel=auto would choose but for nf4
+    assert sharded.layout.shards_optimizer_state and sharded.step_s < run.choice.best.step_s / (1 + TIE), notice
     assert not any(base_layout_refusal(run.model.lora, e.layout) for e in [*run.choice.ranked, *run.choice.too_big])
     listed, excluded = notice.split("\n  excluded by ")
     assert "zero" not in listed and "tp=" not in listed and "pp=" not in listed, notice
@@ -183,10 +183,10 @@ def test_parallel_auto_weighs_only_the_layouts_an_nf4_base_allows_and_lists_the_
 
 def test_parallel_auto_where_only_layouts_an_nf4_base_refuses_fit_names_base_dtype(make_config) -> None:
     with pytest.raises(ConfigError, match=r"^model.lora.base_dtype='nf4' is invalid: keep or bfloat16 with "
-                       r"parallel=auto on 2 rank\(s\) of h100_sxm with 4.5 MB per device: it refuses layouts other "
+                       r"parallel=auto on 2 rank\(s\) of h100_sxm with 3 MB per device: it refuses layouts other "
                        r"than one process or DDP \(bitsandbytes' 4-bit weights are not sharded or split\), and only "
-                       r"those fit \(the best: pp=2 1f1b m=8 micro=8x1\)$"):
-        validate(make_config([*QLORA_ON_TWO_H100, "plan.memory_gb=0.0045"]))
+                       r"those fit \(the best: pp=2 1f1b m=4 micro=4x1\)$"):
+        validate(make_config([*QLORA_ON_TWO_H100, "plan.memory_gb=0.003"]))
 
 
 def test_nf4_layer_rejects_a_weight_of_another_shape():
