@@ -1,7 +1,9 @@
 """The run's settings that refuse parallel layouts, as one rule (``LayoutRefusals``): the compile settings
-(``trainer_checks.compile_refusal``) and a quantised LoRA base (``lora.base_layout_refusal``). Validation raises
-its refusal of the run's own layout, and ``parallel=auto`` weighs only the candidates it leaves
-(``disttrain.plan.planner.weigh_layouts``), so the planner never chooses a layout the run would then refuse."""
+(``trainer_checks.compile_refusal``), a quantised LoRA base (``lora.base_layout_refusal``), a gradient codec
+(``CommConfig.layout_refusal``) and an optimiser that exchanges over the ranks itself (1-bit Adam's
+``layout_refusal``). Each rule lives beside its setting; validation raises their refusal of the run's own layout,
+and ``parallel=auto`` weighs only the candidates they leave (``disttrain.plan.planner.weigh_layouts``), so the
+planner never chooses a layout the run would then refuse."""
 
 from __future__ import annotations
 
@@ -23,17 +25,24 @@ class LayoutRefusals:
     """The run's compilation (``TrainerConfig.compilation``; None: eager)."""
     lora: Any = None
     """The model's ``LoRAConfig`` (None: a model without adapters)."""
+    comm: Any = None
+    """The run's ``CommConfig`` (None: gradients sent as DDP or FSDP2 send them)."""
+    optim: Any = None
+    """The run's optimiser config; one with a ``layout_refusal`` (1-bit Adam) refuses layouts itself."""
 
     @classmethod
-    def of(cls, top: Any, model: Any) -> LayoutRefusals:
-        """The refusing settings of a run: ``top`` its ``TrainConfig``, ``model`` its model group."""
-        return cls(top.trainer.compilation, getattr(model, "lora", None))
+    def of(cls, top: Any, model: Any, optim: Any) -> LayoutRefusals:
+        """The refusing settings of a run: ``top`` its ``TrainConfig``, ``model`` and ``optim`` its groups."""
+        return cls(top.trainer.compilation, getattr(model, "lora", None), top.comm, optim)
 
     def refusal(self, layout: Layout, accumulation: int) -> Refusal | None:
         """The first setting that refuses ``layout`` with ``accumulation`` micro-batches a step, None where every
         one allows it. The compile settings are asked first: their refusal says what runs the mode instead."""
+        optimiser_rule = getattr(self.optim, "layout_refusal", None)
         return (compile_refusal(self.compilation, layout, accumulation)
-                or base_layout_refusal(self.lora, layout))
+                or base_layout_refusal(self.lora, layout)
+                or (self.comm.layout_refusal(layout) if self.comm is not None else None)
+                or (optimiser_rule(layout) if optimiser_rule is not None else None))
 
     def of_candidate(self, candidate: Any) -> Refusal | None:
         """``refusal`` of a planner's candidate (``disttrain.plan.layout.Layout``), with its own accumulation: the

@@ -128,7 +128,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
         top.batch = elastic_batch(top.batch, Layout.on(p, largest).dp)
     batch = resolve_batch(top.batch, layout.dp)
-    LayoutRefusals.of(top, model).check(layout, batch.accumulation)
+    LayoutRefusals.of(top, model, optim).check(layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
@@ -327,7 +327,7 @@ def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world:
     profile = profile_of_plan(top.plan)
     choice = weigh_layouts(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel, optim,
                            top.trainer.precision, profile, top.plan.objective,
-                           LayoutRefusals.of(top, model).of_candidate)
+                           LayoutRefusals.of(top, model, optim).of_candidate)
     layout, notice = chosen_layout(choice, world, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation
