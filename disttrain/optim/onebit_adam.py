@@ -56,7 +56,7 @@ class OneBitAdamConfig(AdamWConfig):
         if layout.wrapper == "ddp" and not layout.shards_only_optimizer_state:
             return None
         return Refusal("optim", self.name, "another optimiser", "(1-bit Adam exchanges its momentum over DDP's "
-                       f"ranks: parallel=ddp with data-parallel ranks runs it; this run: {layout.zero_name})",
+                       f"ranks: parallel=ddp with data-parallel ranks runs it; this run: {layout.describe()})",
                        "layouts other than DDP (1-bit Adam exchanges its momentum over DDP's ranks)")
 
     def check_run(self, layout: Any, comm: Any) -> None:
