@@ -21,8 +21,9 @@ class ConfigError(ValueError):
 class Refusal:
     """A setting that refuses a parallel layout, said two ways: the ``ConfigError`` a run of that layout raises
     (``error``), and the few words with which ``parallel=auto`` reports the candidates it leaves out
-    (``excludes``). A rule returns one (``disttrain.config.trainer_checks.compile_refusal``); validation and the
-    planner read the same value."""
+    (``excludes``). A rule returns one (``disttrain.config.trainer_checks.compile_refusal``,
+    ``disttrain.models.lora.base_layout_refusal``, gathered in ``disttrain.config.layout_refusals``); validation
+    and the planner read the same value."""
 
     key: str
     """The refusing setting's key, e.g. ``trainer.compile_scope``."""

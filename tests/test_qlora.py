@@ -154,6 +154,41 @@ def test_nf4_without_bitsandbytes_names_the_extra(make_config, monkeypatch):
         validate(make_config([*WIDE, *NF4]))
 
 
+QLORA_ON_TWO_H100 = ["model=gpt", "model.flavour=micro", "data=pydocs", "data.block_size=32", "model.n_layer=2",
+                     "model.tie_weights=false", "model.n_embd=256", *NF4, "parallel=auto", "mode=plan",
+                     "trainer.devices=2", "batch.global_size=4", "plan.profile=h100_sxm"]
+"""A QLoRA GPT of width 256 for ``parallel=auto`` on 2 H100s, whose plan ``plan.memory_gb`` squeezes: in 4.4 MB
+per rank a replica of its nf4 base fits a micro-batch of 2 with activation checkpointing alone, ZeRO-1 (its
+optimiser state sharded) without; in 3 MB only a pipeline of its two halves fits."""
+
+
+def test_parallel_auto_weighs_only_the_layouts_an_nf4_base_allows_and_lists_the_others(make_config) -> None:
+    from disttrain.models.lora import base_layout_refusal
+    from disttrain.plan.auto import TIE
+
+    run = validate(make_config([*QLORA_ON_TWO_H100, "plan.memory_gb=0.0044"]))
+    notice = next(n for n in run.notices if n.startswith("parallel=auto"))
+    assert run.layout.wrapper == "ddp", notice  # and the run's own check of its layout passed
+    (exclusion,) = run.choice.excluded
+    sharded = exclusion.best("time")
+    # the premise: the best layout that fits is a ZeRO stage, which parallel=auto would choose but for nf4
+    assert sharded.layout.shards_optimizer_state and sharded.step_s < run.choice.best.step_s / (1 + TIE), notice
+    assert not any(base_layout_refusal(run.model.lora, e.layout) for e in [*run.choice.ranked, *run.choice.too_big])
+    listed, excluded = notice.split("\n  excluded by ")
+    assert "zero" not in listed and "tp=" not in listed and "pp=" not in listed, notice
+    assert excluded.startswith("model.lora.base_dtype='nf4': layouts other than one process or DDP (bitsandbytes' "
+                               f"4-bit weights are not sharded or split), {exclusion.count} candidate(s); the best "
+                               f"of them: {sharded.layout.describe()}: "), notice
+
+
+def test_parallel_auto_where_only_layouts_an_nf4_base_refuses_fit_names_base_dtype(make_config) -> None:
+    with pytest.raises(ConfigError, match=r"^model.lora.base_dtype='nf4' is invalid: keep or bfloat16 with "
+                       r"parallel=auto on 2 rank\(s\) of h100_sxm with 3 MB per device: it refuses layouts other "
+                       r"than one process or DDP \(bitsandbytes' 4-bit weights are not sharded or split\), and only "
+                       r"those fit \(the best: pp=2 1f1b m=4 micro=4x1\)$"):
+        validate(make_config([*QLORA_ON_TWO_H100, "plan.memory_gb=0.003"]))
+
+
 def test_nf4_layer_rejects_a_weight_of_another_shape():
     layer = NF4Linear(torch.nn.Linear(2 * BLOCK_SIZE, 4))
     with pytest.raises(RuntimeError, match="shape"):

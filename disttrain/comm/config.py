@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disttrain import checks
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, Refusal
 
 CODECS = ("none", "fp16", "bf16", "powersgd", "int8", "onebit")
 """none: fp32 all-reduce (DDP's own); fp16/bf16: cast for the wire; powersgd: low-rank factors; int8: 8-bit
@@ -60,15 +60,30 @@ class CommConfig:
         if servers:
             raise ConfigError("comm", self.name, "none with a parameter server (parallel.servers > 0: it sends fp32 "
                               "gradients and parameters point to point)")
+        refusal = self.layout_refusal(layout)
+        if refusal is not None:
+            raise refusal.error()
+
+    def layout_refusal(self, layout: Any) -> Refusal | None:
+        """How the codec refuses ``layout`` (a ``disttrain.parallel.layout.Layout``), or None where it runs there:
+        it needs data-parallel ranks whose gradients DDP exchanges as one model's (no pipeline stages), and under
+        ZeRO-2/3 a reduce dtype FSDP2 sends. The one rule of the codec against a layout: validation raises its
+        error for the run's layout, and ``parallel=auto`` weighs only the candidates it leaves."""
+        if self.name == "none":
+            return None
         if layout.dp < 2:
-            raise ConfigError("comm", self.name, "none on a run without data-parallel ranks (nothing to exchange)")
+            return Refusal("comm", self.name, "none", "on a run without data-parallel ranks (nothing to exchange)",
+                           "layouts without data-parallel ranks (nothing to exchange)")
         if layout.pp_enabled:
-            raise ConfigError("comm", self.name, "none with pipeline stages (their gradients are not exchanged "
-                              "by DDP or FSDP2 as one model's)")
+            return Refusal("comm", self.name, "none", "with pipeline stages (their gradients are not exchanged by DDP "
+                           "or FSDP2 as one model's)", "pipelines (their gradients are not exchanged by DDP or FSDP2 "
+                           "as one model's)")
         if layout.shards_parameters and self.name not in SHARDED_CODECS:
-            raise ConfigError("comm", self.name, f"one of {', '.join(SHARDED_CODECS)} with {layout.zero_name} "
-                              "(FSDP2 reduce-scatters the gradients in a reduce dtype; the other codecs compress "
-                              "DDP's all-reduce: parallel=ddp or zero1)")
+            return Refusal("comm", self.name, f"one of {', '.join(SHARDED_CODECS)}", f"with {layout.zero_name} "
+                           "(FSDP2 reduce-scatters the gradients in a reduce dtype; the other codecs compress DDP's "
+                           "all-reduce: parallel=ddp or zero1)", "layouts that shard parameters (ZeRO-2/3: FSDP2 "
+                           "reduce-scatters the gradients in a reduce dtype)")
+        return None
 
     def check_model(self, net: Any) -> None:
         """Resolve an unset PowerSGD rank for ``net`` (a meta-device model), and refuse a rank at which none of

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, Refusal
 from disttrain.parallel.layout import Layout
 
 KEY = "fault_tolerance.engine"
@@ -23,6 +23,29 @@ def torchft_installed() -> bool:
     from importlib.util import find_spec
 
     return find_spec("torchft") is not None
+
+
+def torchft_layout_refusal(engine: str, layout: Layout) -> Refusal | None:
+    """How ``fault_tolerance.engine`` (``engine``) refuses ``layout``, or None where it runs there: torchft's
+    replica groups are the replicas of ``dp_replicate`` (at least 2) under DDP or HSDP, never pipeline stages nor
+    ZeRO-1's optimiser state sharded over replicas that fail independently. The one rule of the engine against a
+    layout: validation raises its error for the run's layout, and ``parallel=auto`` weighs only the candidates it
+    leaves."""
+    if engine != "torchft":
+        return None
+    if layout.pp_enabled:
+        return Refusal(KEY, "torchft", "restart", f"with parallel.pp={layout.pp} (pipeline stages step by hand; "
+                       "replica groups run DDP or HSDP layouts)", "pipelines (pipeline stages step by hand)")
+    if layout.dp_replicate < 2:
+        return Refusal(KEY, "torchft", "restart", f"with parallel.dp_replicate={layout.dp_replicate} (replica "
+                       "groups are the replicas of parallel.dp_replicate: at least 2, e.g. parallel=ddp or "
+                       "parallel=hsdp parallel.dp_replicate=3)", "layouts of fewer than 2 replicas (replica groups "
+                       "are the replicas of parallel.dp_replicate)")
+    if layout.shards_only_optimizer_state:
+        return Refusal(KEY, "torchft", "restart", f"with parallel.{layout.zero_setting} (ZeRO-1 shards optimiser "
+                       "state over the replicas that fail independently; use parallel=ddp or parallel=hsdp)",
+                       "ZeRO-1 (it shards optimiser state over replicas that fail independently)")
+    return None
 
 
 def check_torchft(top: Any, layout: Layout, net: nn.Module) -> None:
@@ -39,16 +62,9 @@ def check_torchft(top: Any, layout: Layout, net: nn.Module) -> None:
                                                          else f"parallel.sync_every={p.sync_every}")
         raise ConfigError(KEY, "torchft", f"restart with {what} (federated rounds, parameter servers and Local SGD "
                           "keep their own membership or replicas apart; torchft replica groups average every step)")
-    if layout.pp_enabled:
-        raise ConfigError(KEY, "torchft", f"restart with parallel.pp={layout.pp} (pipeline stages step by hand; "
-                          "replica groups run DDP or HSDP layouts)")
-    if layout.dp_replicate < 2:
-        raise ConfigError(KEY, "torchft", f"restart with parallel.dp_replicate={layout.dp_replicate} (replica groups "
-                          "are the replicas of parallel.dp_replicate: at least 2, e.g. parallel=ddp or parallel=hsdp "
-                          "parallel.dp_replicate=3)")
-    if layout.shards_only_optimizer_state:
-        raise ConfigError(KEY, "torchft", f"restart with parallel.{layout.zero_setting} (ZeRO-1 shards optimiser "
-                          "state over the replicas that fail independently; use parallel=ddp or parallel=hsdp)")
+    refusal = torchft_layout_refusal(ft.engine, layout)
+    if refusal is not None:
+        raise refusal.error()
     if top.comm.name != "none":
         raise ConfigError(KEY, "torchft", f"restart with comm={top.comm.name}, or comm=none (replica groups "
                           "exchange fp32 gradients through torchft; a codec's residuals and factors are per rank "

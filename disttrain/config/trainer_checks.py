@@ -68,8 +68,8 @@ def check_compile_settings(t: TrainerConfig) -> None:
 def compile_refusal(compilation: Compilation | None, layout: Layout, accumulation: int) -> Refusal | None:
     """How the run's compilation (``TrainerConfig.compilation``; None: eager) refuses ``layout`` with
     ``accumulation`` micro-batches a step, or None where it runs there. The one rule of compilation against a
-    layout: validation raises its error for the run's layout, and ``parallel=auto`` weighs only the candidates it
-    leaves (``disttrain.plan.planner.weigh_layouts``).
+    layout, one of the run's ``disttrain.config.layout_refusals.LayoutRefusals``: validation raises its error for
+    the run's layout, and ``parallel=auto`` weighs only the candidates it leaves.
 
     The modes that record CUDA graphs run on one rank whose step launches no collective (a graph replays no
     communication; checked first, as it refuses every layout of more than one rank, pipelines too) and takes one
@@ -97,10 +97,3 @@ def compile_refusal(compilation: Compilation | None, layout: Layout, accumulatio
                        "block, leaving the model's forward eager; parallel=single, ddp and tp run it",
                        "layouts that shard parameters (ZeRO-2/3: FSDP2's hooks stop a whole-model graph)")
     return None
-
-
-def check_compile_layout(compilation: Compilation | None, layout: Layout, accumulation: int) -> None:
-    """Raise the error of ``compile_refusal`` where the run's compilation refuses its own layout."""
-    refusal = compile_refusal(compilation, layout, accumulation)
-    if refusal is not None:
-        raise refusal.error()

@@ -18,6 +18,7 @@ from disttrain.checkpoint.init_weights import InitWeightsFile, check_init_weight
 from disttrain.config.batch import ResolvedBatch, resolve_batch
 from disttrain.config.evaluation import check_eval
 from disttrain.config.execution import execution_plan
+from disttrain.config.layout_refusals import LayoutRefusals
 from disttrain.config.plan_checks import check_plan_options
 from disttrain.config.precision import resolve_matmul_precision, resolve_precision
 from disttrain.config.ranks import RankRange, elastic_batch, largest_world, launched, rank_ranges, restart_worlds
@@ -25,12 +26,12 @@ from disttrain.config.resume import check_resume_fits, checkpoint_folder
 from disttrain.config.run import RunConfig
 from disttrain.config.schema import TrainConfig, TrainerConfig
 from disttrain.config.torchft_checks import check_torchft
-from disttrain.config.trainer_checks import check_compile_layout, check_trainer, compile_refusal
+from disttrain.config.trainer_checks import check_trainer
 from disttrain.config.typed import typed_groups
 from disttrain.errors import ConfigError
 from disttrain.federated.checks import check_federated
 from disttrain.models.hf.weights import check_starting_weights
-from disttrain.models.lora import adapter_summary, check_base_layout, check_base_precision, check_quantised_base
+from disttrain.models.lora import adapter_summary, check_base_precision, check_quantised_base
 from disttrain.models.target import TargetModelConfig
 from disttrain.observe.memory_options import check_memory_callbacks
 from disttrain.parallel.config import ParallelConfig
@@ -127,7 +128,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         largest = largest_world(top.trainer, devices_range, nodes_range, world)
         top.batch = elastic_batch(top.batch, Layout.on(p, largest).dp)
     batch = resolve_batch(top.batch, layout.dp)
-    check_compile_layout(top.trainer.compilation, layout, batch.accumulation)
+    LayoutRefusals.of(top, model, optim).check(layout, batch.accumulation)
     datamodule = build_datamodule(data, micro_batch_size=batch.micro_size, seed=top.seed)
     notices += [datamodule.notice] if getattr(datamodule, "notice", None) else []
     if not isinstance(model, TargetModelConfig):
@@ -135,7 +136,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         notices += model.notices(datamodule.spec) if hasattr(model, "notices") else []
     notices += _decide_precision(top, model, datamodule.spec, batch.micro_size)
     check_base_precision(getattr(model, "lora", None), top.trainer.precision)
-    check_base_layout(getattr(model, "lora", None), layout)
     net, init_weights = _check_model(top, model, optim, layout, batch, datamodule.spec, chose_layout)
     notices += [init_weights.notice(top.resume)] if init_weights is not None else []
     check_quantised_base(getattr(model, "lora", None), net)
@@ -313,8 +313,8 @@ def _resolved_yaml(cfg: DictConfig, top: TrainConfig, chose_layout: bool, device
 
 
 def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world: int) -> tuple[Any, str]:
-    """``parallel=auto``: run the planner over the layouts the compile settings allow (``compile_refusal``, the rule
-    a run's own layout is checked by), put the chosen degrees, options and micro-batch into ``top`` and return what
+    """``parallel=auto``: run the planner over the layouts the run's settings allow (``LayoutRefusals``, the rule a
+    run's own layout is checked by), put the chosen degrees, options and micro-batch into ``top`` and return what
     it weighed (``disttrain.plan.auto.Choice``) and the notice that says why."""
     from disttrain.data import build_datamodule
     from disttrain.plan.hardware import profile_of_plan
@@ -325,10 +325,9 @@ def _choose_parallel(top: TrainConfig, model: Any, data: Any, optim: Any, world:
                           "micro-batch and accumulation)")
     spec = build_datamodule(data, micro_batch_size=1, seed=top.seed).spec
     profile = profile_of_plan(top.plan)
-    compilation = top.trainer.compilation
     choice = weigh_layouts(model_on_meta(model, spec), spec, world, top.batch.global_size, top.parallel, optim,
                            top.trainer.precision, profile, top.plan.objective,
-                           lambda candidate: compile_refusal(compilation, candidate, candidate.accumulation))
+                           LayoutRefusals.of(top, model, optim).of_candidate)
     layout, notice = chosen_layout(choice, world, profile, top.plan.alternatives)
     top.parallel = apply_layout(top.parallel, layout)
     top.batch.micro_size, top.batch.accumulation = layout.micro_size, layout.accumulation

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from disttrain import checks
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, Refusal
 from disttrain.quiet_imports import quiet_imports
 
 ADAPTER_NAME = "default"
@@ -332,15 +332,26 @@ def check_quantised_base(lora: LoRAConfig | None, net: nn.Module) -> None:
     check_quantisable([(name, layer.get_base_layer()) for name, layer in lora_layers(net)])
 
 
-def check_base_layout(lora: LoRAConfig | None, layout: Any) -> None:
-    """ConfigError for a quantised base (``nf4``) under a layout other than one process or DDP: FSDP2 and tensor
-    parallelism hold parameters as DTensors, which bitsandbytes' 4-bit weights are not; pipeline stages, context
-    parallelism, ZeRO-1 and the kinds of run that exchange updates themselves are untested with them."""
+def base_layout_refusal(lora: LoRAConfig | None, layout: Any) -> Refusal | None:
+    """How a quantised base (``nf4``) refuses ``layout`` (a ``disttrain.parallel.layout.Layout``), or None where it
+    runs there: one process or DDP only. FSDP2 and tensor parallelism hold parameters as DTensors, which
+    bitsandbytes' 4-bit weights are not; pipeline stages, context and expert parallelism, ZeRO-1 and the kinds of
+    run that exchange updates themselves are untested with them. The one rule of the base's dtype against a layout:
+    validation raises its error for the run's layout, and ``parallel=auto`` weighs only the candidates it leaves."""
     if lora is None or not lora.quantises_base:
-        return
+        return None
     plain = (layout.wrapper in ("none", "ddp") and layout.ddp_exchange and not layout.shards_optimizer_state
              and layout.tp == 1 and layout.cp == 1 and layout.ep == 1)
-    if not plain:
-        raise ConfigError("model.lora.base_dtype", lora.base_dtype, f"keep or bfloat16 with {layout.describe()}; nf4 "
-                          "runs on one process or under parallel=ddp (bitsandbytes' 4-bit weights are not sharded "
-                          "or split)")
+    if plain:
+        return None
+    return Refusal("model.lora.base_dtype", lora.base_dtype, "keep or bfloat16",
+                   f"with {layout.describe()}; nf4 runs on one process or under parallel=ddp (bitsandbytes' 4-bit "
+                   "weights are not sharded or split)",
+                   "layouts other than one process or DDP (bitsandbytes' 4-bit weights are not sharded or split)")
+
+
+def check_base_layout(lora: LoRAConfig | None, layout: Any) -> None:
+    """Raise the error of ``base_layout_refusal`` where the base's dtype refuses the run's own layout."""
+    refusal = base_layout_refusal(lora, layout)
+    if refusal is not None:
+        raise refusal.error()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, Refusal
 from disttrain.optim.groups import kernel_options, param_groups
 from disttrain.optim.registry import OPTIMIZERS
 from disttrain.optim.torch_optims import AdamWConfig
@@ -48,12 +48,23 @@ class OneBitAdamConfig(AdamWConfig):
             raise ConfigError("optim.warmup_steps", self.warmup_steps,
                               "a number of optimiser steps >= 1 (the frozen variance is the warm-up's)")
 
+    def layout_refusal(self, layout: Any) -> Refusal | None:
+        """How 1-bit Adam refuses ``layout`` (a ``disttrain.parallel.layout.Layout``), or None where it runs there:
+        it exchanges its momentum over DDP's ranks, so only under parallel=ddp. The one rule of the optimiser
+        against a layout: validation raises its error for the run's layout, and ``parallel=auto`` weighs only the
+        candidates it leaves."""
+        if layout.wrapper == "ddp" and not layout.shards_only_optimizer_state:
+            return None
+        return Refusal("optim", self.name, "another optimiser", "(1-bit Adam exchanges its momentum over DDP's "
+                       f"ranks: parallel=ddp with data-parallel ranks runs it; this run: {layout.describe()})",
+                       "layouts other than DDP (1-bit Adam exchanges its momentum over DDP's ranks)")
+
     def check_run(self, layout: Any, comm: Any) -> None:
         """Refuse a run whose gradients DDP does not average (``layout``: the run's ``Layout``), or whose
         gradients a ``comm`` codec already compresses."""
-        if layout.wrapper != "ddp" or layout.shards_only_optimizer_state:
-            raise ConfigError("optim", self.name, "another optimiser, or parallel=ddp with data-parallel ranks "
-                              f"(1-bit Adam exchanges its momentum over DDP's ranks; this run: {layout.zero_name})")
+        refusal = self.layout_refusal(layout)
+        if refusal is not None:
+            raise refusal.error()
         if comm.name != "none":
             raise ConfigError("comm", comm.name, "none with optim=onebit_adam (it sends fp32 gradients during its "
                               "warm-up and its compressed momentum after)")

@@ -135,8 +135,9 @@ def weigh_layouts(net: nn.Module, spec: Any, world: int, global_batch: int, para
     """``parallel=auto``'s weighing: every candidate layout the model and the run accept, predicted, the one that
     fits with the least ``objective`` chosen (``auto.Choice``: what ``chosen_layout`` reports and
     ``plan_candidates.png`` draws); ConfigError for energy on a profile without a power figure. ``refusal_of``:
-    the rule of the run's other settings (the compile settings': ``trainer_checks.compile_refusal``), whose
-    refused candidates are left out of the choice and reported apart (``auto.Exclusion``)."""
+    the rule of the run's other settings (``disttrain.config.layout_refusals.LayoutRefusals``: the compile
+    settings, a quantised LoRA base, a gradient codec, 1-bit Adam), whose refused candidates are left out of the
+    choice and reported apart (``auto.Exclusion``)."""
     from disttrain.parallel.dims import ParallelDims
     from disttrain.parallel.model_checks import check_model_plan
 
