@@ -24,13 +24,20 @@ from disttrain.config import validate  # noqa: E402
 from disttrain.errors import ConfigError  # noqa: E402
 from disttrain.models import build_model  # noqa: E402
 from disttrain.models.lora import is_adapter, lora_layers  # noqa: E402
-from disttrain.models.nf4 import BLOCK_SIZE, NF4Linear, nf4_layers, quantise_adapted_bases  # noqa: E402
+from disttrain.models.nf4 import (  # noqa: E402
+    BLOCK_SIZE,
+    NF4Format,
+    NF4Linear,
+    nf4_layers,
+    quantise_adapted_bases,
+)
 from tests.test_parity import BASE, FAMILIES, run_summary  # noqa: E402
 
 ADAPTERS = ["model.lora.rank=4", "model.lora.init=random"]
 WIDE = [*BASE, "model.n_embd=64"]
 """The micro GPT with its projections' input widths multiples of nf4's block (64)."""
 NF4 = [*ADAPTERS, "model.lora.base_dtype=nf4", "trainer.precision=bf16-mixed"]
+DOUBLE = [*NF4, "model.lora.double_quant=true"]
 BF16 = [*ADAPTERS, "model.lora.base_dtype=bfloat16", "trainer.precision=bf16-mixed"]
 TARGETS = {"q", "k", "v", "proj", "fc"}
 """The micro GPT's projections its tensor-parallel plan splits: the default targets."""
@@ -174,6 +181,53 @@ def test_the_quant_state_follows_the_codes_to_their_device_and_keeps_its_dtype()
     layer.to("meta")
     held = {"codes": layer.weight, "absmax": layer.quant_state.absmax, "code book": layer.quant_state.code}
     assert {name: tensor.device.type for name, tensor in held.items()} == dict.fromkeys(held, "meta")
+
+
+def test_a_double_quantised_layer_computes_with_its_dequantised_weight_and_holds_its_scales_in_8_bits():
+    """QLoRA's double quantisation: the same 4-bit codes, the blocks' absmax held as 8-bit codes in nested blocks
+    with one fp32 absmax each and one fp32 offset; the layer's product is the dequantised weight's, and it holds
+    what plain nf4 holds less 3 of each absmax's 4 bytes, plus the nested blocks' scales and the offset."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4 * BLOCK_SIZE, 128)  # 512 blocks: two nested blocks of 256
+    plain, double = NF4Linear(linear), NF4Linear(linear, NF4Format(double_quant=True))
+    state = double.quant_state
+    assert state.nested and not plain.quant_state.nested and state.absmax.dtype == torch.uint8
+    assert torch.equal(double.weight, plain.weight)  # the codes are quantised with the exact absmax
+    x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(1))
+    weight = double.dequantised()
+    assert not torch.equal(weight, plain.dequantised())  # its scales are the 8-bit ones, not plain's
+    expected = F.linear(x.to(torch.bfloat16), weight, linear.bias.detach().to(torch.bfloat16))
+    torch.testing.assert_close(double(x), expected.float(), rtol=1e-2, atol=1e-3)
+    blocks = double.weights // state.blocksize
+    nested_blocks = -(-blocks // state.state2.blocksize)
+    fp32, code = torch.float32.itemsize, torch.uint8.itemsize
+    saved = blocks * (fp32 - code) - nested_blocks * fp32 - fp32  # the nested blocks' absmax and the offset
+    print(f"held bits per weight: nf4 {8 * plain.held_bytes() / plain.weights:.4f}, double-quantised "
+          f"{8 * double.held_bytes() / double.weights:.4f}")
+    assert plain.held_bytes() - double.held_bytes() == saved > 0
+
+
+def test_a_double_quantised_state_follows_its_codes_to_the_meta_device_and_back_to_a_cpu(monkeypatch):
+    """The nested state (8-bit absmax, their scales, code book and the offset) moves with the codes; and a first
+    double-quantised layer on the meta device (the planner's pass) leaves bitsandbytes' 8-bit map usable by a
+    layer quantised on a CPU after it."""
+    from bitsandbytes import functional
+
+    monkeypatch.delitem(functional.name2qmap, "dynamic", raising=False)  # as a fresh process has it
+    on_meta = NF4Linear(torch.nn.Linear(4 * BLOCK_SIZE, 4, bias=False, device="meta"), NF4Format(double_quant=True))
+    layer = NF4Linear(torch.nn.Linear(4 * BLOCK_SIZE, 4, bias=False), NF4Format(double_quant=True))
+    assert layer.quant_state.state2.absmax.device.type == "cpu" and on_meta.weight.is_meta
+    layer.to("meta")
+    state = layer.quant_state
+    held = {"codes": layer.weight, "absmax": state.absmax, "code book": state.code, "offset": state.offset,
+            "nested absmax": state.state2.absmax, "nested code book": state.state2.code}
+    assert {name: tensor.device.type for name, tensor in held.items()} == dict.fromkeys(held, "meta")
+
+
+def test_double_quant_without_an_nf4_base_is_one_line(make_config):
+    with pytest.raises(ConfigError, match=r"^model\.lora\.double_quant=true is invalid: false unless the base is "
+                                          r"held in nf4 .*base_dtype is bfloat16"):
+        validate(make_config([*WIDE, *BF16, "model.lora.double_quant=true"]))
 
 
 def test_the_plan_prices_the_nf4_base_at_what_its_layers_hold(make_config):
