@@ -53,6 +53,17 @@ BYTES_SHARE = 0.3
 ``BLOCK_SIZE`` weights, (0.5 + 4 / 64) / 2 = 0.28125."""
 
 
+def double_quant_saving(layer: NF4Linear) -> int:
+    """Bytes a double-quantised ``layer`` holds less than plain nf4 would, from the block sizes bitsandbytes
+    reports: each block's absmax in one byte instead of four, plus one fp32 absmax per nested block and the
+    fp32 offset."""
+    state = layer.quant_state
+    blocks = layer.weights // state.blocksize
+    nested_blocks = -(-blocks // state.state2.blocksize)
+    fp32, code = torch.float32.itemsize, torch.uint8.itemsize
+    return blocks * (fp32 - code) - nested_blocks * fp32 - fp32
+
+
 def built(make_config, overrides: list[str]) -> torch.nn.Module:
     """The model a run of ``overrides`` builds on this process (before any layout)."""
     run = validate(make_config(overrides))
@@ -198,13 +209,9 @@ def test_a_double_quantised_layer_computes_with_its_dequantised_weight_and_holds
     assert not torch.equal(weight, plain.dequantised())  # its scales are the 8-bit ones, not plain's
     expected = F.linear(x.to(torch.bfloat16), weight, linear.bias.detach().to(torch.bfloat16))
     torch.testing.assert_close(double(x), expected.float(), rtol=1e-2, atol=1e-3)
-    blocks = double.weights // state.blocksize
-    nested_blocks = -(-blocks // state.state2.blocksize)
-    fp32, code = torch.float32.itemsize, torch.uint8.itemsize
-    saved = blocks * (fp32 - code) - nested_blocks * fp32 - fp32  # the nested blocks' absmax and the offset
     print(f"held bits per weight: nf4 {8 * plain.held_bytes() / plain.weights:.4f}, double-quantised "
           f"{8 * double.held_bytes() / double.weights:.4f}")
-    assert plain.held_bytes() - double.held_bytes() == saved > 0
+    assert plain.held_bytes() - double.held_bytes() == double_quant_saving(double) > 0
 
 
 def test_a_double_quantised_state_follows_its_codes_to_the_meta_device_and_back_to_a_cpu(monkeypatch):
@@ -264,6 +271,13 @@ def test_the_plan_prices_the_nf4_base_at_what_its_layers_hold(make_config):
     assert memory["optimizer"] == pytest.approx(adapters * 8) and memory["grads"] == pytest.approx(adapters * 4)
     widest = max(layer.in_features * layer.out_features for layer in quantised.values())
     assert memory["transient"] == widest * torch.bfloat16.itemsize
+    # double-quantised (model.lora.double_quant), the plan holds each layer's saving less
+    double, double_inputs = planned(DOUBLE)
+    quantise_adapted_bases(double)
+    saving = sum(double_quant_saving(layer) for _, layer in nf4_layers(double))
+    double_params = double_inputs.estimate(Layout(micro_size=2)).memory["params"]
+    print(f"planned parameters double-quantised {double_params:.0f} B, {saving} B less")
+    assert double_params == pytest.approx(memory["params"] - saving) and saving > 0
     # the 4-bit products count the FLOPs of the bf16 base's (torch's formulas see no product inside them)
     assert inputs.stats.total_flops == planned(BF16)[1].stats.total_flops > 0
 
@@ -276,13 +290,16 @@ parameters, so a plan that priced them as built (fp32) or with autocast's bf16 c
 measured peak by far more than the dry runs' 5% (``tests/test_dryrun.py``)."""
 
 
-def test_a_qlora_dry_run_holds_the_memory_the_plan_predicts(tmp_path):
+@pytest.mark.parametrize("double_quant", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_qlora_dry_run_holds_the_memory_the_plan_predicts(tmp_path, double_quant):
     """One process of a QLoRA run built, quantised as the strategy quantises it, and stepped on this CPU: its
-    peak within 5% of the plan's (the dry runs' tolerance), its model state after backward the plan's."""
+    peak within 5% of the plan's (the dry runs' tolerance), its model state after backward the plan's; with the
+    blocks' absmax double-quantised too."""
     from disttrain.plan.dryrun import dry_run
     from tests.conftest import compose_config
 
-    result = dry_run(validate(compose_config(QLORA_LLAMA, tmp_path)))
+    overrides = [*QLORA_LLAMA, f"model.lora.double_quant={str(double_quant).lower()}"]
+    result = dry_run(validate(compose_config(overrides, tmp_path)))
     # measured here (measured / planned): 1.010 (a plan that priced the base as built and kept autocast's bf16
     # copies of it: 0.703)
     print(f"measured / planned peak {result['peak_ratio']:.3f}")
