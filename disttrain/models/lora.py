@@ -73,10 +73,10 @@ class LoRAConfig:
     double_quant: bool = False
     """QLoRA's double quantisation (``bnb_4bit_use_double_quant`` in PEFT and transformers; bitsandbytes'
     ``compress_statistics``): the nf4 blocks' fp32 absmax are quantised again, to 8 bits in blocks of 256 with one
-    fp32 scale each and one fp32 offset per layer: the scales cost 8/64 + 32/(64 x 256) = 0.127 bits per base weight
-    instead of 32/64 = 0.5, a saving of about 0.37 bits (4.5 bits a weight become 4.127). Only with ``base_dtype=nf4``. A checkpoint holds the base dequantised (bf16),
-    as without it; a resume quantises it back to the same 4-bit codes, its blocks' scales within their 8-bit
-    rounding."""
+    fp32 scale each and one fp32 offset per layer: the scales cost 8/64 + 32/(64 x 256) = 0.127 bits per base
+    weight instead of 32/64 = 0.5, a saving of about 0.37 bits (4.5 bits a weight become 4.127). Only with
+    ``base_dtype=nf4``. A checkpoint holds the base dequantised (bf16), as without it; a resume quantises it back
+    to the same 4-bit codes, its blocks' scales within their 8-bit rounding."""
 
     @property
     def quantises_base(self) -> bool:
