@@ -6,7 +6,9 @@ The network is built and its adapters added as for any LoRA run; a rank then swa
 after a folder's weights are read: ``quantise_adapted_bases``). Embeddings, norms and the head stay in the run's
 dtype. An ``NF4Linear`` writes its weight into a state dict dequantised (bf16, under the name the ``nn.Linear``
 had) and quantises a weight it is loaded with, so checkpoints, resumes and exports see an ordinary bf16 base and
-never the 4-bit codes: requantising a dequantised nf4 weight gives the same codes back.
+never the 4-bit codes: requantising a dequantised nf4 weight gives the same codes back. Double-quantised
+(``model.lora.double_quant``, an ``NF4Format``), the blocks' absmax are held as 8-bit codes too; requantising gives
+the same 4-bit codes back, the absmax within their 8-bit rounding.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ class NF4Linear(nn.Module):
         # and then moved) read the wrong memory. The runner quantises on the device, after the move; the layer
         # holds on its own wherever it is moved. QuantState.to moves a double-quantised state's nested absmax, code
         # book and offset too. Only the device follows:
-        # a dtype conversion of the module leaves the absmax in fp32, the one dtype the kernels take for it.
+        # a dtype conversion of the module leaves the absmax (and a nested state's scales and offset) in the dtypes
+        # the kernels take for them.
         super()._apply(fn, recurse)
         self.quant_state.to(self.weight.device)
         return self
