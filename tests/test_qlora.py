@@ -231,10 +231,12 @@ def test_a_double_quantised_state_follows_its_codes_to_the_meta_device_and_back_
     assert {name: tensor.device.type for name, tensor in held.items()} == dict.fromkeys(held, "meta")
 
 
-def test_double_quant_without_an_nf4_base_is_one_line(make_config):
+@pytest.mark.parametrize(("lora", "says"), [(BF16, "base_dtype is bfloat16"),
+                                            ([], "model.lora.rank is null: no adapters")])
+def test_double_quant_without_an_nf4_base_is_one_line(make_config, lora, says):
     with pytest.raises(ConfigError, match=r"^model\.lora\.double_quant=true is invalid: false unless the base is "
-                                          r"held in nf4 .*base_dtype is bfloat16"):
-        validate(make_config([*WIDE, *BF16, "model.lora.double_quant=true"]))
+                                          rf"held in nf4 .*; {says}\)$"):
+        validate(make_config([*WIDE, *lora, "model.lora.double_quant=true"]))
 
 
 def test_the_plan_prices_the_nf4_base_at_what_its_layers_hold(make_config):

@@ -91,9 +91,9 @@ class LoRAConfig:
     def validate(self) -> None:
         """ConfigError for a value the adapters cannot take; nothing when off or fine."""
         if self.double_quant and not self.quantises_base:
+            held = f"base_dtype is {self.base_dtype}" if self.enabled else "model.lora.rank is null: no adapters"
             raise ConfigError("model.lora.double_quant", self.double_quant, "false unless the base is held in nf4 "
-                              f"(model.lora.base_dtype=nf4 with model.lora.rank set; base_dtype is "
-                              f"{self.base_dtype}, rank {self.rank})")
+                              f"(model.lora.base_dtype=nf4 with model.lora.rank set; {held})")
         if not self.enabled:
             return
         if isinstance(self.rank, bool) or self.rank <= 0:
