@@ -4,11 +4,13 @@
 
 Builds one Hugging Face Llama (random weights, no download), adds rank-16 adapters on its seven projections through
 ``disttrain.models.lora.add_adapters``, and holds the frozen base as each setting does: ``bfloat16`` (every frozen
-weight in bf16) and ``nf4`` (the adapted projections quantised by ``disttrain.models.nf4``, the rest as built).
+weight in bf16), ``nf4`` (the adapted projections quantised by ``disttrain.models.nf4``, the rest as built) and
+``nf4`` with ``double_quant`` (the blocks' scales quantised again to 8 bits).
 Each trains AdamW steps under bf16 autocast on random tokens after two warm-up steps; tokens/s is the median of
 ``--windows`` windows of ``--steps`` steps. The table gives
 the bytes of the adapted projections' weights and of all parameters (tensor bytes, measured), peak memory
-allocated over the steps (CUDA only) and tokens/s; the last line is nf4's projection bytes and tokens/s over bf16's.
+allocated over the steps (CUDA only) and tokens/s; the last lines are nf4's projection bytes and tokens/s over bf16's,
+and the bits each projection weight holds, plain nf4 against double-quantised.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ SIZES = {"cpu": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4
          "cuda": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
                       num_key_value_heads=8, vocab_size=32000, seq=1024, batch=4)}
 """Per device: the Llama's sizes (the CUDA one about 1.1B parameters, TinyLlama's shape) and the batch."""
+BASES = {"bfloat16": ("bfloat16", False), "nf4": ("nf4", False), "nf4 double_quant": ("nf4", True)}
+"""Table row -> the ``model.lora`` base_dtype and double_quant it holds the base as."""
 
 
-def build(base_dtype: str, sizes: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """The Llama with adapters, its frozen base held as ``base_dtype`` says, on ``device``."""
+def build(base_dtype: str, double_quant: bool, sizes: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The Llama with adapters, its frozen base held as ``base_dtype`` and ``double_quant`` say, on ``device``."""
     with quiet_imports():
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,9 +50,16 @@ def build(base_dtype: str, sizes: dict, device: torch.device, seed: int = 0) -> 
                          max_position_embeddings=sizes["seq"], use_cache=False)
     torch.manual_seed(seed)
     net = LlamaForCausalLM(config)
-    net = add_adapters(net, LoRAConfig(rank=16, alpha=32, target_modules=TARGETS, base_dtype=base_dtype)).to(device)
+    lora = LoRAConfig(rank=16, alpha=32, target_modules=TARGETS, base_dtype=base_dtype, double_quant=double_quant)
+    net = add_adapters(net, lora).to(device)
     quantise_adapted_bases(net)  # nothing unless base_dtype=nf4
     return net
+
+
+def projection_weights(net: torch.nn.Module) -> int:
+    """Weights of the adapted projections' base layers."""
+    bases = [layer.get_base_layer() for _, layer in lora_layers(net)]
+    return sum(base.weights if isinstance(base, NF4Linear) else base.weight.numel() for base in bases)
 
 
 def projection_bytes(net: torch.nn.Module) -> int:
@@ -110,21 +121,27 @@ def main() -> None:
     print("| base | projections (MiB) | all parameters (MiB) | peak allocated (MiB) | tokens/s |")
     print("|---|---:|---:|---:|---:|")
     rows = {}
-    for base_dtype in ("bfloat16", "nf4"):
-        net = build(base_dtype, copy.deepcopy(sizes), device)
+    for row, (base_dtype, double_quant) in BASES.items():
+        net = build(base_dtype, double_quant, copy.deepcopy(sizes), device)
         projections = projection_bytes(net)
+        weights = projection_weights(net)
         held = sum(p.nbytes for p in net.parameters()) - sum(
             layer.get_base_layer().weight.nbytes - layer.get_base_layer().held_bytes()
             for _, layer in lora_layers(net) if isinstance(layer.get_base_layer(), NF4Linear))
         speed, peak = train(net, sizes, device, args.steps, args.windows)
-        rows[base_dtype] = (projections, speed)
+        rows[row] = (projections, speed, weights)
         peak_text = f"{peak / 2**20:,.0f}" if peak is not None else "-"
-        print(f"| {base_dtype} | {projections / 2**20:,.1f} | {held / 2**20:,.1f} | {peak_text} | {speed:,.0f} |")
+        print(f"| {row} | {projections / 2**20:,.1f} | {held / 2**20:,.1f} | {peak_text} | {speed:,.0f} |")
         del net
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    (bf16_bytes, bf16_speed), (nf4_bytes, nf4_speed) = rows["bfloat16"], rows["nf4"]
+    (bf16_bytes, bf16_speed, _), (nf4_bytes, nf4_speed, weights) = rows["bfloat16"], rows["nf4"]
+    double_bytes, double_speed, _ = rows["nf4 double_quant"]
     print(f"\nnf4 / bf16 base: projection bytes {nf4_bytes / bf16_bytes:.3f}x, tokens/s {nf4_speed / bf16_speed:.2f}x")
+    print(f"nf4 double_quant / bf16 base: projection bytes {double_bytes / bf16_bytes:.3f}x, tokens/s "
+          f"{double_speed / bf16_speed:.2f}x")
+    print(f"bits per projection weight: nf4 {8 * nf4_bytes / weights:.3f}, double_quant "
+          f"{8 * double_bytes / weights:.3f} ({8 * (nf4_bytes - double_bytes) / weights:.3f} saved)")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ The network is built and its adapters added as for any LoRA run; a rank then swa
 after a folder's weights are read: ``quantise_adapted_bases``). Embeddings, norms and the head stay in the run's
 dtype. An ``NF4Linear`` writes its weight into a state dict dequantised (bf16, under the name the ``nn.Linear``
 had) and quantises a weight it is loaded with, so checkpoints, resumes and exports see an ordinary bf16 base and
-never the 4-bit codes: requantising a dequantised nf4 weight gives the same codes back.
+never the 4-bit codes: requantising a dequantised nf4 weight gives the same codes back. Double-quantised
+(``model.lora.double_quant``, an ``NF4Format``), the blocks' absmax are held as 8-bit codes too; requantising gives
+the same 4-bit codes back, the absmax within their 8-bit rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +27,37 @@ BLOCK_SIZE = 64
 COMPUTE_DTYPE = torch.bfloat16
 """The dtype the nf4 weights are dequantised to and multiplied in."""
 QUANTISE_BASE = "quantise_base"
-"""Attribute of a network whose adapted base layers a rank quantises to nf4 once their weights are final."""
+"""Attribute of a network whose adapted base layers a rank quantises to nf4 once their weights are final: the
+``NF4Format`` they are held in."""
+
+
+@dataclass(frozen=True)
+class NF4Format:
+    """How a layer holds its nf4 weight, decided once from ``model.lora`` and handed to every layer quantised."""
+
+    double_quant: bool = False
+    """The blocks' fp32 absmax quantised again, to 8 bits in blocks of 256 (QLoRA's double quantisation,
+    bitsandbytes' ``compress_statistics``; ``model.lora.double_quant``)."""
+
+
+def block_statistics(state: Any) -> list[torch.Tensor]:
+    """The tensors of bitsandbytes' ``QuantState`` ``state`` that grow with the weights: the blocks' absmax (fp32,
+    or 8-bit codes when double-quantised) and, double-quantised, the nested blocks' fp32 absmax and the offset.
+    The code books (16 values for nf4, 256 for the nested 8-bit map) are tables of a fixed size and left out."""
+    if not state.nested:
+        return [state.absmax]
+    return [state.absmax, state.state2.absmax, state.offset]
+
+
+def _pin_dynamic_map_to_cpu() -> None:
+    """bitsandbytes (0.50) builds the 8-bit map that double quantisation uses once, on the device of the first
+    weight quantised, and moves it to each later weight's device; a first weight on the meta device (the planner's
+    pass) would leave a map with no values, which no later weight on a CPU or GPU can copy. Built here on the CPU
+    first, it moves anywhere."""
+    from bitsandbytes import functional
+
+    if "dynamic" not in functional.name2qmap:
+        functional.name2qmap["dynamic"] = functional.create_dynamic_map()
 
 
 def require_bitsandbytes() -> Any:
@@ -55,13 +88,15 @@ class NF4Linear(nn.Module):
     of ``BLOCK_SIZE``; its forward dequantises to bf16 and multiplies there (bitsandbytes' ``matmul_4bit``), and
     passes the gradient to its input. Its bias, if any, stays as it was."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, held_as: NF4Format = NF4Format()) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.held_as = held_as
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=linear.weight.device),
                                    requires_grad=False)
         self.quant_state: Any = None
-        """bitsandbytes' ``QuantState`` of ``weight``: the blocks' absmax, nf4's code book, the shape and dtype."""
+        """bitsandbytes' ``QuantState`` of ``weight``: the blocks' absmax, nf4's code book, the shape and dtype;
+        double-quantised, the absmax as 8-bit codes with their own nested state (``state2``) and offset."""
         self.quantise(linear.weight.detach())
         self.bias = linear.bias  # frozen, as PEFT left it
 
@@ -69,8 +104,10 @@ class NF4Linear(nn.Module):
         """Hold ``weight`` (out x in, any float dtype) as nf4 codes of its bf16 values."""
         from bitsandbytes.functional import quantize_4bit
 
+        if self.held_as.double_quant:
+            _pin_dynamic_map_to_cpu()
         codes, self.quant_state = quantize_4bit(weight.to(COMPUTE_DTYPE).contiguous(), blocksize=BLOCK_SIZE,
-                                                quant_type="nf4", compress_statistics=False)
+                                                quant_type="nf4", compress_statistics=self.held_as.double_quant)
         self.weight.data = codes
 
     def dequantised(self) -> torch.Tensor:
@@ -84,8 +121,10 @@ class NF4Linear(nn.Module):
         # the codes to their device here, as bitsandbytes' Params4bit.to moves its own. Its kernels read the absmax
         # by pointer, unchecked, so codes on the GPU beside an absmax left on the CPU (a layer quantised on the CPU
         # and then moved) read the wrong memory. The runner quantises on the device, after the move; the layer
-        # holds on its own wherever it is moved. Only the device follows:
-        # a dtype conversion of the module leaves the absmax in fp32, the one dtype the kernels take for it.
+        # holds on its own wherever it is moved. QuantState.to moves a double-quantised state's nested absmax, code
+        # book and offset too. Only the device follows:
+        # a dtype conversion of the module leaves the absmax (and a nested state's scales and offset) in the dtypes
+        # the kernels take for them.
         super()._apply(fn, recurse)
         self.quant_state.to(self.weight.device)
         return self
@@ -96,8 +135,9 @@ class NF4Linear(nn.Module):
         return self.out_features * self.in_features
 
     def held_bytes(self) -> int:
-        """Bytes of the quantised weight: its codes and the blocks' absmax."""
-        return self.weight.nbytes + self.quant_state.absmax.nbytes
+        """Bytes of the quantised weight: its codes and the blocks' statistics (``block_statistics``: the absmax,
+        and double-quantised their nested state)."""
+        return self.weight.nbytes + sum(tensor.nbytes for tensor in block_statistics(self.quant_state))
 
     def dequantised_bytes(self) -> int:
         """Bytes of the bf16 weight a forward or backward makes from the codes for its matrix product, freed after
@@ -137,7 +177,8 @@ class NF4Linear(nn.Module):
                 missing_keys.append(prefix + "bias")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, nf4, compute={COMPUTE_DTYPE}"
+        double = ", double_quant" if self.held_as.double_quant else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4{double}, compute={COMPUTE_DTYPE}"
 
 
 def quantise_adapted_bases(net: nn.Module) -> int:
@@ -145,14 +186,15 @@ def quantise_adapted_bases(net: nn.Module) -> int:
     was built with ``model.lora.base_dtype=nf4`` (the count swapped; 0 for any other network). ``net``: the
     model itself, or a DDP wrapper of it."""
     inner = getattr(net, "module", net)
-    if not getattr(inner, QUANTISE_BASE, False):
+    held_as = getattr(inner, QUANTISE_BASE, None)
+    if held_as is None:
         return 0
     require_bitsandbytes()
     swapped = 0
     for module in inner.modules():
         base = getattr(module, "base_layer", None)
         if hasattr(module, "lora_A") and type(base) is nn.Linear:
-            module.base_layer = NF4Linear(base)
+            module.base_layer = NF4Linear(base, held_as)
             swapped += 1
     return swapped
 

@@ -25,8 +25,10 @@ def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
     (``disttrain.models.lora``)."""
     if isinstance(cfg, TargetModelConfig):
         return build_target_model(cfg, spec)
-    net = MODELS.build(cfg, spec)
     lora = getattr(cfg, "lora", None)
+    if lora is not None:  # before the build, and with the adapters off too (model.lora.double_quant without them)
+        lora.validate()
+    net = MODELS.build(cfg, spec)
     if lora is not None and lora.enabled:  # here, so every reader of a run's model builds the same network
         from disttrain.models.lora import add_adapters
 

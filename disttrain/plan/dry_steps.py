@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from disttrain.loss import token_cross_entropy
-from disttrain.models.nf4 import nf4_layers
+from disttrain.models.nf4 import block_statistics, nf4_layers
 from disttrain.models.protocol import logits_of
 from disttrain.observe.tensor_bytes import LiveStorages, plain_tensors
 from disttrain.parallel.apply import backward_sync_disabled
@@ -50,14 +50,15 @@ class StepMemory:
 def count_model_state(live: LiveStorages, net: nn.Module) -> None:
     """Count the storages of ``net``'s parameters and buffers (a DTensor's local shard, and the tensors a wrapper
     such as torchao's float8-casting weight holds: under FSDP2 the wrapper's own storage is not the shard's memory)
-    and the blocks' absmax of its nf4 layers (QLoRA's base: beside their codes, in no parameter or buffer) from now
-    on."""
+    and the blocks' statistics of its nf4 layers (QLoRA's base: beside their codes, in no parameter or buffer; the
+    absmax, and double-quantised their nested state) from now on."""
     for tensor in [*net.parameters(), *net.buffers()]:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         for plain in plain_tensors(local):
             live.count(plain.untyped_storage())
     for _, layer in nf4_layers(net):
-        live.count(layer.quant_state.absmax.untyped_storage())
+        for tensor in block_statistics(layer.quant_state):
+            live.count(tensor.untyped_storage())
 
 
 def run_steps(net: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],

@@ -254,7 +254,7 @@ def measure_model(net: nn.Module, spec: DataSpec, micro_size: int, pipeline_unit
     micro-batch of ``micro_size``, recorded as ``ModelStats``; ``autocast``: the device
     (``cuda`` or ``cpu``) whose bf16 autocast forward and the loss run under, as a ``bf16-mixed`` step runs them
     (None: fp32)."""
-    if any(p.device.type != "meta" for p in net.parameters()) or getattr(net, QUANTISE_BASE, False):
+    if any(p.device.type != "meta" for p in net.parameters()) or getattr(net, QUANTISE_BASE, None) is not None:
         net = _meta_copy(net)
     # QLoRA's base as a rank holds and runs it (its 4-bit layers, which save nothing for backward but their codes)
     quantise_adapted_bases(net)
