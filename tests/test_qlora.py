@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -429,17 +430,9 @@ def test_a_resumed_qlora_run_goes_on_from_the_same_codes(tmp_path):
     into a model built from another seed, the base is still the straight run's: the checkpoint's dequantised base
     is quantised back to the codes it came from."""
     from disttrain.checkpoint.export import consolidated_weights
-    from disttrain.launch.job import train
-    from tests.conftest import compose_config
     from tests.test_run import step_losses
 
-    run = [*(o for o in WIDE if not o.startswith(("optim", "trainer.max_steps", "trainer.val_check"))),
-           "optim=adamw", "optim.lr=0.01", "trainer.val_check_interval=4", *NF4, "scheduler=constant",
-           "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0"]
-    train(compose_config([*run, "trainer.max_steps=8"], tmp_path / "straight"))
-    train(compose_config([*run, "trainer.max_steps=4"], tmp_path / "first"))
-    for name, more in (("more", []), ("reseeded", ["seed=1"])):
-        train(compose_config([*run, "trainer.max_steps=8", *more, f"resume={tmp_path / 'first'}"], tmp_path / name))
+    straight_and_resumed(NF4, tmp_path)
     reference = consolidated_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
     reseeded = frozen_base(consolidated_weights(tmp_path / "reseeded" / "checkpoints" / "last.ckpt"))
     assert reseeded and all(torch.equal(weight, reference[name]) for name, weight in reseeded.items())
@@ -466,17 +459,9 @@ def test_a_resumed_double_quantised_run_goes_on_from_the_same_4bit_codes(tmp_pat
     from bitsandbytes.functional import quantize_4bit
 
     from disttrain.checkpoint.export import consolidated_weights
-    from disttrain.launch.job import train
-    from tests.conftest import compose_config
     from tests.test_run import step_losses
 
-    run = [*(o for o in WIDE if not o.startswith(("optim", "trainer.max_steps", "trainer.val_check"))),
-           "optim=adamw", "optim.lr=0.01", "trainer.val_check_interval=4", *DOUBLE, "scheduler=constant",
-           "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0"]
-    train(compose_config([*run, "trainer.max_steps=8"], tmp_path / "straight"))
-    train(compose_config([*run, "trainer.max_steps=4"], tmp_path / "first"))
-    for name, more in (("more", []), ("reseeded", ["seed=1"])):
-        train(compose_config([*run, "trainer.max_steps=8", *more, f"resume={tmp_path / 'first'}"], tmp_path / name))
+    straight_and_resumed(DOUBLE, tmp_path)
 
     def bases(name: str) -> dict[str, torch.Tensor]:
         return frozen_base(consolidated_weights(tmp_path / name / "checkpoints" / "last.ckpt"))
@@ -536,3 +521,18 @@ def test_a_qlora_run_from_a_folder_quantises_its_weights_and_exports_them_dequan
         # the merged projections are bf16 (the checkpoint's base), so the merge rounds the adapters' product to bf16:
         # measured 5.7e-3 at most on logits of about unit scale
         torch.testing.assert_close(merged(tokens).logits.float(), ours.float(), rtol=0, atol=2e-2)
+
+
+def straight_and_resumed(quantised: list[str], tmp_path: Path) -> None:
+    """Runs of the wide GPT with its base held as ``quantised`` says, under ``tmp_path``: ``straight`` (8 steps),
+    ``first`` (4), and ``more`` and ``reseeded`` (``seed=1``), each resumed from ``first`` to step 8."""
+    from disttrain.launch.job import train
+    from tests.conftest import compose_config
+
+    run = [*(o for o in WIDE if not o.startswith(("optim", "trainer.max_steps", "trainer.val_check"))),
+           "optim=adamw", "optim.lr=0.01", "trainer.val_check_interval=4", *quantised, "scheduler=constant",
+           "scheduler.warmup_fraction=null", "scheduler.warmup_steps=0"]
+    train(compose_config([*run, "trainer.max_steps=8"], tmp_path / "straight"))
+    train(compose_config([*run, "trainer.max_steps=4"], tmp_path / "first"))
+    for name, more in (("more", []), ("reseeded", ["seed=1"])):
+        train(compose_config([*run, "trainer.max_steps=8", *more, f"resume={tmp_path / 'first'}"], tmp_path / name))
