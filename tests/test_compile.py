@@ -39,6 +39,7 @@ def test_a_compiled_gpt_matches_eager_and_keeps_its_names():
     assert any(getattr(block, "_compiled_call_impl", None) is not None for block in compiled.modules())
 
 
+@pytest.mark.slow  # the compiled GPT tests keep compilation in the default suite; this adds fp32 MoE products
 def test_a_compiled_mixture_of_experts_in_fp32_matches_eager():
     # torch's grouped product traces for bf16 operands only: a compiled fp32 MoE takes one product per expert
     from disttrain.models.moe import MoEConfig, build_moe

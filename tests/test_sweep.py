@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from tests.conftest import train_cli_in_process
 
 FAST = ["trainer.max_epochs=1", "trainer.run_test=false", "logger=csv", "callbacks=none"]
@@ -52,6 +54,7 @@ def test_optuna_sweeper_runs_trials(tmp_path):
     assert len([p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()]) == 2
 
 
+@pytest.mark.slow  # the ddp sweep keeps Hydra's multirun in the default suite; this adds the submitit launcher
 def test_submitit_local_sweep_leaves_one_directory_per_job(tmp_path):
     # the launcher a cluster sweep uses (hydra/launcher=submitit_slurm), run locally: each job supervises its ranks
     sweep = tmp_path / "submitit"
